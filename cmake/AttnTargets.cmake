@@ -1,0 +1,21 @@
+# Settings shared by every target the project builds.
+
+# attn_configure_target(<target>)
+#   C++17 and the project's warnings. Targets other than the library itself
+#   reuse the library's precompiled <torch/torch.h>; pass REUSE_PCH for them.
+function(attn_configure_target target)
+  cmake_parse_arguments(ARG "REUSE_PCH" "" "" ${ARGN})
+  target_compile_features(${target} PUBLIC cxx_std_17)
+  set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF)
+  if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic)
+  endif()
+  if(ARG_REUSE_PCH)
+    target_precompile_headers(${target} REUSE_FROM attn)
+    # A precompiled header is only used with the code model it was built
+    # with: the library's -fPIC rather than the executables' default -fPIE.
+    if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+      target_compile_options(${target} PRIVATE -fPIC)
+    endif()
+  endif()
+endfunction()

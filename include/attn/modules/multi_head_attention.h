@@ -1,0 +1,81 @@
+#pragma once
+
+#include <attn/options.h>
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <iosfwd>
+#include <tuple>
+
+namespace attn {
+
+/// Multi-head attention: `Q = query·Wqᵀ + bq`, `K = key·Wkᵀ + bk`,
+/// `V = value·Wvᵀ + bv`, split into H heads of width D = E / H, scaled
+/// dot-product attention per head, heads merged and projected by `out_proj`.
+///
+/// It computes what `torch::nn::MultiheadAttention` computes with the same
+/// weights (see `attn/interop.h` to copy them), with these differences:
+/// inputs are batch-first by default; a bool `attn_mask` marks allowed pairs
+/// with `true` (key_padding_mask keeps torch's `true` = padding); per-head
+/// weights are returned by default; and a query whose keys are all masked
+/// gets zero attention (output = `out_proj` bias) instead of NaN.
+///
+/// Example:
+/// ```
+/// attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(512, 8));
+/// auto [out, w] = mha(x, x, x);  // x: (B, T, 512) -> out (B, T, 512),
+///                                //                   w (B, 8, T, T)
+/// ```
+class MultiHeadAttentionImpl
+    : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
+ public:
+  MultiHeadAttentionImpl(int64_t embed_dim, int64_t num_heads)
+      : MultiHeadAttentionImpl(
+            MultiHeadAttentionOptions(embed_dim, num_heads)) {}
+  explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options);
+
+  /// query `(B, L, E)`, key `(B, S, kdim)`, value `(B, S, vdim)` (sequence
+  /// first when `batch_first` is false). Returns the output, shaped like the
+  /// query, and the weights `(B, H, L, S)`, or `(B, L, S)` when averaged, or
+  /// an undefined tensor when `need_weights` is false.
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      const torch::Tensor& query,
+      const torch::Tensor& key,
+      const torch::Tensor& value,
+      const MultiHeadAttentionForwardOptions& options = {});
+
+  /// Registers the four projections and initialises them.
+  void reset() override;
+
+  /// Initialises the projections as `torch::nn::MultiheadAttention` does:
+  /// Xavier-uniform Q/K/V weights, zero biases, `out_proj` weight as in
+  /// `torch::nn::Linear`.
+  void reset_parameters();
+
+  /// Prints `attn::MultiHeadAttention(embed_dim=512, num_heads=8, ...)`.
+  void pretty_print(std::ostream& stream) const override;
+
+  /// The options the module was constructed with.
+  MultiHeadAttentionOptions options;
+
+  /// `E -> E`.
+  torch::nn::Linear q_proj = nullptr;
+  /// `kdim -> E`.
+  torch::nn::Linear k_proj = nullptr;
+  /// `vdim -> E`.
+  torch::nn::Linear v_proj = nullptr;
+  /// `E -> E`, applied to the merged heads.
+  torch::nn::Linear out_proj = nullptr;
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS(
+      {3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})
+};
+
+/// Holder of `MultiHeadAttentionImpl`, as `TORCH_MODULE` defines it.
+TORCH_MODULE(MultiHeadAttention);
+
+} // namespace attn

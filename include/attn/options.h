@@ -1,0 +1,102 @@
+#pragma once
+
+/// Option structs for attn's functions and modules, in the style of
+/// `torch::nn`: every field is a chainable `TORCH_ARG` with a default.
+
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <cstdint>
+
+namespace attn {
+
+/// Options for `attn::scaled_dot_product_attention`.
+///
+/// Example:
+/// ```
+/// auto [out, w] = attn::scaled_dot_product_attention(
+///     q, k, v, attn::SDPAOptions().is_causal(true));
+/// ```
+struct SDPAOptions {
+  /// Mask broadcastable to the scores' shape `(..., L, S)`. A bool mask marks
+  /// the pairs that *may attend* with `true`; a floating mask (same dtype as
+  /// the query) is added to the scaled scores, `-inf` forbidding a pair.
+  TORCH_ARG(torch::Tensor, attn_mask) = {};
+  /// Query `i` attends only to keys `j <= i` (aligned at the top-left corner
+  /// when `L != S`). Combines with `attn_mask`: a pair must pass both.
+  TORCH_ARG(bool, is_causal) = false;
+  /// Multiplier of `Q·Kᵀ`; `1/sqrt(E)` when not set.
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+  /// Probability of zeroing an attention weight; applied only if `training`.
+  TORCH_ARG(double, dropout_p) = 0.0;
+  /// Whether dropout is active, as in `torch::nn::functional::dropout`.
+  TORCH_ARG(bool, training) = true;
+  /// When false the returned weights tensor is undefined.
+  TORCH_ARG(bool, need_weights) = true;
+};
+
+/// Options for the `attn::ScaledDotProductAttention` module.
+///
+/// Example:
+/// ```
+/// attn::ScaledDotProductAttention sdpa(
+///     attn::ScaledDotProductAttentionOptions().dropout(0.1));
+/// ```
+struct ScaledDotProductAttentionOptions {
+  /// Probability of zeroing an attention weight while training.
+  TORCH_ARG(double, dropout) = 0.0;
+  /// Multiplier of `Q·Kᵀ`; `1/sqrt(E)` when not set.
+  TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
+};
+
+/// Options for the `attn::MultiHeadAttention` module.
+///
+/// Example:
+/// ```
+/// attn::MultiHeadAttention mha(
+///     attn::MultiHeadAttentionOptions(512, 8).dropout(0.1).bias(false));
+/// ```
+struct MultiHeadAttentionOptions {
+  /// `kdim` and `vdim` default to `embed_dim`.
+  MultiHeadAttentionOptions(int64_t embed_dim, int64_t num_heads);
+
+  /// Model width E: the query's feature size and the output's.
+  TORCH_ARG(int64_t, embed_dim);
+  /// Number of heads H; must divide `embed_dim` (head width D = E / H).
+  TORCH_ARG(int64_t, num_heads);
+  /// Probability of zeroing an attention weight while training.
+  TORCH_ARG(double, dropout) = 0.0;
+  /// Whether the four projections have a bias.
+  TORCH_ARG(bool, bias) = true;
+  /// Feature size of the key input.
+  TORCH_ARG(int64_t, kdim);
+  /// Feature size of the value input.
+  TORCH_ARG(int64_t, vdim);
+  /// `true`: inputs and output are `(B, T, E)`; `false`: `(T, B, E)`.
+  TORCH_ARG(bool, batch_first) = true;
+};
+
+/// Per-call options of `attn::MultiHeadAttention::forward`.
+///
+/// Example:
+/// ```
+/// auto [out, w] = mha(x, x, x,
+///     attn::MultiHeadAttentionForwardOptions().key_padding_mask(pad));
+/// ```
+struct MultiHeadAttentionForwardOptions {
+  /// `(B, S)`. Bool: `true` marks a padding key that no query attends to
+  /// (the `torch::nn::MultiheadAttention` convention). Floating: added.
+  TORCH_ARG(torch::Tensor, key_padding_mask) = {};
+  /// `(L, S)`, `(B·H, L, S)` or `(B, H, L, S)` (size-1 B or H broadcast).
+  /// Bool: `true` means *may attend*, as in `SDPAOptions::attn_mask`.
+  /// Floating: added to the scores.
+  TORCH_ARG(torch::Tensor, attn_mask) = {};
+  /// Query `i` attends only to keys `j <= i`.
+  TORCH_ARG(bool, is_causal) = false;
+  /// When false the returned weights tensor is undefined.
+  TORCH_ARG(bool, need_weights) = true;
+  /// `false`: per-head weights `(B, H, L, S)`; `true`: their mean `(B, L, S)`.
+  TORCH_ARG(bool, average_attn_weights) = false;
+};
+
+} // namespace attn

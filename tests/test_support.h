@@ -1,0 +1,59 @@
+#pragma once
+
+// Helpers shared by the tests: an independent float64 attention reference,
+// finite-difference gradients, and assertions on tensors and errors.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace attn::testing {
+
+// Asserts that `statement` throws a c10::Error whose message contains
+// `needle`.
+#define EXPECT_ATTN_ERROR(statement, needle)                     \
+  EXPECT_THAT(                                                   \
+      [&] { (void)(statement); },                                \
+      ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr(needle)))
+
+// Largest |a - b| over all elements (both moved to CPU float64).
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b);
+
+// Plain attention in float64 with explicit loops, sharing no code with the
+// library. q (N, L, E), k (N, S, E), v (N, S, Ev) and `bias` (N, L, S), an
+// additive mask where -inf forbids a pair (undefined: no mask). A query with
+// every key forbidden gets zero weights and a zero output. Returns
+// (output (N, L, Ev), weights (N, L, S)) in float64 on the CPU.
+std::pair<torch::Tensor, torch::Tensor> reference_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& bias,
+    double scale);
+
+// d loss / d x by central differences; `x` must be a float64 CPU tensor
+// that `loss` reads. Entries are perturbed in place and restored.
+torch::Tensor numerical_gradient(
+    const std::function<torch::Tensor()>& loss, torch::Tensor x);
+
+// Copies every parameter of `source` into the same-named one of `target`.
+void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target);
+
+// The devices a device-parameterised test runs on.
+std::vector<torch::Device> test_devices();
+
+// Skips the current test, with the reason, when `device` is CUDA and no
+// CUDA device is available. Use as: ATTN_SKIP_IF_UNAVAILABLE(device);
+#define ATTN_SKIP_IF_UNAVAILABLE(device)                                  \
+  do {                                                                    \
+    if ((device).is_cuda() && !torch::cuda::is_available()) {             \
+      GTEST_SKIP() << "CUDA is not available to this LibTorch build or "  \
+                      "no GPU is visible; the CUDA variant needs one";    \
+    }                                                                     \
+  } while (false)
+
+} // namespace attn::testing
