@@ -1,11 +1,12 @@
 #include <attn/functional.h>
 
 #include "checks.h"
+#include "kernels/cpu_attention.h"
+#include "kernels/reference_attention.h"
 
 #include <torch/torch.h>
 
 #include <cmath>
-#include <limits>
 
 namespace attn {
 namespace detail {
@@ -31,7 +32,6 @@ void check_mask_dtype_and_device(
 namespace {
 
 constexpr const char* kCaller = "scaled_dot_product_attention";
-constexpr double kNegativeInfinity = -std::numeric_limits<double>::infinity();
 
 void check_inputs(
     const torch::Tensor& query,
@@ -104,16 +104,36 @@ void check_inputs(
       ": dropout_p must be in [0, 1], got ", options.dropout_p());
 }
 
-// Softmax over the last dim in which a row that is -inf everywhere (a query
-// with every key masked) gets zero weights instead of NaN. Such rows are
-// zeroed before the softmax too, so that its backward stays finite.
-torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
-  if (scores.size(-1) == 0) {
-    return scores;
+// (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
+torch::Tensor as_4d(const torch::Tensor& t) {
+  switch (t.dim()) {
+    case 2:
+      return t.unsqueeze(0).unsqueeze(0);
+    case 3:
+      return t.unsqueeze(1);
+    case 4:
+      return t;
+    default:
+      return t.flatten(0, t.dim() - 4);
   }
-  const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kNegativeInfinity;
-  return torch::softmax(scores.masked_fill(fully_masked, 0.0), -1)
-      .masked_fill(fully_masked, 0.0);
+}
+
+// The fused CPU kernels cover float and double without dropout, and a mask
+// that needs no gradient; with weights requested they serve inference only.
+bool fused_cpu_kernel_applies(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const auto dtype = query.scalar_type();
+  const auto& mask = options.attn_mask();
+  const bool needs_grad = torch::GradMode::is_enabled() &&
+      (query.requires_grad() || key.requires_grad() || value.requires_grad());
+  return query.device().is_cpu() &&
+      (dtype == torch::kFloat || dtype == torch::kDouble) &&
+      !(options.training() && options.dropout_p() > 0.0) &&
+      !(mask.defined() && mask.requires_grad()) &&
+      !(options.need_weights() && needs_grad);
 }
 
 } // namespace
@@ -124,40 +144,27 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   check_inputs(query, key, value, options);
-  const auto L = query.size(-2);
-  const auto S = key.size(-2);
-  const auto E = query.size(-1);
-  const double scale =
-      options.scale().value_or(1.0 / std::sqrt(static_cast<double>(E)));
+  const double scale = options.scale().value_or(
+      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  if (!fused_cpu_kernel_applies(query, key, value, options)) {
+    return detail::reference_attention(query, key, value, options, scale);
+  }
 
-  // Scaling the (L, E) query rather than the (L, S) scores is cheaper when
-  // S > E and rounds as torch::nn::MultiheadAttention does.
-  auto scores = torch::matmul(query * scale, key.transpose(-2, -1)); // (..., L, S)
+  auto output_shape = query.sizes().vec();
+  output_shape.back() = value.size(-1); // (..., L, Ev)
+  auto weights_shape = query.sizes().vec();
+  weights_shape.back() = key.size(-2);  // (..., L, S)
   const auto& mask = options.attn_mask();
-  if (mask.defined()) {
-    scores = mask.scalar_type() == torch::kBool
-        ? scores.masked_fill(mask.logical_not(), kNegativeInfinity)
-        : scores + mask;
+  const detail::CpuAttentionConfig config{
+      mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(),
+      scale, options.is_causal()};
+  const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
+  if (options.need_weights()) {
+    const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);
+    return {output.reshape(output_shape), weights.reshape(weights_shape)};
   }
-  if (options.is_causal()) {
-    const auto future = torch::ones(
-        {L, S}, torch::TensorOptions(torch::kBool).device(query.device()))
-                            .triu(1);
-    scores = scores.masked_fill(future, kNegativeInfinity);
-  }
-
-  // Causal masking alone always leaves key 0 visible, so only an explicit
-  // mask can empty a row.
-  auto weights = mask.defined() ? softmax_allowing_masked_rows(scores)
-                                : torch::softmax(scores, -1);
-  if (options.training() && options.dropout_p() > 0.0) {
-    weights = torch::dropout(weights, options.dropout_p(), /*train=*/true);
-  }
-  auto output = torch::matmul(weights, value); // (..., L, Ev)
-  if (!options.need_weights()) {
-    weights = torch::Tensor();
-  }
-  return {output, weights};
+  return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape),
+          torch::Tensor()};
 }
 
 } // namespace attn

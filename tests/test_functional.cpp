@@ -224,7 +224,9 @@ TEST(ScaledDotProductAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOu
       scaled_dot_product_attention(q, q, q, SDPAOptions().need_weights(false));
   EXPECT_TRUE(w.defined());
   EXPECT_FALSE(no_w.defined());
-  EXPECT_TRUE(torch::equal(out, out_only));
+  // Without weights the fused kernel normalises after multiplying by V,
+  // so the two agree to float32 rounding rather than bitwise.
+  EXPECT_LE(max_abs_diff(out, out_only), 1e-6);
 }
 
 TEST(ScaledDotProductAttention, EmptyKeySequenceGivesZeroOutput) {

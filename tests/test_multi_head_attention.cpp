@@ -105,7 +105,7 @@ TEST(MultiHeadAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOutput) {
   const auto [out, w] = mha(x, x, x);
   const auto [out_only, no_w] = mha(x, x, x, MultiHeadAttentionForwardOptions().need_weights(false));
   EXPECT_FALSE(no_w.defined());
-  EXPECT_TRUE(torch::equal(out, out_only));
+  EXPECT_LE(max_abs_diff(out, out_only), 1e-6); // fused vs materialised kernel
 }
 
 TEST(MultiHeadAttention, FullyMaskedQueriesGetZeroAttentionAndFiniteGradients) {

@@ -36,6 +36,11 @@ std::string name(const ParityCase& c) {
   return s.str();
 }
 
+// gtest prints parameters with this (ctest shows it for every case).
+void PrintTo(const ParityCase& c, std::ostream* os) {
+  *os << name(c);
+}
+
 const ParityCase kCases[] = {
     // B  L  S    E  H  bias  kv  self   pad    mask   avg    bf
     {1, 5, 5, 8, 1, true, 8, true, false, false, false, true},
@@ -78,9 +83,11 @@ std::vector<torch::Tensor> builtin_qkv(
 class Parity : public ::testing::TestWithParam<
                    std::tuple<ParityCase, torch::ScalarType, torch::Device>> {};
 
-TEST_P(Parity, MatchesBuiltinOutputsWeightsAndGradients) {
-  const auto& [c, dtype, device] = GetParam();
-  ATTN_SKIP_IF_UNAVAILABLE(device);
+// Runs both modules on the same inputs and compares the outputs, the
+// weights (when requested) and the gradients of every input and parameter.
+// With need_weights the CPU runs our materialising path; without, the
+// fused kernel and its backward.
+void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device device, bool need_weights) {
   torch::manual_seed(42);
 
   torch::nn::MultiheadAttention builtin(
@@ -124,26 +131,32 @@ TEST_P(Parity, MatchesBuiltinOutputsWeightsAndGradients) {
   }
 
   const auto [out_theirs, w_theirs] = builtin(
-      q_theirs, k_theirs, v_theirs, padding, /*need_weights=*/true, attn_mask, c.average);
+      q_theirs, k_theirs, v_theirs, padding, need_weights, attn_mask, c.average);
   const auto [out_ours, w_ours] = ours(
       q_ours, k_ours, v_ours,
       attn::MultiHeadAttentionForwardOptions()
           .key_padding_mask(padding)
           .attn_mask(attn_mask)
+          .need_weights(need_weights)
           .average_attn_weights(c.average));
 
   const auto out_theirs_in_our_layout = c.batch_first ? out_theirs.transpose(0, 1) : out_theirs;
   const double tol = tolerance(dtype);
   ASSERT_EQ(out_ours.sizes(), out_theirs_in_our_layout.sizes());
-  ASSERT_EQ(w_ours.sizes(), w_theirs.sizes());
   EXPECT_LE(max_abs_diff(out_ours, out_theirs_in_our_layout), tol);
-  EXPECT_LE(max_abs_diff(w_ours, w_theirs), tol);
-
   const auto upstream_out = torch::randn(out_theirs.sizes(), opts);
-  const auto upstream_w = torch::randn(w_theirs.sizes(), opts);
-  ((out_theirs * upstream_out).sum() + (w_theirs * upstream_w).sum()).backward();
-  const auto upstream_out_ours = c.batch_first ? upstream_out.transpose(0, 1) : upstream_out;
-  ((out_ours * upstream_out_ours).sum() + (w_ours * upstream_w).sum()).backward();
+  auto loss_theirs = (out_theirs * upstream_out).sum();
+  auto loss_ours = (out_ours * (c.batch_first ? upstream_out.transpose(0, 1) : upstream_out)).sum();
+  ASSERT_EQ(w_ours.defined(), need_weights);
+  if (need_weights) {
+    ASSERT_EQ(w_ours.sizes(), w_theirs.sizes());
+    EXPECT_LE(max_abs_diff(w_ours, w_theirs), tol);
+    const auto upstream_w = torch::randn(w_theirs.sizes(), opts);
+    loss_theirs = loss_theirs + (w_theirs * upstream_w).sum();
+    loss_ours = loss_ours + (w_ours * upstream_w).sum();
+  }
+  loss_theirs.backward();
+  loss_ours.backward();
 
   const auto expect_grad = [&](const torch::Tensor& our_grad, const torch::Tensor& their_grad, const char* what) {
     ASSERT_TRUE(our_grad.defined()) << what;
@@ -168,6 +181,18 @@ TEST_P(Parity, MatchesBuiltinOutputsWeightsAndGradients) {
     expect_grad(ours->v_proj->bias.grad(), their_bias.slice(0, 2 * E, 3 * E), "d v_proj.bias");
     expect_grad(ours->out_proj->bias.grad(), builtin->out_proj->bias.grad(), "d out_proj.bias");
   }
+}
+
+TEST_P(Parity, MatchesBuiltinOutputsWeightsAndGradients) {
+  const auto& [c, dtype, device] = GetParam();
+  ATTN_SKIP_IF_UNAVAILABLE(device);
+  expect_parity(c, dtype, device, /*need_weights=*/true);
+}
+
+TEST_P(Parity, WithoutWeightsMatchesBuiltinOutputsAndGradients) {
+  const auto& [c, dtype, device] = GetParam();
+  ATTN_SKIP_IF_UNAVAILABLE(device);
+  expect_parity(c, dtype, device, /*need_weights=*/false);
 }
 
 std::vector<ParityCase> unmasked_cross_attention_cases() {

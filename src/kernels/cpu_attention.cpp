@@ -1,0 +1,365 @@
+#include "cpu_attention.h"
+
+#include "row_ops.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace attn::detail {
+namespace {
+
+// A query tile's scores (64 × 512 floats = 128 KiB) stay in L2 while they
+// are masked, exponentiated and multiplied into V.
+constexpr int64_t kQueryTile = 64;
+constexpr int64_t kKeyBlock = 512;
+
+template <typename scalar_t>
+constexpr scalar_t kNegativeInfinity = -std::numeric_limits<scalar_t>::infinity();
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
+// writing head h of token t lands where merged heads expect it.
+torch::Tensor empty_heads_interleaved(
+    int64_t B, int64_t H, int64_t T, int64_t F, const torch::TensorOptions& options) {
+  return torch::empty({B, T, H, F}, options).permute({0, 2, 1, 3});
+}
+
+torch::Tensor with_unit_last_stride(const torch::Tensor& t) {
+  return t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+// Element access to the (B, H, L, S) mask through its (possibly zero,
+// broadcast) strides, plus the causal rule.
+template <typename scalar_t>
+struct MaskView {
+  const bool* allowed = nullptr;  // bool mask: true = may attend
+  const scalar_t* bias = nullptr; // additive mask
+  int64_t stride_b = 0, stride_h = 0, stride_l = 0, stride_s = 0;
+  bool causal = false;
+
+  explicit MaskView(const CpuAttentionConfig& config) : causal(config.causal) {
+    const auto& mask = config.mask;
+    if (!mask.defined()) {
+      return;
+    }
+    stride_b = mask.stride(0);
+    stride_h = mask.stride(1);
+    stride_l = mask.stride(2);
+    stride_s = mask.stride(3);
+    if (mask.scalar_type() == torch::kBool) {
+      allowed = mask.data_ptr<bool>();
+    } else {
+      bias = mask.data_ptr<scalar_t>();
+    }
+  }
+
+  // Applies the masks to the scores of query i against keys j0 .. j0+n-1.
+  void apply(scalar_t* scores, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0) const {
+    const int64_t base = b * stride_b + h * stride_h + i * stride_l + j0 * stride_s;
+    if (allowed != nullptr) {
+      for (int64_t j = 0; j < n; ++j) {
+        if (!allowed[base + j * stride_s]) {
+          scores[j] = kNegativeInfinity<scalar_t>;
+        }
+      }
+    } else if (bias != nullptr) {
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] += bias[base + j * stride_s];
+      }
+    }
+    if (causal) {
+      for (int64_t j = std::max<int64_t>(0, i + 1 - j0); j < n; ++j) {
+        scores[j] = kNegativeInfinity<scalar_t>;
+      }
+    }
+  }
+
+  // Keys past this one are masked for every query of rows [i0, i1).
+  int64_t key_end(int64_t i1, int64_t S) const {
+    return causal ? std::min(S, i1) : S;
+  }
+};
+
+// Pointer to row t of head (b, h) of a (B, H, T, F) tensor.
+template <typename scalar_t>
+scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
+  return t.data_ptr<scalar_t>() + b * t.stride(0) + h * t.stride(1) + row * t.stride(2);
+}
+
+template <typename scalar_t>
+void scale_row(scalar_t* row, int64_t n, scalar_t factor) {
+  for (int64_t j = 0; j < n; ++j) {
+    row[j] *= factor;
+  }
+}
+
+// Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L).
+template <typename scalar_t>
+void flash_forward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config,
+    const torch::Tensor& out,
+    const torch::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const int64_t Dv = v.size(3);
+  const int64_t tiles = ceil_div(L, kQueryTile);
+  const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
+  const MaskView<scalar_t> mask(config);
+  const auto scale = static_cast<scalar_t>(config.scale);
+
+  at::parallel_for(0, B * H * tiles, 1, [&](int64_t begin, int64_t end) {
+    auto scores = torch::empty({kQueryTile, key_block}, q.options());
+    std::vector<scalar_t> running_max(kQueryTile), running_sum(kQueryTile);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / (H * tiles), h = unit / tiles % H;
+      const int64_t i0 = unit % tiles * kQueryTile;
+      const int64_t rows = std::min(kQueryTile, L - i0);
+      const auto q_tile = q[b][h].narrow(0, i0, rows);   // (rows, D)
+      auto out_tile = out[b][h].narrow(0, i0, rows);     // (rows, Dv)
+      out_tile.zero_();
+      std::fill(running_max.begin(), running_max.end(), kNegativeInfinity<scalar_t>);
+      std::fill(running_sum.begin(), running_sum.end(), scalar_t(0));
+
+      const int64_t key_end = mask.key_end(i0 + rows, S);
+      for (int64_t j0 = 0; j0 < key_end; j0 += key_block) {
+        const int64_t cols = std::min(key_block, key_end - j0);
+        auto block = scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
+        at::addmm_out(block, block, q_tile, k[b][h].narrow(0, j0, cols).t(), 0, scale);
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* row = scores.data_ptr<scalar_t>() + r * key_block;
+          mask.apply(row, cols, b, h, i0 + r, j0);
+          const scalar_t new_max = std::max(running_max[r], row_max(row, cols));
+          if (new_max == kNegativeInfinity<scalar_t>) {
+            std::fill(row, row + cols, scalar_t(0)); // nothing visible yet
+            continue;
+          }
+          // Rescale what was accumulated under the previous maximum.
+          const scalar_t correction = std::exp(running_max[r] - new_max);
+          running_sum[r] = running_sum[r] * correction + exp_shifted_sum(row, cols, new_max);
+          running_max[r] = new_max;
+          if (correction != scalar_t(1)) {
+            scale_row(row_ptr<scalar_t>(out, b, h, i0 + r), Dv, correction);
+          }
+        }
+        at::addmm_out(out_tile, out_tile, block, v[b][h].narrow(0, j0, cols));
+      }
+
+      scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool any_visible = running_sum[r] > 0;
+        scale_row(row_ptr<scalar_t>(out, b, h, i0 + r), Dv,
+                  any_visible ? scalar_t(1) / running_sum[r] : scalar_t(0));
+        lse_row[r] = any_visible ? running_max[r] + std::log(running_sum[r])
+                                 : kNegativeInfinity<scalar_t>;
+      }
+    }
+  });
+}
+
+// Backward: accumulates dq, dk, dv (zero-initialised, (B, H, ·, ·)). One
+// (b, h) per task, so the accumulations never race.
+template <typename scalar_t>
+void flash_backward(
+    const torch::Tensor& grad_out,
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& out,
+    const torch::Tensor& lse,
+    const CpuAttentionConfig& config,
+    const torch::Tensor& dq,
+    const torch::Tensor& dk,
+    const torch::Tensor& dv) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
+  const MaskView<scalar_t> mask(config);
+  const auto scale = static_cast<scalar_t>(config.scale);
+  // delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij: the softmax backward's
+  // row term, computed once instead of once per key block.
+  const auto delta = (grad_out * out).sum(-1).contiguous(); // (B, H, L)
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    auto probs = torch::empty({kQueryTile, key_block}, q.options());
+    auto grad_scores = torch::empty({kQueryTile, key_block}, q.options());
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / H, h = unit % H;
+      const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
+      const scalar_t* delta_bh = delta[b][h].data_ptr<scalar_t>();
+      for (int64_t i0 = 0; i0 < L; i0 += kQueryTile) {
+        const int64_t rows = std::min(kQueryTile, L - i0);
+        const auto q_tile = q[b][h].narrow(0, i0, rows);
+        const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
+        auto dq_tile = dq[b][h].narrow(0, i0, rows);
+        const int64_t key_end = mask.key_end(i0 + rows, S);
+        for (int64_t j0 = 0; j0 < key_end; j0 += key_block) {
+          const int64_t cols = std::min(key_block, key_end - j0);
+          const auto k_block = k[b][h].narrow(0, j0, cols);
+          const auto v_block = v[b][h].narrow(0, j0, cols);
+          auto dk_block = dk[b][h].narrow(0, j0, cols);
+          auto dv_block = dv[b][h].narrow(0, j0, cols);
+          auto p = probs.narrow(0, 0, rows).narrow(1, 0, cols);
+          auto ds = grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
+
+          // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
+          at::addmm_out(p, p, q_tile, k_block.t(), 0, scale);
+          for (int64_t r = 0; r < rows; ++r) {
+            scalar_t* row = probs.data_ptr<scalar_t>() + r * key_block;
+            mask.apply(row, cols, b, h, i0 + r, j0);
+            if (lse_bh[i0 + r] == kNegativeInfinity<scalar_t>) {
+              std::fill(row, row + cols, scalar_t(0)); // fully masked row
+            } else {
+              exp_shifted_sum(row, cols, lse_bh[i0 + r]);
+            }
+          }
+          at::addmm_out(dv_block, dv_block, p.t(), go_tile);            // dV += Pᵀ dO
+          at::addmm_out(ds, ds, go_tile, v_block.t(), 0, 1);             // dP = dO Vᵀ
+          for (int64_t r = 0; r < rows; ++r) {
+            const scalar_t* p_row = probs.data_ptr<scalar_t>() + r * key_block;
+            scalar_t* ds_row = grad_scores.data_ptr<scalar_t>() + r * key_block;
+            const scalar_t d = delta_bh[i0 + r];
+            for (int64_t j = 0; j < cols; ++j) {
+              ds_row[j] = p_row[j] * (ds_row[j] - d);                    // dS
+            }
+          }
+          at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, scale);        // dQ += s·dS K
+          at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, scale);   // dK += s·dSᵀ Q
+        }
+      }
+    }
+  });
+}
+
+// Weights materialised in (B, H, L, S): each query tile's rows are scored
+// straight into the output, normalised in place and multiplied into V.
+template <typename scalar_t>
+void forward_with_weights(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config,
+    const torch::Tensor& out,
+    const torch::Tensor& weights) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const int64_t tiles = ceil_div(L, kQueryTile);
+  const MaskView<scalar_t> mask(config);
+  const auto scale = static_cast<scalar_t>(config.scale);
+
+  at::parallel_for(0, B * H * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / (H * tiles), h = unit / tiles % H;
+      const int64_t i0 = unit % tiles * kQueryTile;
+      const int64_t rows = std::min(kQueryTile, L - i0);
+      auto out_tile = out[b][h].narrow(0, i0, rows);
+      auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
+      const int64_t key_end = mask.key_end(i0 + rows, S);
+      if (key_end < S) {
+        w_tile.narrow(1, key_end, S - key_end).zero_(); // causally invisible
+      }
+      if (key_end == 0) {
+        out_tile.zero_();
+        continue;
+      }
+      auto visible = w_tile.narrow(1, 0, key_end);
+      at::addmm_out(visible, visible, q[b][h].narrow(0, i0, rows),
+                    k[b][h].narrow(0, 0, key_end).t(), 0, scale);
+      for (int64_t r = 0; r < rows; ++r) {
+        scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r);
+        mask.apply(row, key_end, b, h, i0 + r, 0);
+        const scalar_t largest = row_max(row, key_end);
+        if (largest == kNegativeInfinity<scalar_t>) {
+          std::fill(row, row + key_end, scalar_t(0));
+          continue;
+        }
+        scale_row(row, key_end, scalar_t(1) / exp_shifted_sum(row, key_end, largest));
+      }
+      at::addmm_out(out_tile, out_tile, visible, v[b][h].narrow(0, 0, key_end), 0, 1);
+    }
+  });
+}
+
+class FlashAttentionFunction
+    : public torch::autograd::Function<FlashAttentionFunction> {
+ public:
+  // q, k, v (B, H, ·, ·); returns the output as (B, L, H, Dv).
+  static torch::Tensor forward(
+      torch::autograd::AutogradContext* ctx,
+      const torch::Tensor& q,
+      const torch::Tensor& k,
+      const torch::Tensor& v,
+      const CpuAttentionConfig& config) {
+    const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+    // The kernel writes through a (B, H, L, Dv) view; the function returns
+    // the underlying (B, L, H, Dv) tensor itself, not a view of it.
+    auto out = torch::empty({B, L, H, v.size(3)}, q.options());
+    const auto lse = torch::empty({B, H, L}, q.options());
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention", [&] {
+      flash_forward<scalar_t>(q, k, v, config, out.permute({0, 2, 1, 3}), lse);
+    });
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["mask"] = config.mask;
+    ctx->saved_data["scale"] = config.scale;
+    ctx->saved_data["causal"] = config.causal;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse = saved[4];
+    const auto out = saved[3].permute({0, 2, 1, 3}); // (B, H, L, Dv)
+    const CpuAttentionConfig config{
+        ctx->saved_data["mask"].toTensor(), ctx->saved_data["scale"].toDouble(),
+        ctx->saved_data["causal"].toBool()};
+    const auto grad_out = with_unit_last_stride(grad_outputs[0].permute({0, 2, 1, 3}));
+    const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+    const auto dq = empty_heads_interleaved(B, H, L, q.size(3), q.options()).zero_();
+    const auto dk = empty_heads_interleaved(B, H, S, k.size(3), k.options()).zero_();
+    const auto dv = empty_heads_interleaved(B, H, S, v.size(3), v.options()).zero_();
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention_backward", [&] {
+      flash_backward<scalar_t>(grad_out, q, k, v, out, lse, config, dq, dk, dv);
+    });
+    return {dq, dk, dv, torch::Tensor()}; // nothing for the config
+  }
+};
+
+} // namespace
+
+torch::Tensor cpu_flash_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config) {
+  return FlashAttentionFunction::apply(
+             with_unit_last_stride(q), with_unit_last_stride(k),
+             with_unit_last_stride(v), config)
+      .permute({0, 2, 1, 3});
+}
+
+std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
+  const auto weights = torch::empty({B, H, L, S}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_attention_with_weights", [&] {
+    forward_with_weights<scalar_t>(
+        with_unit_last_stride(q), with_unit_last_stride(k), with_unit_last_stride(v),
+        config, out, weights);
+  });
+  return {out, weights};
+}
+
+} // namespace attn::detail

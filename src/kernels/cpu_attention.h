@@ -1,0 +1,42 @@
+#pragma once
+
+// Fused attention on the CPU, FlashAttention style: queries in tiles of
+// kQueryTile rows, keys in blocks of kKeyBlock, one BLAS GEMM per
+// (tile, block) pair, a running max and sum per query row (online softmax)
+// and no L×S tensor. The backward recomputes each block's probabilities
+// from the row log-sum-exp saved by the forward.
+//
+// Below the API boundary: inputs are already checked. q (B, H, L, D),
+// k (B, H, S, D), v (B, H, S, Dv), float or double, any strides with a unit
+// last-dim stride; `mask` is undefined or expanded to (B, H, L, S), bool
+// (true = may attend) or of the inputs' dtype (added).
+
+#include <torch/types.h>
+
+#include <tuple>
+
+namespace attn::detail {
+
+struct CpuAttentionConfig {
+  torch::Tensor mask;
+  double scale = 1.0;
+  bool causal = false;
+};
+
+// Output (B, H, L, Dv) — a view of (B, L, H, Dv) memory, so that merging
+// the heads is free — and differentiable through the fused backward.
+torch::Tensor cpu_flash_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config);
+
+// Inference with the weights materialised: (output, weights (B, H, L, S)).
+// Not differentiable; callers use it when no gradient is needed.
+std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config);
+
+} // namespace attn::detail

@@ -1,0 +1,164 @@
+#include "row_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_HAVE_X86_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace attn::detail {
+namespace {
+
+template <typename T>
+T row_max_portable(const T* x, int64_t n) {
+  T best = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    best = x[j] > best ? x[j] : best;
+  }
+  return best;
+}
+
+template <typename T>
+T exp_shifted_sum_generic(T* x, int64_t n, T shift) {
+  T sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
+
+#ifdef ATTN_HAVE_X86_AVX2
+
+// exp(x) for 8 floats: x = k·ln2 + r with |r| <= ln2/2, exp(r) by its
+// Taylor polynomial to degree 7 (truncation below 1e-8 relative), times
+// 2^k built in the exponent bits. Inputs below -87.3 (including -inf)
+// give 0; the attention kernels never pass values above 0.
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
+  const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 lowest = _mm256_set1_ps(-87.3f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 k = _mm256_round_ps(
+      _mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, ln2_hi, x);
+  r = _mm256_fnmadd_ps(k, ln2_lo, r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i two_to_k = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_k));
+  return _mm256_andnot_ps(underflow, result);
+}
+
+__attribute__((target("avx2,fma"))) float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2_impl(
+    float* x, int64_t n, float shift) {
+  const __m256 shift8 = _mm256_set1_ps(shift);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift8));
+    _mm256_storeu_ps(x + j, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  if (j < n) {
+    float tail[8];
+    std::fill(tail, tail + 8, -std::numeric_limits<float>::infinity());
+    std::copy(x + j, x + n, tail);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), shift8));
+    _mm256_storeu_ps(tail, e);
+    std::copy(tail, tail + (n - j), x + j);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  return horizontal_sum(sum8);
+}
+
+__attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, int64_t n) {
+  __m256 best8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    best8 = _mm256_max_ps(best8, _mm256_loadu_ps(x + j));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, best8);
+  return std::max(row_max_portable(lanes, 8), row_max_portable(x + j, n - j));
+}
+
+bool cpu_has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+#endif
+
+using RowMaxFn = float (*)(const float*, int64_t);
+
+struct FloatKernels {
+  RowMaxFn row_max = row_max_portable<float>;
+  ExpShiftedSumFn exp_shifted_sum = exp_shifted_sum_portable;
+};
+
+const FloatKernels& float_kernels() {
+  static const FloatKernels chosen = [] {
+    FloatKernels kernels;
+#ifdef ATTN_HAVE_X86_AVX2
+    if (cpu_has_avx2_fma()) {
+      kernels.row_max = row_max_avx2;
+      kernels.exp_shifted_sum = exp_shifted_sum_avx2_impl;
+    }
+#endif
+    return kernels;
+  }();
+  return chosen;
+}
+
+} // namespace
+
+float exp_shifted_sum_portable(float* x, int64_t n, float shift) {
+  return exp_shifted_sum_generic(x, n, shift);
+}
+
+ExpShiftedSumFn exp_shifted_sum_avx2() {
+#ifdef ATTN_HAVE_X86_AVX2
+  if (cpu_has_avx2_fma()) {
+    return exp_shifted_sum_avx2_impl;
+  }
+#endif
+  return nullptr;
+}
+
+float row_max(const float* x, int64_t n) {
+  return float_kernels().row_max(x, n);
+}
+
+double row_max(const double* x, int64_t n) {
+  return row_max_portable(x, n);
+}
+
+float exp_shifted_sum(float* x, int64_t n, float shift) {
+  return float_kernels().exp_shifted_sum(x, n, shift);
+}
+
+double exp_shifted_sum(double* x, int64_t n, double shift) {
+  return exp_shifted_sum_generic(x, n, shift);
+}
+
+} // namespace attn::detail

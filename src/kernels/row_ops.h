@@ -1,0 +1,26 @@
+#pragma once
+
+// Row operations of the attention kernels on raw float/double arrays:
+// max, shifted exp with sum. The float versions run AVX2+FMA code when the
+// CPU has it (chosen once at run time) and portable C++ otherwise.
+
+#include <cstdint>
+
+namespace attn::detail {
+
+// Largest of x[0..n); -inf for n == 0.
+float row_max(const float* x, int64_t n);
+double row_max(const double* x, int64_t n);
+
+// x[j] = exp(x[j] - shift) in place; returns the sum of the results. An
+// entry of -inf becomes 0. Callers never pass shift == -inf.
+float exp_shifted_sum(float* x, int64_t n, float shift);
+double exp_shifted_sum(double* x, int64_t n, double shift);
+
+// The two float implementations behind the dispatch, for tests.
+float exp_shifted_sum_portable(float* x, int64_t n, float shift);
+// Null when this build or CPU has no AVX2+FMA.
+using ExpShiftedSumFn = float (*)(float*, int64_t, float);
+ExpShiftedSumFn exp_shifted_sum_avx2();
+
+} // namespace attn::detail

@@ -1,0 +1,209 @@
+// The fused CPU kernels against the reference path (src/kernels): forward,
+// weights and gradients over a seeded random sweep of shapes and masks,
+// with 1 and 2 threads, and the vectorised exp against libm.
+
+#include "test_support.h"
+
+#include "kernels/cpu_attention.h"
+#include "kernels/reference_attention.h"
+#include "kernels/row_ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <sstream>
+
+namespace {
+
+using attn::testing::max_abs_diff;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+TEST(RowOps, VectorisedExpMatchesLibmToAFewUlp) {
+  const auto avx2 = attn::detail::exp_shifted_sum_avx2();
+  if (avx2 == nullptr) {
+    GTEST_SKIP() << "this CPU or build has no AVX2+FMA; only the portable exp runs here";
+  }
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> uniform(-90.0f, 0.0f);
+  for (int64_t n = 0; n <= 37; ++n) { // every tail length
+    std::vector<float> x(n);
+    for (auto& value : x) {
+      value = uniform(rng);
+    }
+    if (n > 3) {
+      x[1] = -std::numeric_limits<float>::infinity();
+      x[2] = 0.0f;
+    }
+    auto fast = x;
+    auto portable = x;
+    const float fast_sum = avx2(fast.data(), n, -0.5f);
+    const float portable_sum = attn::detail::exp_shifted_sum_portable(portable.data(), n, -0.5f);
+    for (int64_t j = 0; j < n; ++j) {
+      const double exact = std::exp(static_cast<double>(x[j]) + 0.5);
+      // 4 float ulps relative; values below float's normal range may flush.
+      EXPECT_NEAR(fast[j], exact, 4 * 1.2e-7 * exact + 1e-37) << "x=" << x[j];
+      EXPECT_NEAR(portable[j], exact, 2 * 1.2e-7 * exact + 1e-37) << "x=" << x[j];
+    }
+    EXPECT_NEAR(fast_sum, portable_sum, 1e-6 * std::max(1.0f, portable_sum));
+  }
+}
+
+enum class MaskKind { none, bool_pairs, bool_padding, float_per_head };
+
+struct KernelCase {
+  int64_t B, H, L, S, D, Dv;
+  MaskKind mask;
+  bool causal;
+  bool empty_row; // one query row with every key masked
+  torch::ScalarType dtype;
+  int threads;
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "B=" << B << " H=" << H << " L=" << L << " S=" << S << " D=" << D
+      << " Dv=" << Dv << " mask=" << static_cast<int>(mask) << " causal=" << causal
+      << " empty_row=" << empty_row << " dtype=" << dtype << " threads=" << threads;
+    return s.str();
+  }
+};
+
+// Seeded random configurations, biased towards the tile edges (64 query
+// rows, 512 keys) and lengths that are not multiples of them.
+std::vector<KernelCase> random_cases(int count) {
+  std::mt19937 rng(2024);
+  const auto pick = [&](std::initializer_list<int64_t> values) {
+    std::vector<int64_t> v(values);
+    return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)];
+  };
+  std::vector<KernelCase> cases;
+  for (int i = 0; i < count; ++i) {
+    KernelCase c;
+    c.B = pick({1, 2});
+    c.H = pick({1, 3});
+    c.L = pick({1, 5, 63, 64, 65, 130});
+    c.S = pick({1, 7, 64, 511, 512, 513, 700});
+    c.D = pick({4, 16, 64});
+    c.Dv = pick({c.D, 8});
+    c.mask = static_cast<MaskKind>(pick({0, 1, 2, 3}));
+    c.causal = pick({0, 1}) == 1;
+    c.empty_row = c.mask != MaskKind::none && pick({0, 1}) == 1;
+    c.dtype = pick({0, 1}) == 1 ? torch::kDouble : torch::kFloat;
+    c.threads = static_cast<int>(pick({1, 2}));
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+torch::Tensor make_mask(const KernelCase& c) {
+  const auto opts = torch::TensorOptions(c.dtype);
+  torch::Tensor mask;
+  switch (c.mask) {
+    case MaskKind::none:
+      return {};
+    case MaskKind::bool_pairs:
+      mask = (torch::rand({c.L, c.S}) > 0.3).expand({c.B, c.H, c.L, c.S});
+      break;
+    case MaskKind::bool_padding:
+      mask = (torch::rand({c.B, 1, 1, c.S}) > 0.2).expand({c.B, c.H, c.L, c.S});
+      break;
+    case MaskKind::float_per_head:
+      mask = torch::randn({c.B, c.H, c.L, c.S}, opts)
+                 .masked_fill(torch::rand({c.B, c.H, c.L, c.S}) > 0.8, -kInf);
+      break;
+  }
+  if (c.empty_row) {
+    mask = mask.clone();
+    mask.select(2, c.L / 2).fill_(mask.scalar_type() == torch::kBool ? 0.0 : -kInf);
+  }
+  return mask;
+}
+
+class ThreadCount {
+ public:
+  explicit ThreadCount(int threads) : previous_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~ThreadCount() { at::set_num_threads(previous_); }
+
+ private:
+  int previous_;
+};
+
+class FusedKernel : public ::testing::TestWithParam<KernelCase> {};
+
+TEST_P(FusedKernel, MatchesTheReferencePathInOutputWeightsAndGradients) {
+  const auto& c = GetParam();
+  SCOPED_TRACE(c.describe());
+  ThreadCount threads(c.threads);
+  torch::manual_seed(static_cast<uint64_t>(c.L * 1000 + c.S));
+  const auto opts = torch::TensorOptions(c.dtype);
+  auto q = torch::randn({c.B, c.H, c.L, c.D}, opts).requires_grad_();
+  auto k = torch::randn({c.B, c.H, c.S, c.D}, opts).requires_grad_();
+  auto v = torch::randn({c.B, c.H, c.S, c.Dv}, opts).requires_grad_();
+  const auto mask = make_mask(c);
+  const double scale = 1.0 / std::sqrt(c.D);
+  const attn::detail::CpuAttentionConfig config{mask, scale, c.causal};
+
+  const auto [ref_out, ref_w] = attn::detail::reference_attention(
+      q, k, v, attn::SDPAOptions().attn_mask(mask).is_causal(c.causal), scale);
+  const auto out = attn::detail::cpu_flash_attention(q, k, v, config);
+  torch::Tensor weights_out, weights;
+  {
+    torch::NoGradGuard no_grad;
+    std::tie(weights_out, weights) = attn::detail::cpu_attention_with_weights(q, k, v, config);
+  }
+
+  // float32: O(1) values after sums of up to 700 terms in another order.
+  const bool single = c.dtype == torch::kFloat;
+  const double tol = single ? 2e-5 : 1e-12;
+  EXPECT_LE(max_abs_diff(out, ref_out), tol);
+  EXPECT_LE(max_abs_diff(weights_out, ref_out), tol);
+  EXPECT_LE(max_abs_diff(weights, ref_w), tol);
+
+  const auto upstream = torch::randn(out.sizes(), opts);
+  const auto grads = [&](const torch::Tensor& output) {
+    return torch::autograd::grad({output}, {q, k, v}, {upstream});
+  };
+  const auto fused_grads = grads(out);
+  const auto ref_grads = grads(ref_out);
+  const char* names[] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i) {
+    const double scale_of = std::max(1.0, ref_grads[i].abs().max().item<double>());
+    EXPECT_LE(max_abs_diff(fused_grads[i], ref_grads[i]), (single ? 5e-5 : 1e-11) * scale_of)
+        << names[i];
+    EXPECT_TRUE(torch::isfinite(fused_grads[i]).all().item<bool>()) << names[i];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RandomSweep, FusedKernel, ::testing::ValuesIn(random_cases(48)));
+
+TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
+  torch::manual_seed(3);
+  auto q = torch::randn({1, 2, 70, 8}).requires_grad_();
+  auto k = torch::randn({1, 2, 600, 8}).requires_grad_();
+  auto v = torch::randn({1, 2, 600, 8}).requires_grad_();
+  auto allowed = torch::ones({1, 2, 70, 600}, torch::kBool);
+  allowed.select(2, 66).fill_(false); // a row in the second query tile
+  const auto out = attn::detail::cpu_flash_attention(q, k, v, {allowed, 0.3, false});
+  EXPECT_EQ(out.select(2, 66).abs().max().item<float>(), 0.0f);
+  const auto dq = torch::autograd::grad({out.sum()}, {q})[0];
+  EXPECT_EQ(dq.select(2, 66).abs().max().item<float>(), 0.0f);
+  EXPECT_TRUE(torch::isfinite(dq).all().item<bool>());
+}
+
+TEST(FusedKernel, ReadsStridedHeadsAndWritesInterleavedOutput) {
+  // (B, L, H, D) memory seen as (B, H, L, D), as MultiHeadAttention passes it.
+  torch::manual_seed(4);
+  const auto x = torch::randn({2, 9, 3, 16});
+  const auto q = x.transpose(1, 2);
+  const auto out = attn::detail::cpu_flash_attention(q, q, q, {{}, 0.25, true});
+  const auto [ref, w] = attn::detail::reference_attention(
+      q.contiguous(), q.contiguous(), q.contiguous(), attn::SDPAOptions().is_causal(true), 0.25);
+  EXPECT_LE(max_abs_diff(out, ref), 1e-6);
+  EXPECT_TRUE(out.transpose(1, 2).is_contiguous());
+}
+
+} // namespace
