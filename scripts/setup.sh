@@ -14,7 +14,7 @@ esac
 
 cd "$(dirname "$0")/.."
 
-packages=(libtorch-dev libfmt-dev libgtest-dev libgmock-dev libopenblas0-pthread
+packages=(libtorch-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
           cmake ninja-build g++)
 missing=()
 for package in "${packages[@]}"; do

@@ -208,9 +208,24 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
         torch::IntArrayRef({B, H, L, S}), " (B and H may be 1), got ", sizes);
   }
 
-  const auto q = q_proj(q_in).reshape({B, L, H, D}).transpose(1, 2); // (B, H, L, D)
-  const auto k = k_proj(k_in).reshape({B, S, H, D}).transpose(1, 2); // (B, H, S, D)
-  const auto v = v_proj(v_in).reshape({B, S, H, D}).transpose(1, 2); // (B, H, S, D)
+  torch::Tensor q, k, v; // (B, H, L or S, D) views of the projections
+  if (query.is_same(key) && key.is_same(value) && options.kdim() == E &&
+      options.vdim() == E) {
+    // Self-attention: one GEMM against the stacked weights.
+    const auto weight = torch::cat({q_proj->weight, k_proj->weight, v_proj->weight});
+    const auto bias = options.bias()
+        ? torch::cat({q_proj->bias, k_proj->bias, v_proj->bias})
+        : torch::Tensor();
+    const auto qkv = torch::nn::functional::linear(q_in, weight, bias)
+                         .view({B, L, 3, H, D}); // (B, L, 3, H, D)
+    q = qkv.select(2, 0).transpose(1, 2);
+    k = qkv.select(2, 1).transpose(1, 2);
+    v = qkv.select(2, 2).transpose(1, 2);
+  } else {
+    q = q_proj(q_in).view({B, L, H, D}).transpose(1, 2);
+    k = k_proj(k_in).view({B, S, H, D}).transpose(1, 2);
+    v = v_proj(v_in).view({B, S, H, D}).transpose(1, 2);
+  }
   auto [heads, weights] = scaled_dot_product_attention(
       q, k, v,
       SDPAOptions()

@@ -3,6 +3,7 @@
 #include <attn/options.h>
 
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>

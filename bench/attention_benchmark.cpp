@@ -1,0 +1,300 @@
+// attn against torch::nn::MultiheadAttention and the reference text's naive
+// composite, side by side in one process at one fixed thread count.
+//
+// Counters: GFLOP/s (attention 4·B·H·L·S·D, halved when causal; each
+// projection 2·B·T·E·E'; forward+backward counted as 3× the forward),
+// peak_MiB (tensor memory allocated on top of what existed before the
+// call), and, in the context, this machine's sgemm GFLOP/s at the same
+// thread count. Threads: ATTN_BENCH_THREADS, default all cores.
+
+#include <attn/attn.h>
+
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/torch.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <thread>
+
+namespace {
+
+constexpr int64_t kEmbed = 512;
+constexpr int64_t kHeads = 8;
+constexpr int64_t kHeadDim = kEmbed / kHeads;
+
+// ---------------------------------------------------------------------------
+// Tensor memory accounting: wraps the CPU allocator to track live and peak
+// bytes.
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t bytes) const override {
+    auto inner = inner_->allocate(bytes);
+    void* data = inner.get();
+    const auto now = live_ += static_cast<int64_t>(bytes);
+    int64_t seen = peak_.load();
+    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
+    }
+    auto* context = new Allocation{std::move(inner), bytes, this};
+    return {data, context, &release, c10::Device(c10::kCPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  // Required by LibTorch >= 2.3 (where it is pure virtual); plain method before.
+  void copy_data(void* dest, const void* src, std::size_t count) const {
+    std::memcpy(dest, src, count);
+  }
+
+  // Starts a measurement; returns the baseline.
+  int64_t reset_peak() const {
+    peak_ = live_.load();
+    return peak_;
+  }
+  int64_t peak() const { return peak_; }
+
+ private:
+  struct Allocation {
+    c10::DataPtr inner;
+    size_t bytes;
+    const CountingAllocator* owner;
+  };
+  static void release(void* context) {
+    auto* allocation = static_cast<Allocation*>(context);
+    allocation->owner->live_ -= static_cast<int64_t>(allocation->bytes);
+    delete allocation;
+  }
+
+  c10::Allocator* inner_;
+  mutable std::atomic<int64_t> live_{0};
+  mutable std::atomic<int64_t> peak_{0};
+};
+
+CountingAllocator& counting_allocator() {
+  static CountingAllocator allocator(c10::GetDefaultCPUAllocator());
+  return allocator;
+}
+
+// ---------------------------------------------------------------------------
+// Threads: ATen's pool and the BLAS's own, set to one count for everyone.
+
+int configure_threads() {
+  const char* env = std::getenv("ATTN_BENCH_THREADS");
+  const int threads = env ? std::max(1, std::atoi(env))
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(threads);
+  // OpenBLAS keeps its own pool; other BLAS builds follow ATen or OMP.
+  using SetThreads = void (*)(int);
+  if (auto* set_blas = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set_blas(threads);
+  }
+  return threads;
+}
+
+double sgemm_gflops() {
+  torch::NoGradGuard no_grad;
+  const auto a = torch::randn({1024, 1024}), b = torch::randn({1024, 1024});
+  auto c = torch::mm(a, b);
+  constexpr int kRepeats = 20;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kRepeats; ++i) {
+    torch::mm_out(c, a, b);
+  }
+  const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+  return kRepeats * 2.0 * 1024 * 1024 * 1024 / elapsed.count() / 1e9;
+}
+
+// ---------------------------------------------------------------------------
+// The implementations.
+
+enum class Impl { ours, ours_weights, builtin, builtin_weights, naive };
+
+const char* impl_name(Impl impl) {
+  switch (impl) {
+    case Impl::ours: return "ours";
+    case Impl::ours_weights: return "ours_need_weights";
+    case Impl::builtin: return "builtin";
+    case Impl::builtin_weights: return "builtin_need_weights";
+    case Impl::naive: return "naive";
+  }
+  return "";
+}
+
+// The reference text's Python, in C++: matmul, masked_fill, softmax, matmul.
+torch::Tensor naive_attention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, const torch::Tensor& allowed) {
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(q.size(-1));
+  if (allowed.defined()) {
+    scores = scores.masked_fill(allowed == 0, -std::numeric_limits<float>::infinity());
+  }
+  return torch::matmul(torch::softmax(scores, -1), v);
+}
+
+struct NaiveMultiHeadAttention {
+  torch::nn::Linear w_q{kEmbed, kEmbed}, w_k{kEmbed, kEmbed}, w_v{kEmbed, kEmbed}, w_o{kEmbed, kEmbed};
+
+  torch::Tensor split_heads(const torch::Tensor& x) const {
+    return x.view({x.size(0), x.size(1), kHeads, kHeadDim}).transpose(1, 2); // (B, H, T, D)
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& allowed) {
+    const auto out = naive_attention(split_heads(w_q(x)), split_heads(w_k(x)), split_heads(w_v(x)), allowed);
+    return w_o(out.transpose(1, 2).contiguous().view(x.sizes())); // (B, T, E)
+  }
+};
+
+struct Case {
+  int64_t T, B;
+  bool causal;
+};
+
+Case read_case(const benchmark::State& state) {
+  return {state.range(0), state.range(1), state.range(2) != 0};
+}
+
+double attention_flops(const Case& c) {
+  return 4.0 * c.B * kHeads * c.T * c.T * kHeadDim * (c.causal ? 0.5 : 1.0);
+}
+double projection_flops(const Case& c) {
+  return 4 * 2.0 * c.B * c.T * kEmbed * kEmbed;
+}
+
+// Runs `step` under the state's timing loop and records the counters.
+template <typename Step>
+void measure(benchmark::State& state, double flops, Step&& step) {
+  step(); // warm-up: first-touch allocations and lazy initialisation
+  const int64_t baseline = counting_allocator().reset_peak();
+  for (auto _ : state) {
+    step();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      flops * static_cast<double>(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
+  state.counters["peak_MiB"] =
+      static_cast<double>(counting_allocator().peak() - baseline) / (1 << 20);
+}
+
+// ---------------------------------------------------------------------------
+// Benchmarks.
+
+void attention_core(benchmark::State& state, Impl impl) {
+  torch::NoGradGuard no_grad;
+  const auto c = read_case(state);
+  const auto q = torch::randn({c.B, kHeads, c.T, kHeadDim});
+  const auto k = torch::randn({c.B, kHeads, c.T, kHeadDim});
+  const auto v = torch::randn({c.B, kHeads, c.T, kHeadDim});
+  const auto lower = c.causal ? torch::ones({c.T, c.T}, torch::kBool).tril() : torch::Tensor();
+  measure(state, attention_flops(c), [&] {
+    if (impl == Impl::naive) {
+      benchmark::DoNotOptimize(naive_attention(q, k, v, lower));
+    } else {
+      benchmark::DoNotOptimize(attn::scaled_dot_product_attention(
+          q, k, v, attn::SDPAOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights)));
+    }
+  });
+}
+
+// Self-attention through each module; `backward` adds a backward pass.
+void multi_head(benchmark::State& state, Impl impl, bool backward) {
+  const auto c = read_case(state);
+  torch::manual_seed(0);
+  attn::MultiHeadAttention ours(attn::MultiHeadAttentionOptions(kEmbed, kHeads));
+  torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(kEmbed, kHeads));
+  NaiveMultiHeadAttention naive;
+  auto x = torch::randn({c.B, c.T, kEmbed}, torch::requires_grad(backward));
+  const auto x_seq_first = x.detach().transpose(0, 1).contiguous().requires_grad_(backward);
+  // The built-in takes only an additive float mask.
+  const auto causal_bias = c.causal
+      ? torch::zeros({c.T, c.T}).masked_fill(torch::ones({c.T, c.T}, torch::kBool).triu(1),
+                                             -std::numeric_limits<float>::infinity())
+      : torch::Tensor();
+  const auto lower = c.causal ? torch::ones({c.T, c.T}, torch::kBool).tril() : torch::Tensor();
+
+  const auto forward = [&]() -> torch::Tensor {
+    switch (impl) {
+      case Impl::ours:
+      case Impl::ours_weights:
+        return std::get<0>(ours(x, x, x,
+            attn::MultiHeadAttentionForwardOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights)));
+      case Impl::builtin:
+      case Impl::builtin_weights:
+        return std::get<0>(builtin(x_seq_first, x_seq_first, x_seq_first, torch::Tensor(),
+                                   impl == Impl::builtin_weights, causal_bias));
+      case Impl::naive:
+        return naive.forward(x, lower);
+    }
+    return {};
+  };
+  const double flops = (attention_flops(c) + projection_flops(c)) * (backward ? 3.0 : 1.0);
+  if (backward) {
+    measure(state, flops, [&] { forward().sum().backward(); });
+  } else {
+    torch::NoGradGuard no_grad;
+    measure(state, flops, [&] { benchmark::DoNotOptimize(forward()); });
+  }
+}
+
+void sgemm(benchmark::State& state) {
+  torch::NoGradGuard no_grad;
+  const auto a = torch::randn({1024, 1024}), b = torch::randn({1024, 1024});
+  auto out = torch::empty({1024, 1024});
+  measure(state, 2.0 * 1024 * 1024 * 1024, [&] { torch::mm_out(out, a, b); });
+}
+
+// T from 128 to 8192 with B = 1, plus B = 4 up to T = 1024; causal and not.
+void shapes(benchmark::internal::Benchmark* b) {
+  for (const int64_t causal : {0, 1}) {
+    for (const int64_t T : {128, 512, 1024, 2048, 4096, 8192}) {
+      b->Args({T, 1, causal});
+      if (T <= 1024) {
+        b->Args({T, 4, causal});
+      }
+    }
+  }
+  b->ArgNames({"T", "B", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5);
+}
+
+void register_all() {
+  benchmark::RegisterBenchmark("sgemm_1024", sgemm)->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (const Impl impl : {Impl::ours, Impl::ours_weights, Impl::naive}) {
+    benchmark::RegisterBenchmark((std::string("core/") + impl_name(impl)).c_str(),
+                                 [impl](benchmark::State& s) { attention_core(s, impl); })
+        ->Apply(shapes);
+  }
+  for (const Impl impl : {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive}) {
+    benchmark::RegisterBenchmark((std::string("mha_forward/") + impl_name(impl)).c_str(),
+                                 [impl](benchmark::State& s) { multi_head(s, impl, false); })
+        ->Apply(shapes);
+  }
+  for (const Impl impl : {Impl::ours, Impl::builtin, Impl::naive}) {
+    benchmark::RegisterBenchmark((std::string("mha_forward_backward/") + impl_name(impl)).c_str(),
+                                 [impl](benchmark::State& s) { multi_head(s, impl, true); })
+        ->Apply(shapes);
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  c10::SetCPUAllocator(&counting_allocator(), /*priority=*/1);
+  const int threads = configure_threads();
+  benchmark::AddCustomContext("threads", std::to_string(threads));
+  benchmark::AddCustomContext("sgemm_1024_GFLOP/s", std::to_string(sgemm_gflops()));
+  benchmark::AddCustomContext("libtorch", TORCH_VERSION);
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
+    return 1;
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

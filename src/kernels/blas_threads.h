@@ -1,0 +1,21 @@
+#pragma once
+
+namespace attn::detail {
+
+// While alive, keeps OpenBLAS (when it is the BLAS in use) to one thread,
+// if ATen's own pool has more than one: the kernels parallelise over tiles
+// themselves, and a threaded BLAS inside each task would oversubscribe the
+// cores. MKL does this on its own inside OpenMP regions; other BLAS
+// libraries are left alone.
+class ScopedSingleThreadedBlas {
+ public:
+  ScopedSingleThreadedBlas();
+  ~ScopedSingleThreadedBlas();
+  ScopedSingleThreadedBlas(const ScopedSingleThreadedBlas&) = delete;
+  ScopedSingleThreadedBlas& operator=(const ScopedSingleThreadedBlas&) = delete;
+
+ private:
+  int previous_threads_ = 0; // 0: nothing to restore
+};
+
+} // namespace attn::detail
