@@ -171,7 +171,9 @@ double projection_flops(const Case& c) {
 // Runs `step` under the state's timing loop and records the counters.
 template <typename Step>
 void measure(benchmark::State& state, double flops, Step&& step) {
-  step(); // warm-up: first-touch allocations and lazy initialisation
+  if (state.range(0) < 4096) {
+    step(); // warm-up: first-touch allocations; negligible for long runs
+  }
   const int64_t baseline = counting_allocator().reset_peak();
   for (auto _ : state) {
     step();
@@ -211,12 +213,14 @@ void multi_head(benchmark::State& state, Impl impl, bool backward) {
   NaiveMultiHeadAttention naive;
   auto x = torch::randn({c.B, c.T, kEmbed}, torch::requires_grad(backward));
   const auto x_seq_first = x.detach().transpose(0, 1).contiguous().requires_grad_(backward);
-  // The built-in takes only an additive float mask.
-  const auto causal_bias = c.causal
-      ? torch::zeros({c.T, c.T}).masked_fill(torch::ones({c.T, c.T}, torch::kBool).triu(1),
-                                             -std::numeric_limits<float>::infinity())
+  const bool is_builtin = impl == Impl::builtin || impl == Impl::builtin_weights;
+  // The built-in takes only an additive float mask; the naive code a 0/1 one.
+  const auto lower = c.causal && (is_builtin || impl == Impl::naive)
+      ? torch::ones({c.T, c.T}, torch::kBool).tril()
       : torch::Tensor();
-  const auto lower = c.causal ? torch::ones({c.T, c.T}, torch::kBool).tril() : torch::Tensor();
+  const auto causal_bias = lower.defined() && is_builtin
+      ? torch::zeros({c.T, c.T}).masked_fill(~lower, -std::numeric_limits<float>::infinity())
+      : torch::Tensor();
 
   const auto forward = [&]() -> torch::Tensor {
     switch (impl) {
@@ -244,9 +248,10 @@ void multi_head(benchmark::State& state, Impl impl, bool backward) {
 
 void sgemm(benchmark::State& state) {
   torch::NoGradGuard no_grad;
-  const auto a = torch::randn({1024, 1024}), b = torch::randn({1024, 1024});
-  auto out = torch::empty({1024, 1024});
-  measure(state, 2.0 * 1024 * 1024 * 1024, [&] { torch::mm_out(out, a, b); });
+  const int64_t n = state.range(0);
+  const auto a = torch::randn({n, n}), b = torch::randn({n, n});
+  auto out = torch::empty({n, n});
+  measure(state, 2.0 * n * n * n, [&] { torch::mm_out(out, a, b); });
 }
 
 // T from 128 to 8192 with B = 1, plus B = 4 up to T = 1024; causal and not.
@@ -263,7 +268,7 @@ void shapes(benchmark::internal::Benchmark* b) {
 }
 
 void register_all() {
-  benchmark::RegisterBenchmark("sgemm_1024", sgemm)->Unit(benchmark::kMillisecond)->UseRealTime();
+  benchmark::RegisterBenchmark("sgemm", sgemm)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
   for (const Impl impl : {Impl::ours, Impl::ours_weights, Impl::naive}) {
     benchmark::RegisterBenchmark((std::string("core/") + impl_name(impl)).c_str(),
                                  [impl](benchmark::State& s) { attention_core(s, impl); })
@@ -279,6 +284,15 @@ void register_all() {
                                  [impl](benchmark::State& s) { multi_head(s, impl, true); })
         ->Apply(shapes);
   }
+  // Memory at a length where the built-in's weights alone would take 8 GiB.
+  benchmark::RegisterBenchmark("mha_forward_long/ours",
+                               [](benchmark::State& s) { multi_head(s, Impl::ours, false); })
+      ->Args({16384, 1, 0})
+      ->Args({16384, 1, 1})
+      ->ArgNames({"T", "B", "causal"})
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->Iterations(1);
 }
 
 } // namespace

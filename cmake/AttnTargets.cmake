@@ -1,12 +1,14 @@
 # Settings shared by every target the project builds.
 
 # attn_configure_target(<target>)
-#   C++17 and the project's warnings. Targets other than the library itself
-#   reuse the library's precompiled <torch/torch.h>; pass REUSE_PCH for them.
+#   C++17, OpenMP (for at::parallel_for) and the project's warnings. Every
+#   target gets the same flags, so that targets other than the library can
+#   reuse its precompiled <torch/torch.h>: pass REUSE_PCH for them.
 function(attn_configure_target target)
   cmake_parse_arguments(ARG "REUSE_PCH" "" "" ${ARGN})
   target_compile_features(${target} PUBLIC cxx_std_17)
   set_target_properties(${target} PROPERTIES CXX_EXTENSIONS OFF)
+  target_link_libraries(${target} PRIVATE OpenMP::OpenMP_CXX)
   if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic)
   endif()

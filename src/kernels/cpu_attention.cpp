@@ -14,9 +14,11 @@
 namespace attn::detail {
 namespace {
 
-// A query tile's scores (64 × 512 floats = 128 KiB) stay in L2 while they
-// are masked, exponentiated and multiplied into V.
-constexpr int64_t kQueryTile = 64;
+// A query tile's scores (128 × 512 floats = 256 KiB) stay in L2 while they
+// are masked, exponentiated and multiplied into V. Measured single-threaded
+// at T = 1024 and 4096 (D = 64): 128 × 512 ran at ~70 % of sgemm, ahead of
+// 64 × 512, 256 × 512, 128 × 256, 64 × 1024 and 256 × 1024.
+constexpr int64_t kQueryTile = 128;
 constexpr int64_t kKeyBlock = 512;
 
 template <typename scalar_t>
@@ -117,6 +119,8 @@ void flash_forward(
 
   const ScopedSingleThreadedBlas one_blas_thread_per_task;
   at::parallel_for(0, B * H * tiles, 1, [&](int64_t begin, int64_t end) {
+    // Grad mode is thread-local: worker threads start with it on.
+    const torch::NoGradGuard no_grad;
     auto scores = torch::empty({kQueryTile, key_block}, q.options());
     std::vector<scalar_t> running_max(kQueryTile), running_sum(kQueryTile);
     for (int64_t unit = begin; unit < end; ++unit) {
@@ -189,6 +193,8 @@ void flash_backward(
 
   const ScopedSingleThreadedBlas one_blas_thread_per_task;
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    // Grad mode is thread-local: worker threads start with it on.
+    const torch::NoGradGuard no_grad;
     auto probs = torch::empty({kQueryTile, key_block}, q.options());
     auto grad_scores = torch::empty({kQueryTile, key_block}, q.options());
     for (int64_t unit = begin; unit < end; ++unit) {
@@ -256,6 +262,8 @@ void forward_with_weights(
 
   const ScopedSingleThreadedBlas one_blas_thread_per_task;
   at::parallel_for(0, B * H * tiles, 1, [&](int64_t begin, int64_t end) {
+    // Grad mode is thread-local: worker threads start with it on.
+    const torch::NoGradGuard no_grad;
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / (H * tiles), h = unit / tiles % H;
       const int64_t i0 = unit % tiles * kQueryTile;

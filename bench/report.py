@@ -1,0 +1,102 @@
+#!/usr/bin/python3
+"""Turns a Google Benchmark JSON report of attn_bench into docs material.
+
+    bench/report.py RESULTS.json TABLE.md PLOT.png
+
+Writes a Markdown table (times, GFLOP/s and our speed-up over the built-in
+per shape) and a plot of GFLOP/s against T for each implementation
+(B = 1). Needs matplotlib (Debian: python3-matplotlib).
+"""
+import collections
+import json
+import re
+import sys
+
+NAME = re.compile(r"^(?P<group>[a-z_]+)/(?P<impl>[a-z_]+)/T:(?P<T>\d+)/B:(?P<B>\d+)/causal:(?P<causal>\d)")
+
+
+def load(path):
+    with open(path) as f:
+        report = json.load(f)
+    rows = collections.defaultdict(dict)
+    for bench in report["benchmarks"]:
+        match = NAME.match(bench["name"])
+        if not match:
+            continue
+        key = (match["group"], int(match["T"]), int(match["B"]), int(match["causal"]))
+        rows[key][match["impl"]] = {
+            "ms": bench["real_time"],
+            "gflops": bench["GFLOP/s"],
+            "peak_mib": bench["peak_MiB"],
+        }
+    return report["context"], rows
+
+
+def table(context, rows):
+    sgemm = float(context["sgemm_1024_GFLOP/s"])
+    groups = sorted({key[0] for key in rows})
+    lines = [
+        f"Threads: {context['threads']} (ATen and BLAS). LibTorch {context['libtorch']}. "
+        f"sgemm 1024³ in the same run: {sgemm:.1f} GFLOP/s.",
+        "",
+    ]
+    for group in groups:
+        impls = [impl for impl in ("ours", "ours_need_weights", "builtin", "builtin_need_weights", "naive")
+                 if any(impl in row for key, row in rows.items() if key[0] == group)]
+        header = ["T", "B", "causal"] + [f"{impl} ms (GFLOP/s)" for impl in impls]
+        has_builtin = "builtin" in impls
+        if has_builtin:
+            header += ["ours ÷ builtin", "ours % of sgemm"]
+        lines += [f"### {group}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for key in sorted(k for k in rows if k[0] == group):
+            row = rows[key]
+            cells = [str(key[1]), str(key[2]), "yes" if key[3] else "no"]
+            for impl in impls:
+                r = row.get(impl)
+                cells.append(f"{r['ms']:.1f} ({r['gflops']:.1f})" if r else "—")
+            if has_builtin:
+                ours, builtin = row.get("ours"), row.get("builtin")
+                cells.append(f"{builtin['ms'] / ours['ms']:.2f}×" if ours and builtin else "—")
+                cells.append(f"{100 * ours['gflops'] / sgemm:.0f} %" if ours else "—")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(context, rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({key[0] for key in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        for causal, style in ((0, "-"), (1, "--")):
+            series = collections.defaultdict(list)
+            for key in sorted(k for k in rows if k[0] == group and k[2] == 1 and k[3] == causal):
+                for impl, r in rows[key].items():
+                    series[impl].append((key[1], r["gflops"]))
+            for impl, points in sorted(series.items()):
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o",
+                        label=f"{impl}{' causal' if causal else ''}")
+        ax.axhline(float(context["sgemm_1024_GFLOP/s"]), color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T (sequence length), B = 1, E = 512, H = 8")
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"{group} ({context['threads']} threads; grey: sgemm)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    context, rows = load(sys.argv[1])
+    with open(sys.argv[2], "w") as f:
+        f.write(table(context, rows))
+    plot(context, rows, sys.argv[3])
+
+
+if __name__ == "__main__":
+    main()
