@@ -15,6 +15,9 @@ import sys
 NAME = re.compile(r"^(?P<group>[a-z_]+)/(?P<impl>[a-z_]+)/T:(?P<T>\d+)/B:(?P<B>\d+)/causal:(?P<causal>\d)")
 
 
+IMPLS = ("ours", "ours_need_weights", "builtin", "builtin_need_weights", "naive")
+
+
 def load(path):
     with open(path) as f:
         report = json.load(f)
@@ -41,7 +44,7 @@ def table(context, rows):
         "",
     ]
     for group in groups:
-        impls = [impl for impl in ("ours", "ours_need_weights", "builtin", "builtin_need_weights", "naive")
+        impls = [impl for impl in IMPLS
                  if any(impl in row for key, row in rows.items() if key[0] == group)]
         header = ["T", "B", "causal"] + [f"{impl} ms (GFLOP/s)" for impl in impls]
         has_builtin = "builtin" in impls
@@ -68,7 +71,10 @@ def plot(context, rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({key[0] for key in rows})
+    # Groups measured at a single length (the memory case) have no curve.
+    groups = [g for g in sorted({key[0] for key in rows})
+              if len({key[1] for key in rows if key[0] == g}) > 1]
+    colours = dict(zip(IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
     for ax, group in zip(axes[0], groups):
         for causal, style in ((0, "-"), (1, "--")):
@@ -76,17 +82,20 @@ def plot(context, rows, path):
             for key in sorted(k for k in rows if k[0] == group and k[2] == 1 and k[3] == causal):
                 for impl, r in rows[key].items():
                     series[impl].append((key[1], r["gflops"]))
-            for impl, points in sorted(series.items()):
-                ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o",
-                        label=f"{impl}{' causal' if causal else ''}")
+            for impl in IMPLS:
+                points = series.get(impl)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o",
+                            color=colours[impl], label=f"{impl}{' (causal)' if causal else ''}")
         ax.axhline(float(context["sgemm_1024_GFLOP/s"]), color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("T (sequence length), B = 1, E = 512, H = 8")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("T (sequence length); B = 1, E = 512, H = 8, float32")
         ax.set_ylabel("GFLOP/s")
-        ax.set_title(f"{group} ({context['threads']} threads; grey: sgemm)")
+        ax.set_title(f"{group}, {context['threads']} threads (grey line: sgemm)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main():
