@@ -143,14 +143,19 @@ void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device d
   const auto out_theirs_in_our_layout = c.batch_first ? out_theirs.transpose(0, 1) : out_theirs;
   const double tol = tolerance(dtype);
   ASSERT_EQ(out_ours.sizes(), out_theirs_in_our_layout.sizes());
-  EXPECT_LE(max_abs_diff(out_ours, out_theirs_in_our_layout), tol);
+  const double output_difference = max_abs_diff(out_ours, out_theirs_in_our_layout);
+  EXPECT_LE(output_difference, tol);
+  // Kept in the test report (--gtest_output=json) to track how close we are.
+  ::testing::Test::RecordProperty("max_output_difference", c10::str(output_difference));
   const auto upstream_out = torch::randn(out_theirs.sizes(), opts);
   auto loss_theirs = (out_theirs * upstream_out).sum();
   auto loss_ours = (out_ours * (c.batch_first ? upstream_out.transpose(0, 1) : upstream_out)).sum();
   ASSERT_EQ(w_ours.defined(), need_weights);
   if (need_weights) {
     ASSERT_EQ(w_ours.sizes(), w_theirs.sizes());
-    EXPECT_LE(max_abs_diff(w_ours, w_theirs), tol);
+    const double weights_difference = max_abs_diff(w_ours, w_theirs);
+    EXPECT_LE(weights_difference, tol);
+    ::testing::Test::RecordProperty("max_weights_difference", c10::str(weights_difference));
     const auto upstream_w = torch::randn(w_theirs.sizes(), opts);
     loss_theirs = loss_theirs + (w_theirs * upstream_w).sum();
     loss_ours = loss_ours + (w_ours * upstream_w).sum();
@@ -158,9 +163,14 @@ void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device d
   loss_theirs.backward();
   loss_ours.backward();
 
+  double largest_relative_gradient_difference = 0.0;
   const auto expect_grad = [&](const torch::Tensor& our_grad, const torch::Tensor& their_grad, const char* what) {
     ASSERT_TRUE(our_grad.defined()) << what;
-    EXPECT_LE(max_abs_diff(our_grad, their_grad), gradient_tolerance(dtype, their_grad)) << what;
+    const double difference = max_abs_diff(our_grad, their_grad);
+    EXPECT_LE(difference, gradient_tolerance(dtype, their_grad)) << what;
+    largest_relative_gradient_difference = std::max(
+        largest_relative_gradient_difference,
+        difference / std::max(1.0, their_grad.abs().max().item<double>()));
   };
   const auto in_our_layout = [&](const torch::Tensor& g) { return c.batch_first ? g.transpose(0, 1) : g; };
   expect_grad(q_ours.grad(), in_our_layout(q_theirs.grad()), "d query");
@@ -181,6 +191,8 @@ void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device d
     expect_grad(ours->v_proj->bias.grad(), their_bias.slice(0, 2 * E, 3 * E), "d v_proj.bias");
     expect_grad(ours->out_proj->bias.grad(), builtin->out_proj->bias.grad(), "d out_proj.bias");
   }
+  ::testing::Test::RecordProperty(
+      "max_relative_gradient_difference", c10::str(largest_relative_gradient_difference));
 }
 
 TEST_P(Parity, MatchesBuiltinOutputsWeightsAndGradients) {
