@@ -35,7 +35,6 @@ torch::Tensor empty_heads_interleaved(
   return torch::empty({B, T, H, F}, options).permute({0, 2, 1, 3});
 }
 
-
 // Element access to the (B, H, L, S) mask through its (possibly zero,
 // broadcast) strides, plus the causal rule.
 template <typename scalar_t>
@@ -71,6 +70,7 @@ struct MaskView {
         }
       }
     } else if (bias != nullptr) {
+#pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
         scores[j] += bias[base + j * stride_s];
       }
@@ -96,6 +96,7 @@ scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
 
 template <typename scalar_t>
 void scale_row(scalar_t* row, int64_t n, scalar_t factor) {
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
     row[j] *= factor;
   }
@@ -233,6 +234,7 @@ void flash_backward(
             const scalar_t* p_row = probs.data_ptr<scalar_t>() + r * key_block;
             scalar_t* ds_row = grad_scores.data_ptr<scalar_t>() + r * key_block;
             const scalar_t d = delta_bh[i0 + r];
+#pragma omp simd
             for (int64_t j = 0; j < cols; ++j) {
               ds_row[j] = p_row[j] * (ds_row[j] - d);                    // dS
             }
@@ -331,10 +333,10 @@ class FlashAttentionFunction
         ctx->saved_data["mask"].toTensor(), ctx->saved_data["scale"].toDouble(),
         ctx->saved_data["causal"].toBool()};
     const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3}).contiguous();
-    const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-    const auto dq = empty_heads_interleaved(B, H, L, q.size(3), q.options()).zero_();
-    const auto dk = empty_heads_interleaved(B, H, S, k.size(3), k.options()).zero_();
-    const auto dv = empty_heads_interleaved(B, H, S, v.size(3), v.options()).zero_();
+    // Gradients of the contiguous inputs, accumulated tile by tile.
+    const auto dq = torch::zeros_like(q);
+    const auto dk = torch::zeros_like(k);
+    const auto dv = torch::zeros_like(v);
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention_backward", [&] {
       flash_backward<scalar_t>(grad_out, q, k, v, out, lse, config, dq, dk, dv);
     });
