@@ -102,6 +102,9 @@ void check_inputs(
   TORCH_CHECK(
       options.dropout_p() >= 0.0 && options.dropout_p() <= 1.0, kCaller,
       ": dropout_p must be in [0, 1], got ", options.dropout_p());
+  TORCH_CHECK(
+      !options.scale() || std::isfinite(*options.scale()), kCaller,
+      ": scale must be a finite number, got ", *options.scale());
 }
 
 // (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
@@ -144,6 +147,22 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   check_inputs(query, key, value, options);
+  const auto dtype = query.scalar_type();
+  if (query.device().is_cpu() &&
+      (dtype == torch::kHalf || dtype == torch::kBFloat16)) {
+    // Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
+    // weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
+    // compute in float32 (on the fused kernels) and round the results once.
+    const auto& mask = options.attn_mask();
+    auto float_options = options;
+    if (mask.defined() && mask.scalar_type() != torch::kBool) {
+      float_options.attn_mask(mask.to(torch::kFloat));
+    }
+    const auto [output, weights] = scaled_dot_product_attention(
+        query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
+        float_options);
+    return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
+  }
   const double scale = options.scale().value_or(
       1.0 / std::sqrt(static_cast<double>(query.size(-1))));
   if (!fused_cpu_kernel_applies(query, key, value, options)) {

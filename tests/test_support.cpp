@@ -65,6 +65,95 @@ std::pair<torch::Tensor, torch::Tensor> reference_attention(
   return {out, weights};
 }
 
+std::vector<torch::Tensor> reference_attention_gradients(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& bias,
+    double scale,
+    const torch::Tensor& upstream) {
+  const auto cpu64 = [](const torch::Tensor& t) {
+    return t.detach().to(torch::kCPU, torch::kDouble);
+  };
+  const auto Q = cpu64(q), K = cpu64(k), V = cpu64(v), dO = cpu64(upstream);
+  const auto P = reference_attention(q, k, v, bias, scale).second; // (N, L, S)
+  const auto dV = torch::matmul(P.transpose(1, 2), dO);
+  const auto dP = torch::matmul(dO, V.transpose(1, 2));
+  const auto dS = P * (dP - (P * dP).sum(-1, /*keepdim=*/true));
+  return {scale * torch::matmul(dS, K), scale * torch::matmul(dS.transpose(1, 2), Q), dV};
+}
+
+MultiHeadReference reference_multi_head_attention(
+    const attn::MultiHeadAttentionImpl& mha,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const attn::MultiHeadAttentionForwardOptions& options,
+    const torch::Tensor& upstream) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const auto cpu64 = [](const torch::Tensor& t) {
+    return t.detach().to(torch::kCPU, torch::kDouble);
+  };
+  const bool batch_first = mha.options.batch_first();
+  const auto layout = [&](const torch::Tensor& t) { // to and from (B, T, ·)
+    return batch_first ? cpu64(t) : cpu64(t).transpose(0, 1);
+  };
+  const auto x_q = layout(query), x_k = layout(key), x_v = layout(value);
+  const int64_t B = x_q.size(0), L = x_q.size(1), S = x_k.size(1);
+  const int64_t E = mha.options.embed_dim(), H = mha.options.num_heads(), D = E / H;
+  const auto weight = [&](const torch::nn::Linear& p) { return cpu64(p->weight); };
+  const auto project = [&](const torch::Tensor& x, const torch::nn::Linear& p) {
+    auto y = torch::matmul(x, weight(p).t());
+    return p->bias.defined() ? y + cpu64(p->bias) : y;
+  };
+  const auto split = [&](const torch::Tensor& x, int64_t T) { // (B·H, T, D)
+    return x.reshape({B, T, H, D}).transpose(1, 2).reshape({B * H, T, D});
+  };
+  const auto merge = [&](const torch::Tensor& x, int64_t T) { // (B, T, H·D)
+    return x.reshape({B, H, T, -1}).transpose(1, 2).reshape({B, T, -1});
+  };
+
+  auto bias = torch::zeros({B, H, L, S}, torch::kDouble);
+  const auto& attn_mask = options.attn_mask();
+  if (attn_mask.defined()) {
+    auto m = attn_mask.detach().cpu();
+    m = m.dim() == 3 ? m.reshape({B, H, L, S}) : m; // (B·H, L, S) -> (B, H, L, S)
+    bias = m.scalar_type() == torch::kBool ? bias.masked_fill(m.logical_not(), -kInf)
+                                           : bias + cpu64(m);
+  }
+  const auto& padding = options.key_padding_mask();
+  if (padding.defined()) {
+    const auto m = padding.detach().cpu().reshape({B, 1, 1, S});
+    bias = m.scalar_type() == torch::kBool ? bias.masked_fill(m, -kInf) : bias + cpu64(m);
+  }
+  if (options.is_causal()) {
+    bias = bias.masked_fill(torch::ones({L, S}, torch::kBool).triu(1), -kInf);
+  }
+  bias = bias.reshape({B * H, L, S});
+
+  const auto Q = split(project(x_q, mha.q_proj), L);
+  const auto K = split(project(x_k, mha.k_proj), S);
+  const auto V = split(project(x_v, mha.v_proj), S);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const auto [heads, weights] = reference_attention(Q, K, V, bias, scale);
+  const auto output = project(merge(heads, L), mha.out_proj); // (B, L, E)
+
+  MultiHeadReference result{
+      batch_first ? output : output.transpose(0, 1), weights.reshape({B, H, L, S}), {}};
+  if (upstream.defined()) {
+    const auto d_heads = split(torch::matmul(layout(upstream), weight(mha.out_proj)), L);
+    const auto grads = reference_attention_gradients(Q, K, V, bias, scale, d_heads);
+    const std::pair<const torch::nn::Linear*, int64_t> projections[] = {
+        {&mha.q_proj, L}, {&mha.k_proj, S}, {&mha.v_proj, S}};
+    for (int i = 0; i < 3; ++i) {
+      const auto& [projection, T] = projections[i];
+      const auto d_input = torch::matmul(merge(grads[i], T), weight(*projection));
+      result.input_gradients.push_back(batch_first ? d_input : d_input.transpose(0, 1));
+    }
+  }
+  return result;
+}
+
 torch::Tensor numerical_gradient(
     const std::function<torch::Tensor()>& loss, torch::Tensor x) {
   torch::NoGradGuard no_grad;

@@ -3,6 +3,8 @@
 // Helpers shared by the tests: an independent float64 attention reference,
 // finite-difference gradients, and assertions on tensors and errors.
 
+#include <attn/modules/multi_head_attention.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -34,6 +36,36 @@ std::pair<torch::Tensor, torch::Tensor> reference_attention(
     const torch::Tensor& v,
     const torch::Tensor& bias,
     double scale);
+
+// Gradients of sum(upstream · output) of reference_attention's output with
+// respect to q, k and v, in float64 by the textbook formulas: dV = Pᵀ·dO,
+// dP = dO·Vᵀ, dS = P ∘ (dP − rowsum(P ∘ dP)), dQ = s·dS·K, dK = s·dSᵀ·Q.
+// Shapes and conventions as reference_attention; upstream is (N, L, Ev).
+std::vector<torch::Tensor> reference_attention_gradients(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& bias,
+    double scale,
+    const torch::Tensor& upstream);
+
+// attn::MultiHeadAttention written out in float64 from `mha`'s parameters
+// (no dropout): projections, reference_attention per head under one
+// additive bias built from the options' masks, merged heads, out_proj.
+struct MultiHeadReference {
+  torch::Tensor output;  // in the module's layout, float64
+  torch::Tensor weights; // (B, H, L, S) per head
+  // d sum(upstream · output) / d query, key, value (each input on its own).
+  std::vector<torch::Tensor> input_gradients;
+};
+// Inputs in the module's layout; `upstream` is shaped like the output.
+MultiHeadReference reference_multi_head_attention(
+    const attn::MultiHeadAttentionImpl& mha,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const attn::MultiHeadAttentionForwardOptions& options,
+    const torch::Tensor& upstream);
 
 // d loss / d x by central differences; `x` must be a float64 CPU tensor
 // that `loss` reads. Entries are perturbed in place and restored.

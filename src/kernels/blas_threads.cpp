@@ -2,6 +2,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <mutex>
+
 #ifndef _WIN32
 #include <dlfcn.h>
 #endif
@@ -27,19 +29,44 @@ const OpenBlasThreadControl& openblas() {
   return control;
 }
 
+// OpenBLAS's thread count is process-wide while the guards live in whichever
+// threads call the kernels, so they share one count of live guards: the
+// first saves and lowers the setting, the last restores it, in any order.
+struct LiveGuards {
+  std::mutex mutex;
+  int count = 0;
+  int saved_threads = 0;
+};
+
+LiveGuards& live_guards() {
+  static LiveGuards guards;
+  return guards;
+}
+
 } // namespace
 
 ScopedSingleThreadedBlas::ScopedSingleThreadedBlas() {
   const auto& blas = openblas();
-  if (blas.get != nullptr && blas.set != nullptr && at::get_num_threads() > 1) {
-    previous_threads_ = blas.get();
+  active_ = blas.get != nullptr && blas.set != nullptr && at::get_num_threads() > 1;
+  if (!active_) {
+    return;
+  }
+  auto& guards = live_guards();
+  const std::lock_guard<std::mutex> lock(guards.mutex);
+  if (guards.count++ == 0) {
+    guards.saved_threads = blas.get();
     blas.set(1);
   }
 }
 
 ScopedSingleThreadedBlas::~ScopedSingleThreadedBlas() {
-  if (previous_threads_ > 0) {
-    openblas().set(previous_threads_);
+  if (!active_) {
+    return;
+  }
+  auto& guards = live_guards();
+  const std::lock_guard<std::mutex> lock(guards.mutex);
+  if (--guards.count == 0) {
+    openblas().set(guards.saved_threads);
   }
 }
 

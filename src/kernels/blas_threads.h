@@ -6,7 +6,8 @@ namespace attn::detail {
 // if ATen's own pool has more than one: the kernels parallelise over tiles
 // themselves, and a threaded BLAS inside each task would oversubscribe the
 // cores. MKL does this on its own inside OpenMP regions; other BLAS
-// libraries are left alone.
+// libraries are left alone. Guards may overlap across threads: the
+// setting is restored when the last one ends.
 class ScopedSingleThreadedBlas {
  public:
   ScopedSingleThreadedBlas();
@@ -15,7 +16,7 @@ class ScopedSingleThreadedBlas {
   ScopedSingleThreadedBlas& operator=(const ScopedSingleThreadedBlas&) = delete;
 
  private:
-  int previous_threads_ = 0; // 0: nothing to restore
+  bool active_ = false; // whether this guard counts among the live ones
 };
 
 } // namespace attn::detail

@@ -1,0 +1,456 @@
+// Property tests: seeded random configurations of every public attention
+// path — the function with and without weights and gradients, the
+// ScaledDotProductAttention module, MultiHeadAttention for self- and
+// cross-attention in both layouts — compared in output, weights and input
+// gradients with the float64 loop references of test_support. Each
+// configuration is drawn from its own seed alone, and a failure prints the
+// seed and every parameter, so the description reproduces the case.
+
+#include "test_support.h"
+
+#include <attn/functional.h>
+#include <attn/modules/multi_head_attention.h>
+#include <attn/modules/scaled_dot_product_attention.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <sstream>
+
+namespace {
+
+using attn::testing::max_abs_diff;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr uint64_t kBaseSeed = 1000;
+constexpr int kFunctionCases = 300;
+constexpr int kMultiHeadCases = 160;
+
+// Uniform choice among `values`.
+template <typename T>
+T pick(std::mt19937_64& rng, std::initializer_list<T> values) {
+  std::vector<T> v(values);
+  return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)];
+}
+
+bool coin(std::mt19937_64& rng) {
+  return pick(rng, {false, true});
+}
+
+// Tolerances relative to the largest reference magnitude (at least 1):
+// float32 results differ from float64 by a few roundings per element after
+// sums of up to ~500 terms in another order; gradients go through one more
+// such sum. float64 differs by summation order only.
+double tolerance(torch::ScalarType dtype, bool gradient) {
+  if (dtype == torch::kFloat) {
+    return gradient ? 1e-4 : 2e-5;
+  }
+  return gradient ? 1e-10 : 1e-12;
+}
+
+void expect_close(
+    const torch::Tensor& actual, const torch::Tensor& expected, double tol, const char* what) {
+  ASSERT_TRUE(actual.defined()) << what;
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  const double magnitude =
+      expected.numel() == 0 ? 1.0 : std::max(1.0, expected.abs().max().item<double>());
+  EXPECT_LE(max_abs_diff(actual, expected), tol * magnitude) << what;
+}
+
+// How an input is laid out in memory; every layout must give the same result.
+enum class Layout { contiguous, transposed, expanded };
+const char* name(Layout layout) {
+  switch (layout) {
+    case Layout::contiguous: return "contiguous";
+    case Layout::transposed: return "transposed";
+    case Layout::expanded: return "expanded";
+  }
+  return "?";
+}
+
+// A random tensor of `shape` in `layout`: transposed stores the last two
+// dims swapped (no unit stride); expanded repeats one slice of dim 0
+// (stride 0) when there is a dim to spare.
+torch::Tensor random_tensor(
+    const std::vector<int64_t>& shape, torch::ScalarType dtype, Layout layout) {
+  const auto opts = torch::TensorOptions(dtype);
+  const auto n = static_cast<int64_t>(shape.size());
+  if (layout == Layout::transposed) {
+    auto swapped = shape;
+    std::swap(swapped[n - 1], swapped[n - 2]);
+    return torch::randn(swapped, opts).transpose(-1, -2);
+  }
+  if (layout == Layout::expanded && n > 2) {
+    auto one = shape;
+    one[0] = 1;
+    return torch::randn(one, opts).expand(shape);
+  }
+  return torch::randn(shape, opts);
+}
+
+// ---------------------------------------------------------------------------
+// The function and the ScaledDotProductAttention module.
+
+enum class SdpaMask { none, bool_pairs, bool_keys, float_full, float_pairs };
+const char* name(SdpaMask mask) {
+  switch (mask) {
+    case SdpaMask::none: return "none";
+    case SdpaMask::bool_pairs: return "bool (L, S)";
+    case SdpaMask::bool_keys: return "bool (..., 1, S)";
+    case SdpaMask::float_full: return "float (..., L, S)";
+    case SdpaMask::float_pairs: return "float (L, S)";
+  }
+  return "?";
+}
+
+struct SdpaCase {
+  uint64_t seed;
+  bool module;                 // through attn::ScaledDotProductAttention
+  std::vector<int64_t> batch;  // leading dims, possibly none
+  int64_t L, S, E, Ev;
+  SdpaMask mask;
+  bool masked_row;             // one query row with every key masked
+  bool mask_requires_grad;     // a float mask that is itself learned
+  bool causal;
+  bool need_weights;
+  bool requires_grad;
+  c10::optional<double> scale;
+  torch::ScalarType dtype;
+  Layout layout;
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "seed=" << seed << (module ? " module" : " function") << " batch=" << torch::IntArrayRef(batch)
+      << " L=" << L << " S=" << S << " E=" << E << " Ev=" << Ev << " mask=" << name(mask)
+      << " masked_row=" << masked_row << " mask_requires_grad=" << mask_requires_grad
+      << " causal=" << causal << " need_weights=" << need_weights
+      << " requires_grad=" << requires_grad << " scale=" << (scale ? std::to_string(*scale) : "default")
+      << " dtype=" << dtype << " layout=" << name(layout);
+    return s.str();
+  }
+};
+
+// Lengths around the fused kernel's tiles (128 queries, 512 keys) and
+// small ones, with small widths so that hundreds of cases run in seconds.
+SdpaCase draw_sdpa_case(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  SdpaCase c;
+  c.seed = seed;
+  c.module = pick(rng, {0, 0, 0, 1}) == 1;
+  c.batch = pick<std::vector<int64_t>>(rng, {{}, {2}, {1, 3}, {2, 2}, {2, 1, 2}});
+  const bool long_queries = pick(rng, {0, 0, 0, 1}) == 1;
+  const bool long_keys = pick(rng, {0, 0, 0, 1}) == 1;
+  c.L = long_queries ? pick<int64_t>(rng, {127, 128, 129, 200}) : pick<int64_t>(rng, {1, 2, 5, 17});
+  c.S = long_keys ? pick<int64_t>(rng, {511, 512, 513}) : pick<int64_t>(rng, {1, 2, 6, 31});
+  c.E = pick<int64_t>(rng, {1, 3, 8});
+  c.Ev = pick<int64_t>(rng, {c.E, 5});
+  c.mask = pick(rng, {SdpaMask::none, SdpaMask::bool_pairs, SdpaMask::bool_keys,
+                      SdpaMask::float_full, SdpaMask::float_pairs});
+  c.masked_row = c.mask != SdpaMask::none && c.mask != SdpaMask::bool_keys && coin(rng);
+  c.causal = coin(rng);
+  c.need_weights = c.module || coin(rng);
+  c.requires_grad = coin(rng);
+  const bool float_mask = c.mask == SdpaMask::float_full || c.mask == SdpaMask::float_pairs;
+  c.mask_requires_grad = float_mask && c.requires_grad && coin(rng);
+  c.scale = coin(rng) ? c10::optional<double>(pick(rng, {0.05, 0.7, 1.3})) : c10::nullopt;
+  c.dtype = coin(rng) ? torch::kDouble : torch::kFloat;
+  c.layout = pick(rng, {Layout::contiguous, Layout::transposed, Layout::expanded});
+  return c;
+}
+
+// The case's mask in SDPA's convention, or undefined.
+torch::Tensor make_sdpa_mask(const SdpaCase& c) {
+  auto full = c.batch;
+  full.insert(full.end(), {c.L, c.S});
+  auto keys = c.batch;
+  keys.insert(keys.end(), {1, c.S});
+  torch::Tensor mask;
+  switch (c.mask) {
+    case SdpaMask::none:
+      return {};
+    case SdpaMask::bool_pairs:
+      mask = torch::rand({c.L, c.S}) > 0.3;
+      break;
+    case SdpaMask::bool_keys:
+      mask = torch::rand(keys) > 0.3;
+      break;
+    case SdpaMask::float_full:
+    case SdpaMask::float_pairs: {
+      const auto shape = c.mask == SdpaMask::float_full ? full : std::vector<int64_t>{c.L, c.S};
+      mask = torch::randn(shape, c.dtype).masked_fill(torch::rand(shape) > 0.8, -kInf);
+      break;
+    }
+  }
+  if (c.masked_row) {
+    mask.select(-2, c.L / 2).fill_(mask.scalar_type() == torch::kBool ? 0.0 : -kInf);
+  }
+  return c.mask_requires_grad ? mask.requires_grad_() : mask;
+}
+
+// `mask` (SDPA's convention, broadcastable) and the causal rule as the
+// additive float64 bias (N, L, S) of the loop reference.
+torch::Tensor reference_bias(const SdpaCase& c, const torch::Tensor& mask) {
+  auto full = c.batch;
+  full.insert(full.end(), {c.L, c.S});
+  auto bias = torch::zeros(full, torch::kDouble);
+  if (mask.defined()) {
+    const auto m = mask.detach().expand(full);
+    bias = m.scalar_type() == torch::kBool ? bias.masked_fill(m.logical_not(), -kInf)
+                                           : bias + m.to(torch::kDouble);
+  }
+  if (c.causal) {
+    bias = bias.masked_fill(torch::ones({c.L, c.S}, torch::kBool).triu(1), -kInf);
+  }
+  return bias.reshape({-1, c.L, c.S}); // (N, L, S)
+}
+
+void check_sdpa_case(const SdpaCase& c) {
+  torch::manual_seed(c.seed);
+  const auto shape = [&](int64_t T, int64_t F) {
+    auto s = c.batch;
+    s.insert(s.end(), {T, F});
+    return s;
+  };
+  // Gradients are taken with respect to the tensors passed in, views or not.
+  const auto q = random_tensor(shape(c.L, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  const auto k = random_tensor(shape(c.S, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  const auto v = random_tensor(shape(c.S, c.Ev), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  const auto mask = make_sdpa_mask(c);
+
+  torch::Tensor out, weights;
+  if (c.module) {
+    attn::ScaledDotProductAttention sdpa(
+        attn::ScaledDotProductAttentionOptions().scale(c.scale).dropout(0.3));
+    sdpa->eval(); // dropout off
+    std::tie(out, weights) = sdpa(q, k, v, mask, c.causal);
+  } else {
+    std::tie(out, weights) = attn::scaled_dot_product_attention(
+        q, k, v,
+        attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale)
+            .need_weights(c.need_weights));
+  }
+
+  const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
+  const auto flat = [](const torch::Tensor& t) { // (N, T, F)
+    return t.reshape({-1, t.size(-2), t.size(-1)});
+  };
+  const auto bias = reference_bias(c, mask);
+  const auto [ref_out, ref_weights] =
+      attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, scale);
+  expect_close(flat(out), ref_out, tolerance(c.dtype, false), "output");
+  if (c.need_weights) {
+    expect_close(flat(weights), ref_weights, tolerance(c.dtype, false), "weights");
+  } else {
+    EXPECT_FALSE(weights.defined()) << "weights without need_weights";
+  }
+  if (!c.requires_grad) {
+    return;
+  }
+  const auto upstream = torch::randn(out.sizes(), c.dtype);
+  const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
+  const auto ref_grads = attn::testing::reference_attention_gradients(
+      flat(q), flat(k), flat(v), bias, scale, flat(upstream));
+  const char* names[] = {"d query", "d key", "d value"};
+  for (int i = 0; i < 3; ++i) {
+    expect_close(flat(grads[i]), ref_grads[i], tolerance(c.dtype, true), names[i]);
+  }
+}
+
+TEST(PropertySweep, FunctionAndModuleMatchTheFloat64Reference) {
+  for (int i = 0; i < kFunctionCases; ++i) {
+    const auto c = draw_sdpa_case(kBaseSeed + i);
+    SCOPED_TRACE(c.describe());
+    check_sdpa_case(c);
+    if (HasFailure()) {
+      break; // one reproducible configuration is enough to report
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// MultiHeadAttention.
+
+enum class MhaMask { none, bool_pairs, float_pairs, bool_per_head_3d, float_full_4d,
+                     bool_heads_4d, float_batch_4d };
+const char* name(MhaMask mask) {
+  switch (mask) {
+    case MhaMask::none: return "none";
+    case MhaMask::bool_pairs: return "bool (L, S)";
+    case MhaMask::float_pairs: return "float (L, S)";
+    case MhaMask::bool_per_head_3d: return "bool (B*H, L, S)";
+    case MhaMask::float_full_4d: return "float (B, H, L, S)";
+    case MhaMask::bool_heads_4d: return "bool (1, H, L, S)";
+    case MhaMask::float_batch_4d: return "float (B, 1, L, S)";
+  }
+  return "?";
+}
+enum class Padding { none, bool_keys, float_keys };
+const char* name(Padding padding) {
+  switch (padding) {
+    case Padding::none: return "none";
+    case Padding::bool_keys: return "bool";
+    case Padding::float_keys: return "float";
+  }
+  return "?";
+}
+
+struct MhaCase {
+  uint64_t seed;
+  int64_t B, L, S, E, H, kdim, vdim;
+  bool self_attention; // one tensor as query, key and value (S == L)
+  bool batch_first;
+  bool bias;
+  MhaMask mask;
+  Padding padding;
+  bool padded_batch; // one batch entry with every key padded
+  bool causal;
+  bool need_weights;
+  bool average_weights;
+  bool requires_grad;
+  bool transposed_inputs;
+  torch::ScalarType dtype;
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "seed=" << seed << " B=" << B << " L=" << L << " S=" << S << " E=" << E << " H=" << H
+      << " kdim=" << kdim << " vdim=" << vdim << (self_attention ? " self" : " cross")
+      << " batch_first=" << batch_first << " bias=" << bias << " attn_mask=" << name(mask)
+      << " key_padding_mask=" << name(padding) << " padded_batch=" << padded_batch
+      << " causal=" << causal << " need_weights=" << need_weights
+      << " average_weights=" << average_weights << " requires_grad=" << requires_grad
+      << " transposed_inputs=" << transposed_inputs << " dtype=" << dtype;
+    return s.str();
+  }
+};
+
+MhaCase draw_mha_case(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  MhaCase c;
+  c.seed = seed;
+  c.B = pick<int64_t>(rng, {1, 2, 3});
+  c.E = pick<int64_t>(rng, {4, 6, 12});
+  c.H = c.E == 6 ? pick<int64_t>(rng, {1, 2, 3}) : pick<int64_t>(rng, {1, 2, 4});
+  c.L = pick(rng, {0, 0, 0, 1}) == 1 ? pick<int64_t>(rng, {128, 129})
+                                     : pick<int64_t>(rng, {1, 2, 5, 9});
+  c.self_attention = coin(rng);
+  c.S = c.self_attention ? c.L
+                         : (pick(rng, {0, 0, 0, 1}) == 1 ? pick<int64_t>(rng, {512, 513})
+                                                         : pick<int64_t>(rng, {1, 3, 7}));
+  c.kdim = c.self_attention ? c.E : pick<int64_t>(rng, {c.E, 3});
+  c.vdim = c.self_attention ? c.E : pick<int64_t>(rng, {c.E, 5});
+  c.batch_first = coin(rng);
+  c.bias = pick(rng, {0, 1, 1}) == 1;
+  c.mask = pick(rng, {MhaMask::none, MhaMask::bool_pairs, MhaMask::float_pairs,
+                      MhaMask::bool_per_head_3d, MhaMask::float_full_4d, MhaMask::bool_heads_4d,
+                      MhaMask::float_batch_4d});
+  c.padding = pick(rng, {Padding::none, Padding::bool_keys, Padding::float_keys});
+  c.padded_batch = c.padding != Padding::none && pick(rng, {0, 0, 1}) == 1;
+  c.causal = coin(rng);
+  c.need_weights = coin(rng);
+  c.average_weights = c.need_weights && coin(rng);
+  c.requires_grad = coin(rng);
+  c.transposed_inputs = coin(rng);
+  c.dtype = coin(rng) ? torch::kDouble : torch::kFloat;
+  return c;
+}
+
+torch::Tensor make_mha_mask(const MhaCase& c) {
+  const auto random_mask = [&](std::vector<int64_t> shape, bool is_bool) {
+    return is_bool ? torch::rand(shape) > 0.3
+                   : torch::randn(shape, c.dtype).masked_fill(torch::rand(shape) > 0.8, -kInf);
+  };
+  switch (c.mask) {
+    case MhaMask::none: return {};
+    case MhaMask::bool_pairs: return random_mask({c.L, c.S}, true);
+    case MhaMask::float_pairs: return random_mask({c.L, c.S}, false);
+    case MhaMask::bool_per_head_3d: return random_mask({c.B * c.H, c.L, c.S}, true);
+    case MhaMask::float_full_4d: return random_mask({c.B, c.H, c.L, c.S}, false);
+    case MhaMask::bool_heads_4d: return random_mask({1, c.H, c.L, c.S}, true);
+    case MhaMask::float_batch_4d: return random_mask({c.B, 1, c.L, c.S}, false);
+  }
+  return {};
+}
+
+torch::Tensor make_padding(const MhaCase& c) {
+  torch::Tensor padding;
+  switch (c.padding) {
+    case Padding::none: return {};
+    case Padding::bool_keys: padding = torch::rand({c.B, c.S}) > 0.7; break;
+    case Padding::float_keys:
+      padding = torch::randn({c.B, c.S}, c.dtype).masked_fill(torch::rand({c.B, c.S}) > 0.7, -kInf);
+      break;
+  }
+  if (c.padded_batch) {
+    padding.select(0, c.B - 1).fill_(padding.scalar_type() == torch::kBool ? 1.0 : -kInf);
+  }
+  return padding;
+}
+
+void check_mha_case(const MhaCase& c) {
+  torch::manual_seed(c.seed);
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(c.E, c.H)
+                                   .kdim(c.kdim).vdim(c.vdim).bias(c.bias)
+                                   .batch_first(c.batch_first).dropout(0.2));
+  mha->to(c.dtype);
+  mha->eval(); // dropout off
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : mha->parameters()) {
+      p.normal_(0.0, 0.5); // non-zero biases too
+    }
+  }
+  const auto input = [&](int64_t T, int64_t F) {
+    std::vector<int64_t> shape = c.batch_first ? std::vector<int64_t>{c.B, T, F}
+                                               : std::vector<int64_t>{T, c.B, F};
+    return random_tensor(shape, c.dtype, c.transposed_inputs ? Layout::transposed : Layout::contiguous)
+        .requires_grad_(c.requires_grad);
+  };
+  const auto query = input(c.L, c.E);
+  const auto key = c.self_attention ? query : input(c.S, c.kdim);
+  const auto value = c.self_attention ? query : input(c.S, c.vdim);
+  const auto options = attn::MultiHeadAttentionForwardOptions()
+                           .attn_mask(make_mha_mask(c))
+                           .key_padding_mask(make_padding(c))
+                           .is_causal(c.causal)
+                           .need_weights(c.need_weights)
+                           .average_attn_weights(c.average_weights);
+  const auto [out, weights] = mha(query, key, value, options);
+
+  const auto upstream = c.requires_grad ? torch::randn(out.sizes(), c.dtype) : torch::Tensor();
+  const auto ref = attn::testing::reference_multi_head_attention(*mha, query, key, value, options, upstream);
+  expect_close(out, ref.output, tolerance(c.dtype, false), "output");
+  if (c.need_weights) {
+    expect_close(weights, c.average_weights ? ref.weights.mean(1) : ref.weights,
+                 tolerance(c.dtype, false), "weights");
+  } else {
+    EXPECT_FALSE(weights.defined()) << "weights without need_weights";
+  }
+  if (!c.requires_grad) {
+    return;
+  }
+  const auto& ref_grads = ref.input_gradients;
+  if (c.self_attention) {
+    const auto grad = torch::autograd::grad({out}, {query}, {upstream})[0];
+    expect_close(grad, ref_grads[0] + ref_grads[1] + ref_grads[2], tolerance(c.dtype, true), "d x");
+    return;
+  }
+  const auto grads = torch::autograd::grad({out}, {query, key, value}, {upstream});
+  const char* names[] = {"d query", "d key", "d value"};
+  for (int i = 0; i < 3; ++i) {
+    expect_close(grads[i], ref_grads[i], tolerance(c.dtype, true), names[i]);
+  }
+}
+
+TEST(PropertySweep, MultiHeadAttentionMatchesTheFloat64Reference) {
+  for (int i = 0; i < kMultiHeadCases; ++i) {
+    const auto c = draw_mha_case(kBaseSeed + kFunctionCases + i);
+    SCOPED_TRACE(c.describe());
+    check_mha_case(c);
+    if (HasFailure()) {
+      break; // one reproducible configuration is enough to report
+    }
+  }
+}
+
+} // namespace

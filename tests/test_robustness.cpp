@@ -1,0 +1,438 @@
+// Numerical robustness and reliability: huge scores, half precision,
+// fully masked rows and empty sequences on every path, one module shared
+// by several threads, run-to-run determinism, and the OpenBLAS thread
+// setting under overlapping kernel calls.
+
+#include "test_support.h"
+
+#include "kernels/blas_threads.h"
+
+#include <attn/functional.h>
+#include <attn/modules/multi_head_attention.h>
+#include <attn/modules/scaled_dot_product_attention.h>
+
+#include <ATen/Parallel.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#ifndef _WIN32
+#include <dlfcn.h>
+#endif
+
+namespace {
+
+using attn::SDPAOptions;
+using attn::scaled_dot_product_attention;
+using attn::testing::max_abs_diff;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The function's four routes on the CPU: fused without weights (with and
+// without a gradient), fused with weights (inference), and the reference
+// path (weights with a gradient).
+struct Route {
+  bool need_weights;
+  bool requires_grad;
+  std::string describe() const {
+    std::ostringstream s;
+    s << "need_weights=" << need_weights << " requires_grad=" << requires_grad;
+    return s.str();
+  }
+};
+const Route kRoutes[] = {{false, false}, {false, true}, {true, false}, {true, true}};
+
+bool all_finite(const torch::Tensor& t) {
+  return torch::isfinite(t).all().item<bool>();
+}
+
+class ThreadCount {
+ public:
+  explicit ThreadCount(int threads) : previous_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~ThreadCount() { at::set_num_threads(previous_); }
+
+ private:
+  int previous_;
+};
+
+TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath) {
+  // Integer inputs with scale 1: scores up to ~2e4 are exact in float32, so
+  // float32 must match the float64 reference as closely as at small scores.
+  torch::manual_seed(11);
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    for (const auto& route : kRoutes) {
+      SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
+      const auto q = torch::randint(-100, 101, {2, 130, 2}, dtype).requires_grad_(route.requires_grad);
+      const auto k = torch::randint(-100, 101, {2, 600, 2}, dtype).requires_grad_(route.requires_grad);
+      const auto v = torch::randn({2, 600, 3}, dtype).requires_grad_(route.requires_grad);
+      const auto [out, weights] = scaled_dot_product_attention(
+          q, k, v, SDPAOptions().scale(1.0).is_causal(true).need_weights(route.need_weights));
+      const auto causal = torch::zeros({130, 600}, torch::kDouble)
+                              .masked_fill(torch::ones({130, 600}, torch::kBool).triu(1), -kInf);
+      const auto [ref_out, ref_weights] = attn::testing::reference_attention(q, k, v, causal, 1.0);
+      const double tol = dtype == torch::kFloat ? 1e-5 : 1e-12;
+      ASSERT_TRUE(all_finite(out));
+      EXPECT_LE(max_abs_diff(out, ref_out), tol);
+      if (route.need_weights) {
+        EXPECT_LE(max_abs_diff(weights, ref_weights), tol);
+      }
+      if (route.requires_grad) {
+        const auto grads = torch::autograd::grad({out.sum()}, {q, k, v});
+        for (const auto& grad : grads) {
+          EXPECT_TRUE(all_finite(grad));
+        }
+      }
+    }
+  }
+}
+
+TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scores) {
+  // Inputs scaled by 100 give scores of ~1e4 after the projections.
+  torch::manual_seed(12);
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(16, 2));
+  mha->eval();
+  const auto x = (100 * torch::randn({2, 9, 16})).requires_grad_();
+  const auto [out, weights] = mha(x, x, x);
+  const auto ref = attn::testing::reference_multi_head_attention(*mha, x, x, x, {}, {});
+  ASSERT_TRUE(all_finite(out));
+  ASSERT_TRUE(all_finite(weights));
+  // float32 rounds scores of 1e4 to ~1e-3, which moves each weight by up to
+  // ~0.1 % of itself; outputs are weighted sums of values of ~1e2.
+  EXPECT_LE(max_abs_diff(weights, ref.weights), 5e-3);
+  EXPECT_LE(max_abs_diff(out, ref.output), 5e-3 * ref.output.abs().max().item<double>());
+  EXPECT_TRUE(all_finite(torch::autograd::grad({out.sum()}, {x})[0]));
+}
+
+// Half precision on the CPU runs in float32 inside the function and rounds
+// the results once, so each element is within half an ulp of the float32
+// result on the same (rounded) inputs: 2^-8 of it for bfloat16 (8 significant
+// bits), 2^-11 for float16 (11 bits; plus 2^-25 where it is subnormal).
+TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
+  torch::manual_seed(13);
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const double half_ulp = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+    for (const auto& route : kRoutes) {
+      SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
+      const auto q = torch::randn({2, 3, 70, 16}).to(dtype).requires_grad_(route.requires_grad);
+      const auto k = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
+      const auto v = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
+      const auto mask = torch::randn({70, 40}).masked_fill(torch::rand({70, 40}) > 0.7, -kInf);
+      const auto options = SDPAOptions().need_weights(route.need_weights).is_causal(true);
+      const auto [out, weights] =
+          scaled_dot_product_attention(q, k, v, SDPAOptions(options).attn_mask(mask.to(dtype)));
+      const auto as_float = [](const torch::Tensor& t) {
+        return t.detach().to(torch::kFloat).requires_grad_(t.requires_grad());
+      };
+      const auto q32 = as_float(q), k32 = as_float(k), v32 = as_float(v);
+      const auto [out32, weights32] = scaled_dot_product_attention(
+          q32, k32, v32, SDPAOptions(options).attn_mask(mask.to(dtype).to(torch::kFloat)));
+      ASSERT_EQ(out.scalar_type(), dtype);
+      const auto within_half_ulp = [&](const torch::Tensor& low, const torch::Tensor& ref) {
+        const auto error = (low.to(torch::kFloat) - ref).abs();
+        return (error <= half_ulp * ref.abs() + std::ldexp(1.0, -25)).all().item<bool>();
+      };
+      EXPECT_TRUE(within_half_ulp(out.detach(), out32.detach()));
+      if (route.need_weights) {
+        EXPECT_TRUE(within_half_ulp(weights.detach(), weights32.detach()));
+      }
+      if (route.requires_grad) {
+        const auto upstream = torch::randn(out.sizes()).to(dtype);
+        const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
+        const auto grads32 = torch::autograd::grad({out32}, {q32, k32, v32}, {upstream.to(torch::kFloat)});
+        for (int i = 0; i < 3; ++i) {
+          EXPECT_TRUE(within_half_ulp(grads[i], grads32[i])) << "gradient " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(NumericalRobustness, BFloat16MultiHeadAttentionStaysNearItsFloat32Result) {
+  torch::manual_seed(14);
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(32, 4));
+  auto low = std::dynamic_pointer_cast<attn::MultiHeadAttentionImpl>(mha->clone());
+  low->to(torch::kBFloat16);
+  mha->to(torch::kBFloat16); // the float32 module holds the same rounded weights
+  mha->to(torch::kFloat);
+  const auto x = torch::randn({2, 20, 32}).to(torch::kBFloat16);
+  const auto padding = torch::rand({2, 20}) > 0.8;
+  const auto options = attn::MultiHeadAttentionForwardOptions().key_padding_mask(padding).is_causal(true);
+  const auto [out, weights] = low->forward(x, x, x, options);
+  const auto x32 = x.to(torch::kFloat);
+  const auto [out32, weights32] = mha(x32, x32, x32, options);
+  // The projections round Q, K, V and the merged heads to bfloat16 (2^-9
+  // each) before out_proj mixes 32 of them: a few 2^-9 of the largest value.
+  const double magnitude = out32.abs().max().item<double>();
+  EXPECT_LE(max_abs_diff(out, out32), 8 * std::ldexp(1.0, -9) * magnitude);
+  EXPECT_LE(max_abs_diff(weights, weights32), 8 * std::ldexp(1.0, -9));
+}
+
+TEST(NumericalRobustness, Float16MultiHeadAttentionOnTheCpuRunsOrNamesTheMissingKernel) {
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(8, 2));
+  mha->to(torch::kHalf);
+  const auto x = torch::randn({1, 4, 8}).to(torch::kHalf);
+#if TORCH_VERSION_MAJOR < 2
+  // LibTorch 1.13 has no float16 matrix product on the CPU; the projection
+  // fails with a c10::Error naming the dtype, never a crash.
+  EXPECT_ATTN_ERROR(mha(x, x, x), "'Half'");
+#else
+  const auto [out, weights] = mha(x, x, x);
+  EXPECT_TRUE(all_finite(out));
+#endif
+}
+
+TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
+  torch::manual_seed(15);
+  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
+    for (const bool bool_mask : {true, false}) {
+      for (const auto& route : kRoutes) {
+        SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype) +
+                     (bool_mask ? " bool mask" : " float mask"));
+        const auto q = torch::randn({2, 140, 8}).to(dtype).requires_grad_(route.requires_grad);
+        const auto k = torch::randn({2, 520, 8}).to(dtype).requires_grad_(route.requires_grad);
+        const auto v = torch::randn({2, 520, 8}).to(dtype).requires_grad_(route.requires_grad);
+        auto allowed = torch::rand({2, 140, 520}) > 0.5;
+        allowed.select(1, 3).fill_(false);
+        allowed.select(1, 133).fill_(false); // in the second query tile
+        const auto mask = bool_mask ? allowed
+                                    : torch::zeros({2, 140, 520}, dtype).masked_fill(allowed.logical_not(), -kInf);
+        const auto [out, weights] = scaled_dot_product_attention(
+            q, k, v, SDPAOptions().attn_mask(mask).need_weights(route.need_weights));
+        for (const int64_t row : {3, 133}) {
+          EXPECT_EQ(out.select(1, row).abs().max().item<double>(), 0.0) << "row " << row;
+          if (route.need_weights) {
+            EXPECT_EQ(weights.select(1, row).abs().max().item<double>(), 0.0) << "row " << row;
+          }
+        }
+        ASSERT_TRUE(all_finite(out));
+        if (route.requires_grad) {
+          const auto grads = torch::autograd::grad({out.sum()}, {q, k, v});
+          for (const auto& grad : grads) {
+            EXPECT_TRUE(all_finite(grad));
+          }
+          EXPECT_EQ(grads[0].select(1, 3).abs().max().item<double>(), 0.0);
+        }
+      }
+    }
+  }
+}
+
+TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPath) {
+  struct Sizes {
+    int64_t B, L, S;
+  };
+  for (const Sizes sizes : {Sizes{2, 0, 5}, Sizes{2, 4, 0}, Sizes{0, 4, 5}, Sizes{2, 0, 0}}) {
+    for (const auto& route : kRoutes) {
+      SCOPED_TRACE(route.describe() + " B=" + std::to_string(sizes.B) + " L=" +
+                   std::to_string(sizes.L) + " S=" + std::to_string(sizes.S));
+      const auto q = torch::randn({sizes.B, sizes.L, 8}).requires_grad_(route.requires_grad);
+      const auto k = torch::randn({sizes.B, sizes.S, 8}).requires_grad_(route.requires_grad);
+      const auto v = torch::randn({sizes.B, sizes.S, 3}).requires_grad_(route.requires_grad);
+      const auto mask = torch::ones({sizes.L, sizes.S}, torch::kBool);
+      const auto [out, weights] = scaled_dot_product_attention(
+          q, k, v, SDPAOptions().attn_mask(mask).is_causal(true).need_weights(route.need_weights));
+      ASSERT_EQ(out.sizes(), torch::IntArrayRef({sizes.B, sizes.L, 3}));
+      if (out.numel() > 0) {
+        EXPECT_EQ(out.abs().max().item<float>(), 0.0f); // no keys: zero output
+      }
+      if (route.need_weights) {
+        EXPECT_EQ(weights.sizes(), torch::IntArrayRef({sizes.B, sizes.L, sizes.S}));
+      }
+      if (route.requires_grad) {
+        const auto grads = torch::autograd::grad(
+            {out.sum()}, {q, k, v}, {}, c10::nullopt, false, /*allow_unused=*/true);
+        for (const auto& grad : grads) {
+          EXPECT_TRUE(!grad.defined() || (all_finite(grad) && (grad.numel() == 0 || grad.abs().max().item<float>() == 0.0f)));
+        }
+      }
+    }
+  }
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(8, 2));
+  const auto x = torch::randn({2, 3, 8});
+  const auto [no_queries, w0] = mha(torch::randn({2, 0, 8}), x, x);
+  EXPECT_EQ(no_queries.sizes(), torch::IntArrayRef({2, 0, 8}));
+  const auto [no_keys, w1] = mha(x, torch::randn({2, 0, 8}), torch::randn({2, 0, 8}));
+  EXPECT_EQ(w1.sizes(), torch::IntArrayRef({2, 2, 3, 0}));
+  // No keys: zero attention, so the output is out_proj's bias.
+  EXPECT_LE(max_abs_diff(no_keys, mha->out_proj->bias.expand({2, 3, 8})), 0.0);
+}
+
+TEST(NonContiguousInputs, TransposedAndBroadcastMasksGiveTheContiguousResult) {
+  torch::manual_seed(16);
+  const auto q = torch::randn({2, 3, 130, 8});
+  const auto k = torch::randn({2, 3, 40, 8});
+  const auto v = torch::randn({2, 3, 40, 8});
+  const auto allowed = torch::rand({40, 130}) > 0.4; // stored (S, L)
+  const auto bias = torch::randn({3, 40, 130});
+  for (const bool need_weights : {true, false}) {
+    const auto run = [&](const torch::Tensor& mask) {
+      return std::get<0>(scaled_dot_product_attention(
+          q, k, v, SDPAOptions().attn_mask(mask).need_weights(need_weights)));
+    };
+    EXPECT_TRUE(torch::equal(run(allowed.t()), run(allowed.t().contiguous())));
+    EXPECT_TRUE(torch::equal(run(bias.transpose(-1, -2)), run(bias.transpose(-1, -2).contiguous())));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Threads and determinism.
+
+using Forward = std::function<std::tuple<torch::Tensor, torch::Tensor>(int)>;
+
+// Runs forward(t) for t < 4 one after another, then each in its own
+// std::thread three times over (under NoGradGuard, with `intra_op_threads`
+// OpenMP threads each), and returns the largest difference from the serial
+// results of any output or weights.
+double largest_difference_from_serial_runs(const Forward& forward, int intra_op_threads) {
+  constexpr int kThreads = 4, kRepeats = 3;
+  const ThreadCount intra_op(intra_op_threads);
+  std::vector<std::tuple<torch::Tensor, torch::Tensor>> serial;
+  {
+    torch::NoGradGuard no_grad;
+    for (int t = 0; t < kThreads; ++t) {
+      serial.push_back(forward(t));
+    }
+  }
+  std::vector<double> differences(kThreads, 0.0);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < kThreads; ++t) {
+    workers.emplace_back([&, t] {
+      // Grad mode and OpenMP's thread count are per thread.
+      const torch::NoGradGuard no_grad;
+      at::set_num_threads(intra_op_threads);
+      for (int r = 0; r < kRepeats; ++r) {
+        const auto [out, weights] = forward(t);
+        const auto& [serial_out, serial_weights] = serial[t];
+        auto difference = (out - serial_out).abs().max().item<double>();
+        if (weights.defined() != serial_weights.defined()) {
+          difference = kInf;
+        } else if (weights.defined()) {
+          difference = std::max(difference, (weights - serial_weights).abs().max().item<double>());
+        }
+        differences[t] = std::max(differences[t], difference);
+      }
+    });
+  }
+  for (auto& worker : workers) {
+    worker.join();
+  }
+  return *std::max_element(differences.begin(), differences.end());
+}
+
+// Inputs longer than one query tile, a padding mask, causal or not, with
+// and without weights (the two fused kernels).
+struct SharedModuleInputs {
+  std::vector<torch::Tensor> x, padding;
+  SharedModuleInputs() {
+    torch::manual_seed(17);
+    for (int t = 0; t < 4; ++t) {
+      x.push_back(torch::randn({2, 150, 32}));
+      padding.push_back(torch::rand({2, 150}) > 0.8);
+    }
+  }
+};
+
+Forward shared_multi_head_attention(const SharedModuleInputs& inputs) {
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(32, 4));
+  mha->eval();
+  return [mha, &inputs](int t) mutable {
+    const auto& x = inputs.x[t];
+    return mha(x, x, x, attn::MultiHeadAttentionForwardOptions()
+                            .key_padding_mask(inputs.padding[t]).is_causal(t % 2 == 0)
+                            .need_weights(t % 2 == 1));
+  };
+}
+
+TEST(Concurrency, SharedMultiHeadAttentionMatchesSerialRunsBitwiseWithOneIntraOpThread) {
+  const SharedModuleInputs inputs;
+  EXPECT_EQ(largest_difference_from_serial_runs(shared_multi_head_attention(inputs), 1), 0.0);
+}
+
+TEST(Concurrency, SharedScaledDotProductAttentionMatchesSerialRunsBitwiseWithTwoIntraOpThreads) {
+  const SharedModuleInputs inputs;
+  attn::ScaledDotProductAttention sdpa;
+  sdpa->eval();
+  const auto forward = [&](int t) {
+    const auto heads = inputs.x[t].view({2, 150, 4, 8}).transpose(1, 2); // (B, H, L, D)
+    const auto allowed = inputs.padding[t].logical_not().view({2, 1, 1, 150});
+    return sdpa(heads, heads, heads, allowed, t % 2 == 0);
+  };
+  EXPECT_EQ(largest_difference_from_serial_runs(forward, 2), 0.0);
+}
+
+TEST(Concurrency, SharedMultiHeadAttentionWithTwoIntraOpThreadsDiffersOnlyByGemmRounding) {
+  // With more than one intra-op thread the kernels lower OpenBLAS's
+  // process-wide thread count while they run, and OpenBLAS rounds
+  // differently with one thread than with two: a projection GEMM in another
+  // thread may then differ in its last bits (float32, O(1) outputs).
+  const SharedModuleInputs inputs;
+  EXPECT_LE(largest_difference_from_serial_runs(shared_multi_head_attention(inputs), 2), 1e-5);
+}
+
+TEST(Concurrency, OverlappingKernelCallsRestoreTheOpenBlasThreadCount) {
+#ifdef _WIN32
+  GTEST_SKIP() << "OpenBLAS's thread control is looked up with dlsym, which Windows lacks";
+#else
+  using Get = int (*)();
+  const auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  if (get == nullptr) {
+    GTEST_SKIP() << "the BLAS in use is not OpenBLAS, whose thread count the kernels lower";
+  }
+  const ThreadCount intra_op(2); // the guards act only with more than one
+  const int before = get();
+  if (before < 2) {
+    GTEST_SKIP() << "OpenBLAS runs one thread here (" << before
+                 << "), so lowering and restoring it cannot be observed";
+  }
+  // Two kernel calls in different threads: the first to start ends first.
+  auto first = std::make_unique<attn::detail::ScopedSingleThreadedBlas>();
+  auto second = std::make_unique<attn::detail::ScopedSingleThreadedBlas>();
+  EXPECT_EQ(get(), 1);
+  first.reset();
+  EXPECT_EQ(get(), 1) << "the second call still runs its tasks";
+  second.reset();
+  EXPECT_EQ(get(), before);
+#endif
+}
+
+TEST(Determinism, SameSeedGivesBitwiseIdenticalResultsOnEveryPath) {
+  const ThreadCount intra_op(2);
+  const auto run = [] {
+    torch::manual_seed(18);
+    attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(16, 2).dropout(0.2));
+    const auto x = torch::randn({2, 140, 16}).requires_grad_();
+    const auto padding = torch::rand({2, 140}) > 0.8;
+    std::vector<torch::Tensor> results;
+    for (const bool training : {true, false}) { // reference path with dropout; fused
+      mha->train(training);
+      for (const bool need_weights : {true, false}) {
+        const auto [out, weights] = mha(x, x, x,
+            attn::MultiHeadAttentionForwardOptions().key_padding_mask(padding).need_weights(need_weights));
+        results.push_back(out);
+        results.push_back(torch::autograd::grad({out.pow(2).sum()}, {x})[0]);
+        if (weights.defined()) {
+          results.push_back(weights);
+        }
+      }
+    }
+    torch::NoGradGuard no_grad;
+    results.push_back(std::get<1>(mha(x, x, x))); // fused inference with weights
+    return results;
+  };
+  const auto first = run();
+  const auto second = run();
+  ASSERT_EQ(first.size(), second.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_TRUE(torch::equal(first[i], second[i])) << "result " << i;
+  }
+}
+
+} // namespace
