@@ -1,6 +1,7 @@
 #include <attn/functional.h>
 
 #include "checks.h"
+#include "compat.h"
 #include "kernels/cpu_attention.h"
 #include "kernels/reference_attention.h"
 
@@ -139,6 +140,21 @@ bool fused_cpu_kernel_applies(
       !(options.need_weights() && needs_grad);
 }
 
+// On CUDA, LibTorch 2.x's own attention (flash or memory-efficient kernels)
+// computes what attn does when no weights are asked for and no query row can
+// have every key masked, where it gives NaN and attn gives zeros: that is,
+// without a mask (causal alone always leaves key 0) and with keys present.
+// Dropout must leave something to keep, as attn's p = 1 keeps nothing.
+bool native_cuda_kernel_applies(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  return query.device().is_cuda() && !options.need_weights() &&
+      !options.attn_mask().defined() && query.numel() > 0 &&
+      key.numel() > 0 && value.numel() > 0 && options.dropout_p() < 1.0;
+}
+
 } // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
@@ -163,14 +179,23 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
         float_options);
     return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
   }
+  auto output_shape = query.sizes().vec();
+  output_shape.back() = value.size(-1); // (..., L, Ev)
+  if (native_cuda_kernel_applies(query, key, value, options)) {
+    const double dropout_p = options.training() ? options.dropout_p() : 0.0;
+    if (const auto output = detail::native_attention(
+            as_4d(query), as_4d(key), as_4d(value), dropout_p,
+            options.is_causal(), options.scale())) {
+      return {output->reshape(output_shape), torch::Tensor()};
+    }
+  }
+
   const double scale = options.scale().value_or(
       1.0 / std::sqrt(static_cast<double>(query.size(-1))));
   if (!fused_cpu_kernel_applies(query, key, value, options)) {
     return detail::reference_attention(query, key, value, options, scale);
   }
 
-  auto output_shape = query.sizes().vec();
-  output_shape.back() = value.size(-1); // (..., L, Ev)
   auto weights_shape = query.sizes().vec();
   weights_shape.back() = key.size(-2);  // (..., L, S)
   const auto& mask = options.attn_mask();

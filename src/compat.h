@@ -1,0 +1,38 @@
+#pragma once
+
+// Every LibTorch call that differs between versions, each behind one
+// TORCH_VERSION_MAJOR / TORCH_VERSION_MINOR guard; the rest of attn is
+// written once against the API that 1.13 and 2.x share.
+
+#include <torch/types.h>
+#include <torch/version.h>
+
+namespace attn::detail {
+
+// at::scaled_dot_product_attention without a mask, on (B, H, L, E) inputs,
+// returning the (B, H, L, Ev) output; c10::nullopt where this LibTorch cannot
+// run the request: the function arrived in 2.0 and its `scale` argument in
+// 2.1, so 2.0 runs only the default scale 1/sqrt(E) (an unset `scale`).
+// `dropout_p` applies unconditionally: the caller passes 0 outside training.
+inline c10::optional<torch::Tensor> native_attention(
+    [[maybe_unused]] const torch::Tensor& query,
+    [[maybe_unused]] const torch::Tensor& key,
+    [[maybe_unused]] const torch::Tensor& value,
+    [[maybe_unused]] double dropout_p,
+    [[maybe_unused]] bool is_causal,
+    [[maybe_unused]] c10::optional<double> scale) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  return at::scaled_dot_product_attention(
+      query, key, value, /*attn_mask=*/{}, dropout_p, is_causal, scale);
+#elif TORCH_VERSION_MAJOR == 2
+  if (scale.has_value()) {
+    return c10::nullopt;
+  }
+  return at::scaled_dot_product_attention(
+      query, key, value, /*attn_mask=*/{}, dropout_p, is_causal);
+#else
+  return c10::nullopt;
+#endif
+}
+
+} // namespace attn::detail
