@@ -1,5 +1,6 @@
 #pragma once
 
+/// \file
 /// The whole attn API: `#include <attn/attn.h>`.
 
 #include <attn/device.h>
@@ -8,3 +9,8 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 #include <attn/options.h>
+#include <attn/version.h>
+
+/// \namespace attn
+/// Scaled dot-product and multi-head attention for LibTorch: option structs,
+/// functions on tensors, and modules, in the style of `torch::nn`.

@@ -1,5 +1,6 @@
 #pragma once
 
+/// \file
 /// Attention as plain functions on tensors.
 
 #include <attn/options.h>

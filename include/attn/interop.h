@@ -1,5 +1,6 @@
 #pragma once
 
+/// \file
 /// Weight exchange with `torch::nn::MultiheadAttention`.
 ///
 /// The built-in packs the Q/K/V weights into `in_proj_weight` (3E, E) when

@@ -1,5 +1,6 @@
 #pragma once
 
+/// \file
 /// Option structs for attn's functions and modules, in the style of
 /// `torch::nn`: every field is a chainable `TORCH_ARG` with a default.
 

@@ -33,9 +33,13 @@ namespace attn {
 class MultiHeadAttentionImpl
     : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
  public:
+  /// `embed_dim` E split into `num_heads` H heads; every other option at
+  /// its default.
   MultiHeadAttentionImpl(int64_t embed_dim, int64_t num_heads)
       : MultiHeadAttentionImpl(
             MultiHeadAttentionOptions(embed_dim, num_heads)) {}
+  /// Checks the options (E and H positive, H dividing E, dropout in
+  /// [0, 1)) and creates the projections.
   explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options);
 
   /// query `(B, L, E)`, key `(B, S, kdim)`, value `(B, S, vdim)` (sequence

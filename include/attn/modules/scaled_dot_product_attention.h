@@ -25,6 +25,7 @@ namespace attn {
 class ScaledDotProductAttentionImpl
     : public torch::nn::Cloneable<ScaledDotProductAttentionImpl> {
  public:
+  /// A module with these options, checked by `reset()`.
   explicit ScaledDotProductAttentionImpl(
       const ScaledDotProductAttentionOptions& options = {});
 
@@ -36,6 +37,8 @@ class ScaledDotProductAttentionImpl
       const torch::Tensor& attn_mask = {},
       bool is_causal = false);
 
+  /// Checks the options (dropout in [0, 1)); the module has no parameters
+  /// to register.
   void reset() override;
 
   /// Prints `attn::ScaledDotProductAttention(dropout=0.1, scale=default)`.
