@@ -1,0 +1,44 @@
+#pragma once
+
+// The trainer's command line, parsed strictly: an unknown flag, a missing
+// or malformed value, or flags that contradict each other is a UsageError.
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace train {
+
+/// A command line the trainer cannot carry out; main() prints its message
+/// as one line and exits with code 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// One training run. The defaults reach 99 % held-out token accuracy.
+struct TrainArguments {
+  std::string device = "auto";
+  /// The step to train up to, counted from the start of training (so a
+  /// resumed run continues from the checkpoint's step to this one).
+  int64_t steps = 600;
+  uint64_t seed = 0;
+  /// Length of the digit strings to reverse.
+  int64_t digits = 8;
+  /// Sequences per training step.
+  int64_t batch = 64;
+  /// Steps between evaluations on the held-out sequences (and checkpoints).
+  int64_t eval_every = 50;
+  /// Where the checkpoint is written (and read with `resume`); empty: none.
+  std::string checkpoint;
+  bool resume = false;
+  bool help = false;
+};
+
+/// Parses and checks `argv`. Throws `UsageError`.
+TrainArguments parse_arguments(int argc, const char* const* argv);
+
+/// The `--help` text: every flag with its default.
+std::string usage();
+
+} // namespace train

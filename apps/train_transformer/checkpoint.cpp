@@ -1,0 +1,81 @@
+#include "checkpoint.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace train {
+namespace {
+
+// Scalars are stored as one-element int64 tensors; the seed's bits are kept
+// as they are.
+torch::Tensor scalar(int64_t value) {
+  return torch::tensor(value, torch::kLong);
+}
+
+int64_t read_scalar(torch::serialize::InputArchive& archive, const char* key) {
+  torch::Tensor value;
+  archive.read(key, value);
+  return value.item<int64_t>();
+}
+
+} // namespace
+
+void save_checkpoint(
+    const std::string& path,
+    const RunIdentity& identity,
+    int64_t step,
+    const Transformer& model,
+    const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  archive.write("step", scalar(step));
+  archive.write("seed", scalar(static_cast<int64_t>(identity.seed)));
+  archive.write("digits", scalar(identity.digits));
+  torch::serialize::OutputArchive model_archive;
+  model->save(model_archive);
+  archive.write("model", model_archive);
+  torch::serialize::OutputArchive optimizer_archive;
+  optimizer.save(optimizer_archive);
+  archive.write("optimizer", optimizer_archive);
+
+  const auto partial = path + ".partial";
+  archive.save_to(partial);
+  TORCH_CHECK(
+      std::rename(partial.c_str(), path.c_str()) == 0,
+      "cannot write the checkpoint '", path, "' (renaming '", partial,
+      "' failed)");
+}
+
+int64_t load_checkpoint(
+    const std::string& path,
+    const RunIdentity& identity,
+    const torch::Device& device,
+    Transformer& model,
+    torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK(
+      std::ifstream(path).good(), "cannot resume: no readable checkpoint '",
+      path, "'");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path, device);
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "cannot resume: '", path, "' is not a checkpoint");
+  }
+  const auto seed = static_cast<uint64_t>(read_scalar(archive, "seed"));
+  const auto digits = read_scalar(archive, "digits");
+  TORCH_CHECK(
+      seed == identity.seed && digits == identity.digits,
+      "cannot resume: '", path, "' holds a run with --seed ", seed,
+      " --digits ", digits, ", not --seed ", identity.seed, " --digits ",
+      identity.digits);
+  torch::serialize::InputArchive model_archive;
+  archive.read("model", model_archive);
+  model->load(model_archive);
+  torch::serialize::InputArchive optimizer_archive;
+  archive.read("optimizer", optimizer_archive);
+  optimizer.load(optimizer_archive);
+  return read_scalar(archive, "step");
+}
+
+} // namespace train

@@ -1,0 +1,67 @@
+#include "model.h"
+
+#include <torch/torch.h>
+
+namespace train {
+
+DecoderBlockImpl::DecoderBlockImpl(
+    int64_t d_model, int64_t heads, int64_t feed_forward_width) {
+  using torch::nn::LayerNormOptions;
+  attention_norm_ = register_module(
+      "attention_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
+  attention_ = register_module(
+      "attention", attn::MultiHeadAttention(d_model, heads));
+  feed_forward_norm_ = register_module(
+      "feed_forward_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
+  feed_forward_ = register_module(
+      "feed_forward",
+      torch::nn::Sequential(
+          torch::nn::Linear(d_model, feed_forward_width), torch::nn::GELU(),
+          torch::nn::Linear(feed_forward_width, d_model)));
+}
+
+torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x) {
+  const auto normed = attention_norm_(x);
+  // No weights asked for: the fused kernel never materialises (T, T).
+  const auto attended = std::get<0>(attention_(
+      normed, normed, normed,
+      attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(
+          false)));
+  const auto h = x + attended;
+  return h + feed_forward_->forward(feed_forward_norm_(h));
+}
+
+TransformerImpl::TransformerImpl(const TransformerConfig& config)
+    : config_(config) {
+  token_embedding_ = register_module(
+      "token_embedding",
+      torch::nn::Embedding(config.vocabulary_size, config.d_model));
+  position_embedding_ = register_module(
+      "position_embedding",
+      torch::nn::Embedding(config.max_length, config.d_model));
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config.layers; ++i) {
+    blocks_->push_back(DecoderBlock(
+        config.d_model, config.heads, config.feed_forward_width));
+  }
+  final_norm_ = register_module(
+      "final_norm",
+      torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model})));
+  head_ = register_module(
+      "head", torch::nn::Linear(config.d_model, config.vocabulary_size));
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
+  const auto T = tokens.size(1);
+  TORCH_CHECK(
+      T <= config_.max_length, "Transformer: inputs of at most ",
+      config_.max_length, " tokens, got ", T);
+  const auto positions = torch::arange(T, tokens.options()); // (T)
+  auto x = token_embedding_(tokens) + position_embedding_(positions); // (B, T, E)
+  for (const auto& block : *blocks_) {
+    x = block->as<DecoderBlock>()->forward(x);
+  }
+  return head_(final_norm_(x)); // (B, T, V)
+}
+
+} // namespace train

@@ -1,0 +1,66 @@
+#pragma once
+
+// A decoder-only transformer, GPT style, small enough to train on a laptop
+// CPU in minutes: token and position embeddings, a stack of pre-norm blocks
+// (causal attn::MultiHeadAttention, then a feed-forward layer, each added
+// to its input), a final layer norm and a linear head over the vocabulary.
+
+#include <attn/modules/multi_head_attention.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <cstdint>
+
+namespace train {
+
+struct TransformerConfig {
+  int64_t vocabulary_size;
+  /// Longest input the position embedding covers.
+  int64_t max_length;
+  int64_t d_model = 64;
+  int64_t heads = 4;
+  int64_t layers = 2;
+  /// Width of the feed-forward layer's hidden activation.
+  int64_t feed_forward_width = 256;
+};
+
+/// x + attention(norm(x)), then x + feed_forward(norm(x)).
+class DecoderBlockImpl : public torch::nn::Module {
+ public:
+  DecoderBlockImpl(int64_t d_model, int64_t heads, int64_t feed_forward_width);
+
+  /// (B, T, E) -> (B, T, E); position t sees positions 0..t only.
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  torch::nn::LayerNorm attention_norm_ = nullptr;
+  attn::MultiHeadAttention attention_ = nullptr;
+  torch::nn::LayerNorm feed_forward_norm_ = nullptr;
+  torch::nn::Sequential feed_forward_ = nullptr;
+};
+TORCH_MODULE(DecoderBlock);
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(const TransformerConfig& config);
+
+  /// Token ids (B, T), T <= max_length -> next-token logits (B, T, V).
+  torch::Tensor forward(const torch::Tensor& tokens);
+
+  const TransformerConfig& config() const { return config_; }
+
+ private:
+  TransformerConfig config_;
+  torch::nn::Embedding token_embedding_ = nullptr;
+  torch::nn::Embedding position_embedding_ = nullptr;
+  torch::nn::ModuleList blocks_ = nullptr;
+  torch::nn::LayerNorm final_norm_ = nullptr;
+  torch::nn::Linear head_ = nullptr;
+};
+TORCH_MODULE(Transformer);
+
+} // namespace train
