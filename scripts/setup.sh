@@ -3,7 +3,8 @@
 # ./build, then runs the demo or the whole test suite.
 #
 #   scripts/setup.sh demo   # install, build, run the shape demo
-#   scripts/setup.sh test   # install, build, run every test through ctest
+#   scripts/setup.sh test   # install, build, run every test through ctest,
+#                           # then the tests under ASan and UBSan (build-asan)
 set -euo pipefail
 
 mode="${1:-}"
@@ -37,4 +38,13 @@ if [ "$mode" = demo ]; then
   ./build/apps/attn_demo
 else
   ctest --test-dir build --output-on-failure -j "$(nproc)"
+  # The reliability suites again, built with AddressSanitizer and UBSan over
+  # attn's own code (LibTorch is not instrumented), in one process. -O1 and
+  # a test binary of four sources keep the instrumented build short.
+  # detect_leaks=0: LibTorch keeps its allocators and operator registries
+  # alive until exit, by design.
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" -DATTN_SANITIZE=ON -DATTN_BUILD_BENCHMARKS=OFF
+  cmake --build build-asan --target attn_sanitizer_tests
+  ASAN_OPTIONS=detect_leaks=0 ./build-asan/tests/attn_sanitizer_tests --gtest_brief=1
 fi

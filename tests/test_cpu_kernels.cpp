@@ -18,6 +18,7 @@
 namespace {
 
 using attn::testing::max_abs_diff;
+using attn::testing::ThreadCount;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -120,17 +121,6 @@ torch::Tensor make_mask(const KernelCase& c) {
   }
   return mask;
 }
-
-class ThreadCount {
- public:
-  explicit ThreadCount(int threads) : previous_(at::get_num_threads()) {
-    at::set_num_threads(threads);
-  }
-  ~ThreadCount() { at::set_num_threads(previous_); }
-
- private:
-  int previous_;
-};
 
 class FusedKernel : public ::testing::TestWithParam<KernelCase> {};
 

@@ -31,6 +31,7 @@ namespace {
 using attn::SDPAOptions;
 using attn::scaled_dot_product_attention;
 using attn::testing::max_abs_diff;
+using attn::testing::ThreadCount;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -51,17 +52,6 @@ const Route kRoutes[] = {{false, false}, {false, true}, {true, false}, {true, tr
 bool all_finite(const torch::Tensor& t) {
   return torch::isfinite(t).all().item<bool>();
 }
-
-class ThreadCount {
- public:
-  explicit ThreadCount(int threads) : previous_(at::get_num_threads()) {
-    at::set_num_threads(threads);
-  }
-  ~ThreadCount() { at::set_num_threads(previous_); }
-
- private:
-  int previous_;
-};
 
 TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath) {
   // Integer inputs with scale 1: scores up to ~2e4 are exact in float32, so

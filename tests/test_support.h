@@ -5,6 +5,7 @@
 
 #include <attn/modules/multi_head_attention.h>
 
+#include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -71,6 +72,21 @@ MultiHeadReference reference_multi_head_attention(
 // that `loss` reads. Entries are perturbed in place and restored.
 torch::Tensor numerical_gradient(
     const std::function<torch::Tensor()>& loss, torch::Tensor x);
+
+// Sets ATen's intra-op thread count while alive (for the calling thread:
+// with OpenMP the setting is per thread), then restores it.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int threads) : previous_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~ThreadCount() { at::set_num_threads(previous_); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+
+ private:
+  int previous_;
+};
 
 // Copies every parameter of `source` into the same-named one of `target`.
 void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target);
