@@ -144,7 +144,9 @@ bool fused_cpu_kernel_applies(
 // computes what attn does when no weights are asked for and no query row can
 // have every key masked, where it gives NaN and attn gives zeros: that is,
 // without a mask (causal alone always leaves key 0) and with keys present.
-// Dropout must leave something to keep, as attn's p = 1 keeps nothing.
+// Causal only when L == S: kernels have differed on where a non-square
+// causal mask is aligned, attn aligns it top-left. Dropout must leave
+// something to keep, as attn's p = 1 keeps nothing.
 bool native_cuda_kernel_applies(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -152,7 +154,9 @@ bool native_cuda_kernel_applies(
     const SDPAOptions& options) {
   return query.device().is_cuda() && !options.need_weights() &&
       !options.attn_mask().defined() && query.numel() > 0 &&
-      key.numel() > 0 && value.numel() > 0 && options.dropout_p() < 1.0;
+      key.numel() > 0 && value.numel() > 0 &&
+      (!options.is_causal() || query.size(-2) == key.size(-2)) &&
+      options.dropout_p() < 1.0;
 }
 
 } // namespace
