@@ -4,6 +4,14 @@
 #include <limits>
 
 namespace attn::testing {
+namespace {
+
+// A detached, contiguous float64 copy on the CPU: what the references read.
+torch::Tensor cpu64(const torch::Tensor& t) {
+  return t.detach().to(torch::kCPU, torch::kDouble).contiguous();
+}
+
+} // namespace
 
 double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
   EXPECT_EQ(a.sizes(), b.sizes());
@@ -21,9 +29,6 @@ std::pair<torch::Tensor, torch::Tensor> reference_attention(
     const torch::Tensor& v,
     const torch::Tensor& bias,
     double scale) {
-  const auto cpu64 = [](const torch::Tensor& t) {
-    return t.detach().to(torch::kCPU, torch::kDouble).contiguous();
-  };
   const auto Q = cpu64(q), K = cpu64(k), V = cpu64(v);
   const int64_t N = Q.size(0), L = Q.size(1), E = Q.size(2);
   const int64_t S = K.size(1), Ev = V.size(2);
@@ -72,9 +77,6 @@ std::vector<torch::Tensor> reference_attention_gradients(
     const torch::Tensor& bias,
     double scale,
     const torch::Tensor& upstream) {
-  const auto cpu64 = [](const torch::Tensor& t) {
-    return t.detach().to(torch::kCPU, torch::kDouble);
-  };
   const auto Q = cpu64(q), K = cpu64(k), V = cpu64(v), dO = cpu64(upstream);
   const auto P = reference_attention(q, k, v, bias, scale).second; // (N, L, S)
   const auto dV = torch::matmul(P.transpose(1, 2), dO);
@@ -91,9 +93,6 @@ MultiHeadReference reference_multi_head_attention(
     const attn::MultiHeadAttentionForwardOptions& options,
     const torch::Tensor& upstream) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  const auto cpu64 = [](const torch::Tensor& t) {
-    return t.detach().to(torch::kCPU, torch::kDouble);
-  };
   const bool batch_first = mha.options.batch_first();
   const auto layout = [&](const torch::Tensor& t) { // to and from (B, T, ·)
     return batch_first ? cpu64(t) : cpu64(t).transpose(0, 1);
