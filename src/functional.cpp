@@ -51,13 +51,35 @@ void check_inputs(
       query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
 
   const auto batch_dims = query.dim() - 2;
-  TORCH_CHECK(
-      key.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims) &&
-          value.sizes().slice(0, batch_dims) ==
-              query.sizes().slice(0, batch_dims),
-      kCaller, ": query, key and value must have the same leading dims, got ",
-      "query ", query.sizes(), ", key ", key.sizes(), ", value ",
-      value.sizes());
+  if (options.enable_gqa()) {
+    TORCH_CHECK(
+        query.dim() >= 3, kCaller,
+        ": enable_gqa needs a heads dim: query must be (..., Hq, L, E), got ",
+        query.sizes());
+    const auto Hq = query.size(-3), Hkv = key.size(-3);
+    const auto outer_dims = batch_dims - 1;
+    TORCH_CHECK(
+        key.sizes().slice(0, outer_dims) == query.sizes().slice(0, outer_dims) &&
+            value.sizes().slice(0, outer_dims) ==
+                query.sizes().slice(0, outer_dims) &&
+            value.size(-3) == Hkv,
+        kCaller, ": with enable_gqa, query (..., Hq, L, E), key (..., Hkv, S, E) ",
+        "and value (..., Hkv, S, Ev) must share the dims before the heads, ",
+        "and key and value their heads, got query ", query.sizes(), ", key ",
+        key.sizes(), ", value ", value.sizes());
+    TORCH_CHECK(
+        Hkv > 0 && Hq % Hkv == 0, kCaller,
+        ": with enable_gqa, the key/value heads Hkv must divide the query ",
+        "heads Hq, got Hq=", Hq, " and Hkv=", Hkv);
+  } else {
+    TORCH_CHECK(
+        key.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims) &&
+            value.sizes().slice(0, batch_dims) ==
+                query.sizes().slice(0, batch_dims),
+        kCaller, ": query, key and value must have the same leading dims, got ",
+        "query ", query.sizes(), ", key ", key.sizes(), ", value ",
+        value.sizes(), " (enable_gqa allows fewer key/value heads)");
+  }
   const auto E = query.size(-1);
   TORCH_CHECK(
       E > 0, kCaller, ": query must have a feature size E > 0, got ",
@@ -106,6 +128,9 @@ void check_inputs(
   TORCH_CHECK(
       !options.scale() || std::isfinite(*options.scale()), kCaller,
       ": scale must be a finite number, got ", *options.scale());
+  TORCH_CHECK(
+      !options.window() || *options.window() > 0, kCaller,
+      ": window must be a positive number of keys, got ", *options.window());
 }
 
 // (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
@@ -114,7 +139,7 @@ torch::Tensor as_4d(const torch::Tensor& t) {
     case 2:
       return t.unsqueeze(0).unsqueeze(0);
     case 3:
-      return t.unsqueeze(1);
+      return t.unsqueeze(0);
     case 4:
       return t;
     default:
@@ -144,8 +169,9 @@ bool fused_cpu_kernel_applies(
 // computes what attn does when no weights are asked for and no query row can
 // have every key masked, where it gives NaN and attn gives zeros: that is,
 // without a mask (causal alone always leaves key 0) and with keys present.
-// Causal only when L == S: kernels have differed on where a non-square
-// causal mask is aligned, attn aligns it top-left. Dropout must leave
+// Causal only when L == S and without a query offset: kernels have differed
+// on where a non-square causal mask is aligned, attn aligns it top-left.
+// No window, and grouped queries only in their trivial form. Dropout must leave
 // something to keep, as attn's p = 1 keeps nothing.
 bool native_cuda_kernel_applies(
     const torch::Tensor& query,
@@ -155,7 +181,10 @@ bool native_cuda_kernel_applies(
   return query.device().is_cuda() && !options.need_weights() &&
       !options.attn_mask().defined() && query.numel() > 0 &&
       key.numel() > 0 && value.numel() > 0 &&
-      (!options.is_causal() || query.size(-2) == key.size(-2)) &&
+      (!options.is_causal() ||
+       (query.size(-2) == key.size(-2) && options.query_offset() == 0)) &&
+      !options.window() &&
+      (!options.enable_gqa() || query.size(-3) == key.size(-3)) &&
       options.dropout_p() < 1.0;
 }
 
@@ -205,7 +234,8 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
   const auto& mask = options.attn_mask();
   const detail::CpuAttentionConfig config{
       mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(),
-      scale, options.is_causal()};
+      scale, options.is_causal(), options.query_offset(),
+      options.window().value_or(0)};
   const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
   if (options.need_weights()) {
     const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);

@@ -55,24 +55,28 @@ TEST(RowOps, VectorisedExpMatchesLibmToAFewUlp) {
 enum class MaskKind { none, bool_pairs, bool_padding, float_per_head };
 
 struct KernelCase {
-  int64_t B, H, L, S, D, Dv;
+  int64_t B, H, Hkv, L, S, D, Dv;
   MaskKind mask;
   bool causal;
+  int64_t query_offset;
+  int64_t window; // 0: none
   bool empty_row; // one query row with every key masked
   torch::ScalarType dtype;
   int threads;
 
   std::string describe() const {
     std::ostringstream s;
-    s << "B=" << B << " H=" << H << " L=" << L << " S=" << S << " D=" << D
-      << " Dv=" << Dv << " mask=" << static_cast<int>(mask) << " causal=" << causal
-      << " empty_row=" << empty_row << " dtype=" << dtype << " threads=" << threads;
+    s << "B=" << B << " H=" << H << " Hkv=" << Hkv << " L=" << L << " S=" << S
+      << " D=" << D << " Dv=" << Dv << " mask=" << static_cast<int>(mask)
+      << " causal=" << causal << " query_offset=" << query_offset
+      << " window=" << window << " empty_row=" << empty_row << " dtype=" << dtype << " threads=" << threads;
     return s.str();
   }
 };
 
-// Seeded random configurations, biased towards the tile edges (64 query
-// rows, 512 keys) and lengths that are not multiples of them.
+// Seeded random configurations, biased towards the tile edges (128 query
+// rows, 512 keys) and lengths that are not multiples of them, with grouped
+// key/value heads, causal offsets and sliding windows.
 std::vector<KernelCase> random_cases(int count) {
   std::mt19937 rng(2024);
   const auto pick = [&](std::initializer_list<int64_t> values) {
@@ -83,13 +87,17 @@ std::vector<KernelCase> random_cases(int count) {
   for (int i = 0; i < count; ++i) {
     KernelCase c;
     c.B = pick({1, 2});
-    c.H = pick({1, 3});
+    c.H = pick({1, 3, 4});
+    c.Hkv = c.H == 4 ? pick({4, 2, 1}) : pick({c.H, 1});
     c.L = pick({1, 5, 63, 64, 65, 130});
     c.S = pick({1, 7, 64, 511, 512, 513, 700});
     c.D = pick({4, 16, 64});
     c.Dv = pick({c.D, 8});
     c.mask = static_cast<MaskKind>(pick({0, 1, 2, 3}));
     c.causal = pick({0, 1}) == 1;
+    // Top-left, bottom-right (a KV cache's), before the keys and far along.
+    c.query_offset = pick({0, 0, c.S - c.L, -3, 40});
+    c.window = pick({0, 0, 1, 17, 300, 600});
     c.empty_row = c.mask != MaskKind::none && pick({0, 1}) == 1;
     c.dtype = pick({0, 1}) == 1 ? torch::kDouble : torch::kFloat;
     c.threads = static_cast<int>(pick({1, 2}));
@@ -131,14 +139,22 @@ TEST_P(FusedKernel, MatchesTheReferencePathInOutputWeightsAndGradients) {
   torch::manual_seed(static_cast<uint64_t>(c.L * 1000 + c.S));
   const auto opts = torch::TensorOptions(c.dtype);
   auto q = torch::randn({c.B, c.H, c.L, c.D}, opts).requires_grad_();
-  auto k = torch::randn({c.B, c.H, c.S, c.D}, opts).requires_grad_();
-  auto v = torch::randn({c.B, c.H, c.S, c.Dv}, opts).requires_grad_();
+  auto k = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
+  auto v = torch::randn({c.B, c.Hkv, c.S, c.Dv}, opts).requires_grad_();
   const auto mask = make_mask(c);
   const double scale = 1.0 / std::sqrt(c.D);
-  const attn::detail::CpuAttentionConfig config{mask, scale, c.causal};
+  const attn::detail::CpuAttentionConfig config{
+      mask, scale, c.causal, c.query_offset, c.window};
 
-  const auto [ref_out, ref_w] = attn::detail::reference_attention(
-      q, k, v, attn::SDPAOptions().attn_mask(mask).is_causal(c.causal), scale);
+  auto options = attn::SDPAOptions()
+                     .attn_mask(mask)
+                     .is_causal(c.causal)
+                     .query_offset(c.query_offset)
+                     .enable_gqa(true);
+  if (c.window > 0) {
+    options.window(c.window);
+  }
+  const auto [ref_out, ref_w] = attn::detail::reference_attention(q, k, v, options, scale);
   const auto out = attn::detail::cpu_flash_attention(q, k, v, config);
   torch::Tensor weights_out, weights;
   {
@@ -168,7 +184,7 @@ TEST_P(FusedKernel, MatchesTheReferencePathInOutputWeightsAndGradients) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(RandomSweep, FusedKernel, ::testing::ValuesIn(random_cases(48)));
+INSTANTIATE_TEST_SUITE_P(RandomSweep, FusedKernel, ::testing::ValuesIn(random_cases(64)));
 
 TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   torch::manual_seed(3);

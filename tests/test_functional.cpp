@@ -267,6 +267,129 @@ TEST(ScaledDotProductAttention, DropoutZeroesAboutPOfTheWeightsAndRescalesTheRes
   EXPECT_LE(max_abs_diff(out_drop, torch::matmul(w_drop, v)), 1e-6);
 }
 
+// (L, S) bool band: query i at position i + offset sees key j when
+// j <= i + offset (causal) and |i + offset - j| < window (window > 0).
+torch::Tensor band(int64_t L, int64_t S, int64_t offset, bool causal, int64_t window) {
+  auto allowed = torch::ones({L, S}, torch::kBool);
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t distance = i + offset - j;
+      if ((causal && distance < 0) || (window > 0 && std::abs(distance) >= window)) {
+        allowed[i][j] = false;
+      }
+    }
+  }
+  return allowed;
+}
+
+TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMask) {
+  // Lengths across the fused kernel's 128-query tiles and 512-key blocks.
+  torch::manual_seed(13);
+  constexpr int64_t L = 150, S = 600, E = 16;
+  const auto q = torch::randn({2, L, E}, torch::kDouble);
+  const auto k = torch::randn({2, S, E}, torch::kDouble);
+  const auto v = torch::randn({2, S, E}, torch::kDouble);
+  const double scale = 1.0 / std::sqrt(E);
+  struct Case {
+    bool causal;
+    int64_t window, offset;
+  };
+  for (const auto& c : {Case{true, 64, 0}, Case{true, 64, S - L}, Case{false, 64, 0},
+                        Case{false, 200, 300}, Case{true, 1, 10}, Case{false, 0, S - L},
+                        Case{true, 0, S - L}, Case{true, 0, -20}}) {
+    SCOPED_TRACE(::testing::Message() << "causal=" << c.causal << " window=" << c.window
+                                      << " offset=" << c.offset);
+    auto options = SDPAOptions().is_causal(c.causal).query_offset(c.offset);
+    if (c.window > 0) {
+      options.window(c.window);
+    }
+    const auto allowed = band(L, S, c.offset, c.causal, c.window);
+    const auto [ref_out, ref_w] =
+        reference_attention(q, k, v, additive(allowed).expand({2, L, S}), scale);
+    // With weights (weights kernel), without (flash kernel), and both
+    // against an explicit mask.
+    const auto [out, w] = scaled_dot_product_attention(q, k, v, options);
+    const auto [out_only, none] =
+        scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
+    const auto [out_mask, w_mask] =
+        scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(allowed));
+    EXPECT_LE(max_abs_diff(out, ref_out), kDoubleTolerance);
+    EXPECT_LE(max_abs_diff(w, ref_w), kDoubleTolerance);
+    EXPECT_LE(max_abs_diff(out_only, ref_out), kDoubleTolerance);
+    EXPECT_LE(max_abs_diff(out_mask, out), kDoubleTolerance);
+    EXPECT_EQ(w.masked_fill(allowed, 0.0).abs().max().item<double>(), 0.0);
+  }
+}
+
+TEST(ScaledDotProductAttention, SlidingWindowGradientsMatchTheBandMasksOnes) {
+  torch::manual_seed(14);
+  const auto opts = torch::TensorOptions(torch::kDouble);
+  auto q = torch::randn({2, 3, 140, 8}, opts).requires_grad_();
+  auto k = torch::randn({2, 3, 530, 8}, opts).requires_grad_();
+  auto v = torch::randn({2, 3, 530, 8}, opts).requires_grad_();
+  const auto upstream = torch::randn({2, 3, 140, 8}, opts);
+  const auto gradients = [&](const SDPAOptions& options) {
+    const auto [out, w] = scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
+    return torch::autograd::grad({out}, {q, k, v}, {upstream});
+  };
+  const auto windowed = gradients(SDPAOptions().is_causal(true).window(100).query_offset(390));
+  const auto masked = gradients(SDPAOptions().attn_mask(band(140, 530, 390, true, 100)));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_LE(max_abs_diff(windowed[i], masked[i]), kDoubleTolerance) << "input " << i;
+  }
+}
+
+TEST(ScaledDotProductAttention, GroupedQueryEqualsRepeatedKeyValueHeads) {
+  torch::manual_seed(15);
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    const auto opts = torch::TensorOptions(dtype);
+    auto q = torch::randn({2, 6, 70, 16}, opts).requires_grad_();
+    auto k = torch::randn({2, 2, 90, 16}, opts).requires_grad_();
+    auto v = torch::randn({2, 2, 90, 8}, opts).requires_grad_();
+    const auto mask = torch::rand({2, 1, 70, 90}) > 0.2;
+    const auto upstream = torch::randn({2, 6, 70, 8}, opts);
+    const double tol = dtype == torch::kFloat ? kFloatTolerance : kDoubleTolerance;
+    for (const bool need_weights : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << dtype << " need_weights=" << need_weights);
+      const auto options =
+          SDPAOptions().attn_mask(mask).is_causal(true).need_weights(need_weights);
+      // Query heads 0-2 share key/value head 0, heads 3-5 head 1.
+      const auto repeated_k = k.repeat_interleave(3, 1);
+      const auto repeated_v = v.repeat_interleave(3, 1);
+      const auto [grouped, w] =
+          scaled_dot_product_attention(q, k, v, SDPAOptions(options).enable_gqa(true));
+      const auto [expanded, w_expanded] =
+          scaled_dot_product_attention(q, repeated_k, repeated_v, options);
+      EXPECT_LE(max_abs_diff(grouped, expanded), tol);
+      if (need_weights) {
+        EXPECT_LE(max_abs_diff(w, w_expanded), tol);
+      }
+      const auto grads = torch::autograd::grad({grouped}, {q, k, v}, {upstream});
+      const auto expected = torch::autograd::grad({expanded}, {q, k, v}, {upstream});
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(grads[i].sizes(), expected[i].sizes());
+        EXPECT_LE(max_abs_diff(grads[i], expected[i]), 10 * tol) << "input " << i;
+      }
+    }
+  }
+}
+
+TEST(ScaledDotProductAttention, MultiQueryAttentionSharesOneKeyValueHeadWithoutCopies) {
+  // 3-D inputs (H, L, E): the heads dim is the first one.
+  torch::manual_seed(16);
+  const auto q = torch::randn({4, 5, 8});
+  const auto k = torch::randn({1, 7, 8});
+  const auto v = torch::randn({1, 7, 3});
+  const auto [out, w] =
+      scaled_dot_product_attention(q, k, v, SDPAOptions().enable_gqa(true));
+  EXPECT_EQ(out.sizes(), torch::IntArrayRef({4, 5, 3}));
+  EXPECT_EQ(w.sizes(), torch::IntArrayRef({4, 5, 7}));
+  for (int64_t h = 0; h < 4; ++h) {
+    const auto [head_out, head_w] = scaled_dot_product_attention(q[h], k[0], v[0]);
+    EXPECT_LE(max_abs_diff(out[h], head_out), kFloatTolerance) << "head " << h;
+  }
+}
+
 TEST(ScaledDotProductAttentionModule, AppliesDropoutOnlyInTrainingMode) {
   torch::manual_seed(11);
   attn::ScaledDotProductAttention sdpa(
@@ -353,6 +476,28 @@ TEST(ScaledDotProductAttentionErrors, NameWhatWasExpectedAndWhatArrived) {
   EXPECT_ATTN_ERROR(
       attn::ScaledDotProductAttention(attn::ScaledDotProductAttentionOptions().dropout(-0.1)),
       "ScaledDotProductAttention: dropout must be in [0, 1), got -0.1");
+  EXPECT_ATTN_ERROR(
+      scaled_dot_product_attention(q, k, v, SDPAOptions().window(0)),
+      "window must be a positive number of keys, got 0");
+  EXPECT_ATTN_ERROR(
+      scaled_dot_product_attention(q, k, v, SDPAOptions().is_causal(true).window(-4)),
+      "window must be a positive number of keys, got -4");
+  EXPECT_ATTN_ERROR(
+      scaled_dot_product_attention(torch::randn({4, 8}), torch::randn({6, 8}), torch::randn({6, 5}),
+                                   SDPAOptions().enable_gqa(true)),
+      "enable_gqa needs a heads dim: query must be (..., Hq, L, E), got [4, 8]");
+  EXPECT_ATTN_ERROR(
+      scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 4, 6, 8}),
+                                   torch::randn({2, 4, 6, 5}), SDPAOptions().enable_gqa(true)),
+      "the key/value heads Hkv must divide the query heads Hq, got Hq=6 and Hkv=4");
+  EXPECT_ATTN_ERROR(
+      scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}),
+                                   torch::randn({2, 3, 6, 5}), SDPAOptions().enable_gqa(true)),
+      "and key and value their heads, got query [2, 6, 4, 8], key [2, 2, 6, 8], value [2, 3, 6, 5]");
+  EXPECT_ATTN_ERROR(
+      scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}),
+                                   torch::randn({2, 2, 6, 5})),
+      "(enable_gqa allows fewer key/value heads)");
 }
 
 } // namespace

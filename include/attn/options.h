@@ -23,9 +23,24 @@ struct SDPAOptions {
   /// the pairs that *may attend* with `true`; a floating mask (same dtype as
   /// the query) is added to the scaled scores, `-inf` forbidding a pair.
   TORCH_ARG(torch::Tensor, attn_mask) = {};
-  /// Query `i` attends only to keys `j <= i` (aligned at the top-left corner
-  /// when `L != S`). Combines with `attn_mask`: a pair must pass both.
+  /// Query `i` attends only to keys `j <= i + query_offset` (aligned at the
+  /// top-left corner when `L != S` and `query_offset` is 0). Combines with
+  /// `attn_mask` and `window`: a pair must pass all of them.
   TORCH_ARG(bool, is_causal) = false;
+  /// Sliding-window (local) attention: query `i` attends only to keys `j`
+  /// with `|i + query_offset - j| < window`; with `is_causal`, to the last
+  /// `window` keys up to its own position. Applied without building an
+  /// `L×S` mask on the fused CPU kernels. Unset: no window.
+  TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
+  /// Position of query 0 among the keys, for `is_causal` and `window`: query
+  /// `i` stands at key position `i + query_offset`. With a KV cache holding
+  /// `S - L` earlier tokens it is `S - L` (bottom-right alignment).
+  TORCH_ARG(int64_t, query_offset) = 0;
+  /// Grouped-query attention: query `(..., Hq, L, E)` against key and value
+  /// `(..., Hkv, S, ·)` with `Hkv` dividing `Hq`; query head `h` uses
+  /// key/value head `h / (Hq / Hkv)`, without copying keys or values on the
+  /// fused CPU kernels. When false, all leading dims must match.
+  TORCH_ARG(bool, enable_gqa) = false;
   /// Multiplier of `Q·Kᵀ`; `1/sqrt(E)` when not set.
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
   /// Probability of zeroing an attention weight; applied only if `training`.

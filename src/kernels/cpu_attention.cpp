@@ -36,15 +36,19 @@ torch::Tensor empty_heads_interleaved(
 }
 
 // Element access to the (B, H, L, S) mask through its (possibly zero,
-// broadcast) strides, plus the causal rule.
+// broadcast) strides, plus the band that `causal` and `window` leave
+// visible: keys [key_begin(i), key_end(i)) for query i.
 template <typename scalar_t>
 struct MaskView {
   const bool* allowed = nullptr;  // bool mask: true = may attend
   const scalar_t* bias = nullptr; // additive mask
   int64_t stride_b = 0, stride_h = 0, stride_l = 0, stride_s = 0;
   bool causal = false;
+  int64_t query_offset = 0, window = 0, S = 0;
 
-  explicit MaskView(const CpuAttentionConfig& config) : causal(config.causal) {
+  MaskView(const CpuAttentionConfig& config, int64_t S)
+      : causal(config.causal), query_offset(config.query_offset),
+        window(config.window), S(S) {
     const auto& mask = config.mask;
     if (!mask.defined()) {
       return;
@@ -58,6 +62,19 @@ struct MaskView {
     } else {
       bias = mask.data_ptr<scalar_t>();
     }
+  }
+
+  // First key query i may see; nondecreasing in i.
+  int64_t key_begin(int64_t i) const {
+    return window > 0 ? std::clamp<int64_t>(i + query_offset - window + 1, 0, S) : 0;
+  }
+
+  // One past the last key query i may see; nondecreasing in i.
+  int64_t key_end(int64_t i) const {
+    if (causal) {
+      return std::clamp<int64_t>(i + query_offset + 1, 0, S);
+    }
+    return window > 0 ? std::clamp<int64_t>(i + query_offset + window, 0, S) : S;
   }
 
   // Applies the masks to the scores of query i against keys j0 .. j0+n-1.
@@ -75,16 +92,10 @@ struct MaskView {
         scores[j] += bias[base + j * stride_s];
       }
     }
-    if (causal) {
-      for (int64_t j = std::max<int64_t>(0, i + 1 - j0); j < n; ++j) {
-        scores[j] = kNegativeInfinity<scalar_t>;
-      }
-    }
-  }
-
-  // Keys past this one are masked for every query of rows [i0, i1).
-  int64_t key_end(int64_t i1, int64_t S) const {
-    return causal ? std::min(S, i1) : S;
+    const int64_t visible_begin = std::clamp<int64_t>(key_begin(i) - j0, 0, n);
+    const int64_t visible_end = std::clamp<int64_t>(key_end(i) - j0, visible_begin, n);
+    std::fill(scores, scores + visible_begin, kNegativeInfinity<scalar_t>);
+    std::fill(scores + visible_end, scores + n, kNegativeInfinity<scalar_t>);
   }
 };
 
@@ -112,10 +123,10 @@ void flash_forward(
     const torch::Tensor& out,
     const torch::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t Dv = v.size(3);
+  const int64_t Dv = v.size(3), group = H / k.size(1);
   const int64_t tiles = ceil_div(L, kQueryTile);
   const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
-  const MaskView<scalar_t> mask(config);
+  const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
 
   const ScopedSingleThreadedBlas one_blas_thread_per_task;
@@ -134,11 +145,12 @@ void flash_forward(
       std::fill(running_max.begin(), running_max.end(), kNegativeInfinity<scalar_t>);
       std::fill(running_sum.begin(), running_sum.end(), scalar_t(0));
 
-      const int64_t key_end = mask.key_end(i0 + rows, S);
-      for (int64_t j0 = 0; j0 < key_end; j0 += key_block) {
+      const auto k_head = k[b][h / group], v_head = v[b][h / group];
+      const int64_t key_end = mask.key_end(i0 + rows - 1);
+      for (int64_t j0 = mask.key_begin(i0); j0 < key_end; j0 += key_block) {
         const int64_t cols = std::min(key_block, key_end - j0);
         auto block = scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
-        at::addmm_out(block, block, q_tile, k[b][h].narrow(0, j0, cols).t(), 0, scale);
+        at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, scale);
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* row = scores.data_ptr<scalar_t>() + r * key_block;
           mask.apply(row, cols, b, h, i0 + r, j0);
@@ -155,7 +167,7 @@ void flash_forward(
             scale_row(row_ptr<scalar_t>(out, b, h, i0 + r), Dv, correction);
           }
         }
-        at::addmm_out(out_tile, out_tile, block, v[b][h].narrow(0, j0, cols));
+        at::addmm_out(out_tile, out_tile, block, v_head.narrow(0, j0, cols));
       }
 
       scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
@@ -170,7 +182,8 @@ void flash_forward(
   });
 }
 
-// Backward: accumulates dq, dk, dv (zero-initialised, (B, H, ·, ·)). One
+// Backward: accumulates dq, dk, dv (zero-initialised, (B, H, ·, ·): one
+// key/value gradient per query head, which grouped-query callers sum). One
 // (b, h) per task, so the accumulations never race.
 template <typename scalar_t>
 void flash_backward(
@@ -185,8 +198,9 @@ void flash_backward(
     const torch::Tensor& dk,
     const torch::Tensor& dv) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const int64_t group = H / k.size(1);
   const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
-  const MaskView<scalar_t> mask(config);
+  const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
   // delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij: the softmax backward's
   // row term, computed once instead of once per key block.
@@ -207,11 +221,11 @@ void flash_backward(
         const auto q_tile = q[b][h].narrow(0, i0, rows);
         const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
         auto dq_tile = dq[b][h].narrow(0, i0, rows);
-        const int64_t key_end = mask.key_end(i0 + rows, S);
-        for (int64_t j0 = 0; j0 < key_end; j0 += key_block) {
+        const int64_t key_end = mask.key_end(i0 + rows - 1);
+        for (int64_t j0 = mask.key_begin(i0); j0 < key_end; j0 += key_block) {
           const int64_t cols = std::min(key_block, key_end - j0);
-          const auto k_block = k[b][h].narrow(0, j0, cols);
-          const auto v_block = v[b][h].narrow(0, j0, cols);
+          const auto k_block = k[b][h / group].narrow(0, j0, cols);
+          const auto v_block = v[b][h / group].narrow(0, j0, cols);
           auto dk_block = dk[b][h].narrow(0, j0, cols);
           auto dv_block = dv[b][h].narrow(0, j0, cols);
           auto p = probs.narrow(0, 0, rows).narrow(1, 0, cols);
@@ -258,8 +272,9 @@ void forward_with_weights(
     const torch::Tensor& out,
     const torch::Tensor& weights) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const int64_t group = H / k.size(1);
   const int64_t tiles = ceil_div(L, kQueryTile);
-  const MaskView<scalar_t> mask(config);
+  const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
 
   const ScopedSingleThreadedBlas one_blas_thread_per_task;
@@ -272,28 +287,31 @@ void forward_with_weights(
       const int64_t rows = std::min(kQueryTile, L - i0);
       auto out_tile = out[b][h].narrow(0, i0, rows);
       auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
-      const int64_t key_end = mask.key_end(i0 + rows, S);
-      if (key_end < S) {
-        w_tile.narrow(1, key_end, S - key_end).zero_(); // causally invisible
-      }
-      if (key_end == 0) {
+      // Keys outside [key_begin, key_end) are invisible to every row.
+      const int64_t key_begin = mask.key_begin(i0);
+      const int64_t key_end = std::max(key_begin, mask.key_end(i0 + rows - 1));
+      const int64_t cols = key_end - key_begin;
+      w_tile.narrow(1, 0, key_begin).zero_();
+      w_tile.narrow(1, key_end, S - key_end).zero_();
+      if (cols == 0) {
         out_tile.zero_();
         continue;
       }
-      auto visible = w_tile.narrow(1, 0, key_end);
+      auto visible = w_tile.narrow(1, key_begin, cols);
       at::addmm_out(visible, visible, q[b][h].narrow(0, i0, rows),
-                    k[b][h].narrow(0, 0, key_end).t(), 0, scale);
+                    k[b][h / group].narrow(0, key_begin, cols).t(), 0, scale);
       for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r);
-        mask.apply(row, key_end, b, h, i0 + r, 0);
-        const scalar_t largest = row_max(row, key_end);
+        scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
+        mask.apply(row, cols, b, h, i0 + r, key_begin);
+        const scalar_t largest = row_max(row, cols);
         if (largest == kNegativeInfinity<scalar_t>) {
-          std::fill(row, row + key_end, scalar_t(0));
+          std::fill(row, row + cols, scalar_t(0));
           continue;
         }
-        scale_row(row, key_end, scalar_t(1) / exp_shifted_sum(row, key_end, largest));
+        scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
       }
-      at::addmm_out(out_tile, out_tile, visible, v[b][h].narrow(0, 0, key_end), 0, 1);
+      at::addmm_out(out_tile, out_tile, visible,
+                    v[b][h / group].narrow(0, key_begin, cols), 0, 1);
     }
   });
 }
@@ -320,6 +338,8 @@ class FlashAttentionFunction
     ctx->saved_data["mask"] = config.mask;
     ctx->saved_data["scale"] = config.scale;
     ctx->saved_data["causal"] = config.causal;
+    ctx->saved_data["query_offset"] = config.query_offset;
+    ctx->saved_data["window"] = config.window;
     return out;
   }
 
@@ -331,16 +351,25 @@ class FlashAttentionFunction
     const auto out = saved[3].permute({0, 2, 1, 3}); // (B, H, L, Dv)
     const CpuAttentionConfig config{
         ctx->saved_data["mask"].toTensor(), ctx->saved_data["scale"].toDouble(),
-        ctx->saved_data["causal"].toBool()};
+        ctx->saved_data["causal"].toBool(), ctx->saved_data["query_offset"].toInt(),
+        ctx->saved_data["window"].toInt()};
     const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3}).contiguous();
-    // Gradients of the contiguous inputs, accumulated tile by tile.
+    // Gradients of the contiguous inputs, accumulated tile by tile; with
+    // grouped queries, one key/value gradient per query head, summed below.
+    const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = k.size(2);
     const auto dq = torch::zeros_like(q);
-    const auto dk = torch::zeros_like(k);
-    const auto dv = torch::zeros_like(v);
+    const auto dk = torch::zeros({B, H, S, k.size(3)}, k.options());
+    const auto dv = torch::zeros({B, H, S, v.size(3)}, v.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention_backward", [&] {
       flash_backward<scalar_t>(grad_out, q, k, v, out, lse, config, dq, dk, dv);
     });
-    return {dq, dk, dv, torch::Tensor()}; // nothing for the config
+    if (Hkv == H) {
+      return {dq, dk, dv, torch::Tensor()}; // nothing for the config
+    }
+    const auto sum_groups = [&](const torch::Tensor& grad) {
+      return grad.view({B, Hkv, H / Hkv, S, grad.size(3)}).sum(2);
+    };
+    return {dq, sum_groups(dk), sum_groups(dv), torch::Tensor()};
   }
 };
 

@@ -7,8 +7,8 @@
 // from the row log-sum-exp saved by the forward.
 //
 // Below the API boundary: inputs are already checked. q (B, H, L, D),
-// k (B, H, S, D), v (B, H, S, Dv), float or double, any strides with a unit
-// last-dim stride; `mask` is undefined or expanded to (B, H, L, S), bool
+// k (B, Hkv, S, D), v (B, Hkv, S, Dv) with Hkv dividing H (query head h
+// reads key/value head h / (H / Hkv)), float or double, any strides; `mask` is undefined or expanded to (B, H, L, S), bool
 // (true = may attend) or of the inputs' dtype (added).
 
 #include <torch/types.h>
@@ -17,10 +17,15 @@
 
 namespace attn::detail {
 
+// Query i stands at key position i + query_offset; `causal` hides keys
+// after that position and a positive `window` hides keys at a distance of
+// `window` or more from it (SDPAOptions' rules, applied per tile).
 struct CpuAttentionConfig {
   torch::Tensor mask;
   double scale = 1.0;
   bool causal = false;
+  int64_t query_offset = 0;
+  int64_t window = 0; // 0: none
 };
 
 // Output (B, H, L, Dv) — a view of (B, L, H, Dv) memory, so that merging

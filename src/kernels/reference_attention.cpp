@@ -31,30 +31,49 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
     double scale) {
   const auto L = query.size(-2);
   const auto S = key.size(-2);
+  auto k = key, v = value;
+  if (options.enable_gqa() && key.size(-3) != query.size(-3)) {
+    const auto group = query.size(-3) / key.size(-3);
+    k = key.repeat_interleave(group, -3);
+    v = value.repeat_interleave(group, -3);
+  }
   // Scaling the (L, E) query rather than the (L, S) scores is cheaper when
   // S > E and rounds as torch::nn::MultiheadAttention does.
-  auto scores = torch::matmul(query * scale, key.transpose(-2, -1)); // (..., L, S)
+  auto scores = torch::matmul(query * scale, k.transpose(-2, -1)); // (..., L, S)
   const auto& mask = options.attn_mask();
   if (mask.defined()) {
     scores = mask.scalar_type() == torch::kBool
         ? scores.masked_fill(mask.logical_not(), kNegativeInfinity)
         : scores + mask;
   }
-  if (options.is_causal()) {
-    const auto future = torch::ones(
-        {L, S}, torch::TensorOptions(torch::kBool).device(query.device()))
-                            .triu(1);
-    scores = scores.masked_fill(future, kNegativeInfinity);
+  const auto& window = options.window();
+  if (options.is_causal() || window) {
+    // distance(i, j) = (i + query_offset) - j, the query's position minus
+    // the key's.
+    const auto positions = torch::TensorOptions(torch::kLong).device(query.device());
+    const auto distance =
+        (torch::arange(L, positions) + options.query_offset()).unsqueeze(1) -
+        torch::arange(S, positions).unsqueeze(0); // (L, S)
+    auto hidden = torch::zeros({L, S}, positions.dtype(torch::kBool));
+    if (options.is_causal()) {
+      hidden = hidden.logical_or(distance < 0);
+    }
+    if (window) {
+      hidden = hidden.logical_or(distance.abs() >= *window);
+    }
+    scores = scores.masked_fill(hidden, kNegativeInfinity);
   }
 
-  // Causal masking alone always leaves key 0 visible, so only an explicit
-  // mask can empty a row.
-  auto weights = mask.defined() ? softmax_allowing_masked_rows(scores)
-                                : torch::softmax(scores, -1);
+  // Causal masking alone with a non-negative offset always leaves key 0
+  // visible; other masks can empty a row.
+  const bool rows_may_be_empty =
+      mask.defined() || window || options.query_offset() < 0;
+  auto weights = rows_may_be_empty ? softmax_allowing_masked_rows(scores)
+                                   : torch::softmax(scores, -1);
   if (options.training() && options.dropout_p() > 0.0) {
     weights = torch::dropout(weights, options.dropout_p(), /*train=*/true);
   }
-  auto output = torch::matmul(weights, value); // (..., L, Ev)
+  auto output = torch::matmul(weights, v); // (..., L, Ev)
   if (!options.need_weights()) {
     weights = torch::Tensor();
   }
