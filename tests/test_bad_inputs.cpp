@@ -271,6 +271,7 @@ TEST(BadInputs, SelectDeviceAndCopyWeights) {
   torch::nn::MultiheadAttention wider(torch::nn::MultiheadAttentionOptions(32, 2));
   torch::nn::MultiheadAttention no_bias(torch::nn::MultiheadAttentionOptions(16, 2).bias(false));
   torch::nn::MultiheadAttention bias_kv(torch::nn::MultiheadAttentionOptions(16, 2).add_bias_kv(true));
+  MultiHeadAttention grouped(MultiHeadAttentionOptions(16, 2).num_kv_heads(1).bias(false));
   std::vector<Entry> catalogue = {
       {"unknown device name", [] { attn::select_device("tpu"); },
        "unknown device 'tpu': expected auto, cpu, cuda or cuda:N"},
@@ -282,9 +283,11 @@ TEST(BadInputs, SelectDeviceAndCopyWeights) {
       {"copy_weights between modules of different embed_dim", [&] { attn::copy_weights(*wider, *ours); },
        "copy_weights: modules differ; torch::nn::MultiheadAttention has embed_dim=32, num_heads=2"},
       {"copy_weights where only one module has biases", [&] { attn::copy_weights(*ours, *no_bias); },
-       "bias=0 but attn::MultiHeadAttention has embed_dim=16, num_heads=2, kdim=16, vdim=16, bias=1"},
-      {"copy_weights from a built-in with add_bias_kv", [&] { attn::copy_weights(*bias_kv, *ours); },
-       "copy_weights: torch::nn::MultiheadAttention with add_bias_kv=1 and add_zero_attn=0 has no attn::MultiHeadAttention counterpart"},
+       "bias=0, add_bias_kv=0, add_zero_attn=0 but attn::MultiHeadAttention has embed_dim=16, num_heads=2, kdim=16, vdim=16, bias=1"},
+      {"copy_weights from a built-in with add_bias_kv into a module without", [&] { attn::copy_weights(*bias_kv, *ours); },
+       "bias=1, add_bias_kv=1, add_zero_attn=0 but attn::MultiHeadAttention has embed_dim=16, num_heads=2, kdim=16, vdim=16, bias=1, add_bias_kv=0, add_zero_attn=0"},
+      {"copy_weights into a grouped-query module", [&] { attn::copy_weights(*no_bias, *grouped); },
+       "copy_weights: torch.nn.MultiheadAttention has no grouped-query form; the attn::MultiHeadAttention must have num_kv_heads == num_heads, got num_kv_heads=1 and num_heads=2"},
   };
   if (!torch::cuda::is_available()) {
     catalogue.push_back({"cuda requested without CUDA", [] { attn::select_device("cuda"); },

@@ -4,7 +4,6 @@
 
 #include "test_support.h"
 
-#include <attn/interop.h>
 #include <attn/modules/multi_head_attention.h>
 
 #include <cmath>
@@ -270,38 +269,6 @@ TEST(MultiHeadAttention, PrettyPrintsLikeATorchModule) {
       "  (v_proj): torch::nn::Linear(in_features=512, out_features=512, bias=true)\n"
       "  (out_proj): torch::nn::Linear(in_features=512, out_features=512, bias=true)\n"
       ")");
-}
-
-TEST(Interop, WeightsRoundTripThroughTheBuiltin) {
-  for (const int64_t kdim : {16, 12}) {
-    SCOPED_TRACE(kdim);
-    MultiHeadAttention ours(MultiHeadAttentionOptions(16, 2).kdim(kdim).vdim(kdim));
-    torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(16, 2).kdim(kdim).vdim(kdim));
-    MultiHeadAttention back(MultiHeadAttentionOptions(16, 2).kdim(kdim).vdim(kdim));
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : ours->parameters()) {
-        p.normal_();
-      }
-    }
-    attn::copy_weights(*ours, *builtin);
-    attn::copy_weights(*builtin, *back);
-    const auto expected = ours->named_parameters();
-    for (const auto& p : back->named_parameters()) {
-      EXPECT_TRUE(torch::equal(p.value(), expected[p.key()])) << p.key();
-    }
-  }
-}
-
-TEST(Interop, RejectsModulesOfDifferentShape) {
-  MultiHeadAttention ours(MultiHeadAttentionOptions(16, 2));
-  torch::nn::MultiheadAttention other_heads(torch::nn::MultiheadAttentionOptions(16, 4));
-  EXPECT_ATTN_ERROR(attn::copy_weights(*other_heads, *ours),
-      "copy_weights: modules differ; torch::nn::MultiheadAttention has embed_dim=16, num_heads=4");
-  torch::nn::MultiheadAttention no_bias(torch::nn::MultiheadAttentionOptions(16, 2).bias(false));
-  EXPECT_ATTN_ERROR(attn::copy_weights(*ours, *no_bias), "bias=0 but attn::MultiHeadAttention has");
-  torch::nn::MultiheadAttention bias_kv(torch::nn::MultiheadAttentionOptions(16, 2).add_bias_kv(true));
-  EXPECT_ATTN_ERROR(attn::copy_weights(*bias_kv, *ours), "add_bias_kv=1 and add_zero_attn=0 has no attn::MultiHeadAttention counterpart");
 }
 
 TEST(MultiHeadAttentionErrors, ConstructionNamesTheBadOption) {

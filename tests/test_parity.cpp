@@ -23,6 +23,8 @@ struct ParityCase {
   bool float_attn_mask; // additive (L, S) attn_mask with some -inf
   bool average;
   bool batch_first;
+  bool bias_kv = false;   // add_bias_kv
+  bool zero_attn = false; // add_zero_attn
 };
 
 std::string name(const ParityCase& c) {
@@ -32,7 +34,8 @@ std::string name(const ParityCase& c) {
     << (c.self_attention ? "_self" : "_cross")
     << (c.key_padding ? "_padding" : "") << (c.float_attn_mask ? "_floatmask" : "")
     << (c.average ? "_averaged" : "_perhead")
-    << (c.batch_first ? "_batchfirst" : "_seqfirst");
+    << (c.batch_first ? "_batchfirst" : "_seqfirst")
+    << (c.bias_kv ? "_biaskv" : "") << (c.zero_attn ? "_zeroattn" : "");
   return s.str();
 }
 
@@ -53,6 +56,10 @@ const ParityCase kCases[] = {
     {1, 2, 11, 8, 8, false, 8, false, false, false, true, false},
     {3, 9, 4, 512, 2, true, 32, false, true, false, false, false},
     {2, 6, 6, 8, 2, true, 8, true, false, true, false, true},
+    // The built-in's extra keys, with masks that must be widened for them.
+    {2, 5, 5, 16, 4, true, 16, true, true, true, false, true, true, false},
+    {3, 4, 6, 16, 2, true, 16, false, false, true, true, false, false, true},
+    {2, 6, 7, 32, 4, true, 24, false, true, false, false, true, true, true},
 };
 
 // Tolerances: outputs and weights as the issue of record requires. Parameter
@@ -91,12 +98,19 @@ void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device d
   torch::manual_seed(42);
 
   torch::nn::MultiheadAttention builtin(
-      torch::nn::MultiheadAttentionOptions(c.E, c.H).bias(c.bias).kdim(c.kvdim).vdim(c.kvdim));
+      torch::nn::MultiheadAttentionOptions(c.E, c.H)
+          .bias(c.bias)
+          .kdim(c.kvdim)
+          .vdim(c.kvdim)
+          .add_bias_kv(c.bias_kv)
+          .add_zero_attn(c.zero_attn));
   attn::MultiHeadAttention ours(attn::MultiHeadAttentionOptions(c.E, c.H)
                                     .bias(c.bias)
                                     .kdim(c.kvdim)
                                     .vdim(c.kvdim)
-                                    .batch_first(c.batch_first));
+                                    .batch_first(c.batch_first)
+                                    .add_bias_kv(c.bias_kv)
+                                    .add_zero_attn(c.zero_attn));
   attn::copy_weights(*builtin, *ours);
   builtin->to(device, dtype);
   ours->to(device, dtype);
@@ -190,6 +204,10 @@ void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device d
     expect_grad(ours->k_proj->bias.grad(), their_bias.slice(0, E, 2 * E), "d k_proj.bias");
     expect_grad(ours->v_proj->bias.grad(), their_bias.slice(0, 2 * E, 3 * E), "d v_proj.bias");
     expect_grad(ours->out_proj->bias.grad(), builtin->out_proj->bias.grad(), "d out_proj.bias");
+  }
+  if (c.bias_kv) {
+    expect_grad(ours->bias_k.grad(), builtin->bias_k.grad(), "d bias_k");
+    expect_grad(ours->bias_v.grad(), builtin->bias_v.grad(), "d bias_v");
   }
   ::testing::Test::RecordProperty(
       "max_relative_gradient_difference", c10::str(largest_relative_gradient_difference));

@@ -6,7 +6,9 @@
 #include <attn/device.h>
 #include <attn/functional.h>
 #include <attn/interop.h>
+#include <attn/kv_cache.h>
 #include <attn/modules/multi_head_attention.h>
+#include <attn/modules/rotary_embedding.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 #include <attn/options.h>
 #include <attn/version.h>

@@ -1,19 +1,26 @@
 #pragma once
 
 /// \file
-/// Weight exchange with `torch::nn::MultiheadAttention`.
+/// Weight exchange with `torch::nn::MultiheadAttention`, in C++ and from
+/// Python files.
 ///
 /// The built-in packs the Q/K/V weights into `in_proj_weight` (3E, E) when
 /// `kdim == vdim == E` and keeps `q/k/v_proj_weight` otherwise; its biases
-/// are always packed in `in_proj_bias` (3E). attn keeps one `Linear` per
-/// projection. Both directions require equal `embed_dim`, `num_heads`,
-/// `kdim`, `vdim` and `bias`, and a built-in without `add_bias_kv` or
-/// `add_zero_attn`; values are copied (and cast) into the target's existing
-/// parameters, so the target keeps its device and dtype.
+/// are always packed in `in_proj_bias` (3E), and `add_bias_kv` adds
+/// `bias_k` and `bias_v`. attn keeps one `Linear` per projection. Both
+/// modules must have the same `embed_dim`, `num_heads`, `kdim`, `vdim`,
+/// `bias`, `add_bias_kv` and `add_zero_attn`, and attn's `num_kv_heads`
+/// must equal `num_heads`; values are copied (and cast) into the target's
+/// existing parameters, so the target keeps its device and dtype.
+///
+/// attn's own modules round-trip through `torch::save` and `torch::load`
+/// like any `torch::nn` module.
 
 #include <attn/modules/multi_head_attention.h>
 
 #include <torch/nn/modules/activation.h>
+
+#include <string>
 
 namespace attn {
 
@@ -35,5 +42,26 @@ void copy_weights(
 void copy_weights(
     const MultiHeadAttentionImpl& source,
     torch::nn::MultiheadAttentionImpl& target);
+
+/// Loads into `target` the `state_dict` of a Python
+/// `torch.nn.MultiheadAttention` saved with `torch.save` (PyTorch >= 1.6),
+/// with packed `in_proj_weight` or separate `q/k/v_proj_weight`.
+///
+/// `prefix` selects the attention inside a whole model's state_dict, e.g.
+/// `"encoder.layers.0.self_attn."`; entries outside it are ignored. Under
+/// it, every entry the target needs must be present with its shape and no
+/// other may be, or a `c10::Error` names the entry, the file and what was
+/// expected. `target` must be built with the Python module's options (and
+/// `batch_first` as the caller's tensors are laid out).
+///
+/// Example, after `torch.save(mha.state_dict(), "mha.pt")` in Python:
+/// ```
+/// attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(512, 8));
+/// attn::load_pytorch_state_dict(*mha, "mha.pt");
+/// ```
+void load_pytorch_state_dict(
+    MultiHeadAttentionImpl& target,
+    const std::string& path,
+    const std::string& prefix = "");
 
 } // namespace attn

@@ -11,6 +11,8 @@
 
 namespace attn {
 
+class KVCache;
+
 /// Options for `attn::scaled_dot_product_attention`.
 ///
 /// Example:
@@ -65,6 +67,27 @@ struct ScaledDotProductAttentionOptions {
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
 };
 
+/// Options for the `attn::RotaryEmbedding` module (RoPE, Su et al. 2021).
+///
+/// Example:
+/// ```
+/// attn::RotaryEmbedding rope(attn::RotaryEmbeddingOptions(64).base(500000));
+/// ```
+struct RotaryEmbeddingOptions {
+  /// Rotates the first `dim` features of each head.
+  /* implicit */ RotaryEmbeddingOptions(int64_t dim);
+
+  /// Features rotated per head: even, and at most the head width; the
+  /// features after them pass through unchanged (partial rotary).
+  TORCH_ARG(int64_t, dim);
+  /// θ: feature pair `i` turns by `position · base^(-2i/dim)` radians.
+  TORCH_ARG(double, base) = 10000.0;
+  /// `false`: feature `i` pairs with `i + dim/2` (GPT-NeoX, Hugging Face
+  /// Llama). `true`: feature `2i` pairs with `2i + 1` (the paper, Meta's
+  /// original Llama, GPT-J).
+  TORCH_ARG(bool, interleaved) = false;
+};
+
 /// Options for the `attn::MultiHeadAttention` module.
 ///
 /// Example:
@@ -90,6 +113,21 @@ struct MultiHeadAttentionOptions {
   TORCH_ARG(int64_t, vdim);
   /// `true`: inputs and output are `(B, T, E)`; `false`: `(T, B, E)`.
   TORCH_ARG(bool, batch_first) = true;
+  /// Key/value heads for grouped-query attention: must divide `num_heads`;
+  /// 1 gives multi-query attention. `k_proj` and `v_proj` then produce
+  /// `num_kv_heads · D` features, each shared by `num_heads / num_kv_heads`
+  /// query heads without being copied. Defaults to `num_heads`.
+  TORCH_ARG(int64_t, num_kv_heads);
+  /// Rotary position embeddings applied to queries and keys after the
+  /// projections (token `t` at position `t`, or after the cached tokens
+  /// with a KV cache). Unset: none.
+  TORCH_ARG(c10::optional<RotaryEmbeddingOptions>, rotary) = c10::nullopt;
+  /// Learned biases `bias_k`, `bias_v` appended to the keys and values as
+  /// one extra key, as in `torch::nn::MultiheadAttention`.
+  TORCH_ARG(bool, add_bias_kv) = false;
+  /// A zero key and value appended after the others, as in
+  /// `torch::nn::MultiheadAttention`.
+  TORCH_ARG(bool, add_zero_attn) = false;
 };
 
 /// Per-call options of `attn::MultiHeadAttention::forward`.
@@ -107,12 +145,33 @@ struct MultiHeadAttentionForwardOptions {
   /// Bool: `true` means *may attend*, as in `SDPAOptions::attn_mask`.
   /// Floating: added to the scores.
   TORCH_ARG(torch::Tensor, attn_mask) = {};
-  /// Query `i` attends only to keys `j <= i`.
+  /// Query `i` attends only to keys `j <= i` (with a KV cache: to the
+  /// cached keys and the call's keys up to its own position).
   TORCH_ARG(bool, is_causal) = false;
+  /// Sliding window: query `i` attends only to keys within `window`
+  /// positions of its own; with `is_causal`, to its last `window` keys. See
+  /// `SDPAOptions::window`. Unset: no window.
+  TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
+
+ public:
+  /// Incremental decoding: the call's keys and values are appended to this
+  /// cache and the queries attend to every cached token, standing after
+  /// them (for `is_causal`, `window` and rotary positions). Not owned; null:
+  /// no cache. Masks then cover all cached keys: `(B, S_total)` and
+  /// `(L, S_total)`.
+  MultiHeadAttentionForwardOptions& kv_cache(KVCache* cache) {
+    kv_cache_ = cache;
+    return *this;
+  }
+  /// The cache set with `kv_cache(KVCache*)`, or null.
+  KVCache* kv_cache() const { return kv_cache_; }
   /// When false the returned weights tensor is undefined.
   TORCH_ARG(bool, need_weights) = true;
   /// `false`: per-head weights `(B, H, L, S)`; `true`: their mean `(B, L, S)`.
   TORCH_ARG(bool, average_attn_weights) = false;
+
+ private:
+  KVCache* kv_cache_ = nullptr;
 };
 
 } // namespace attn

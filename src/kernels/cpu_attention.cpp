@@ -99,6 +99,11 @@ struct MaskView {
   }
 };
 
+// Query heads per key/value head (1 when there are no heads at all).
+int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
+  return k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
+}
+
 // Pointer to row t of head (b, h) of a (B, H, T, F) tensor.
 template <typename scalar_t>
 scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
@@ -123,7 +128,7 @@ void flash_forward(
     const torch::Tensor& out,
     const torch::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t Dv = v.size(3), group = H / k.size(1);
+  const int64_t Dv = v.size(3), group = kv_group(q, k);
   const int64_t tiles = ceil_div(L, kQueryTile);
   const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
   const MaskView<scalar_t> mask(config, S);
@@ -198,7 +203,7 @@ void flash_backward(
     const torch::Tensor& dk,
     const torch::Tensor& dv) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t group = H / k.size(1);
+  const int64_t group = kv_group(q, k);
   const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
   const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
@@ -272,7 +277,7 @@ void forward_with_weights(
     const torch::Tensor& out,
     const torch::Tensor& weights) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t group = H / k.size(1);
+  const int64_t group = kv_group(q, k);
   const int64_t tiles = ceil_div(L, kQueryTile);
   const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);

@@ -23,6 +23,28 @@ torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
 
 } // namespace
 
+torch::Tensor visible_band(
+    int64_t L,
+    int64_t S,
+    int64_t query_offset,
+    bool causal,
+    const c10::optional<int64_t>& window,
+    torch::Device device) {
+  // distance(i, j) = (i + query_offset) - j: the query's position minus the
+  // key's.
+  const auto positions = torch::TensorOptions(torch::kLong).device(device);
+  const auto distance = (torch::arange(L, positions) + query_offset).unsqueeze(1) -
+      torch::arange(S, positions).unsqueeze(0);
+  auto visible = torch::ones({L, S}, positions.dtype(torch::kBool));
+  if (causal) {
+    visible = visible.logical_and(distance >= 0);
+  }
+  if (window) {
+    visible = visible.logical_and(distance.abs() < *window);
+  }
+  return visible;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> reference_attention(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -48,20 +70,11 @@ std::tuple<torch::Tensor, torch::Tensor> reference_attention(
   }
   const auto& window = options.window();
   if (options.is_causal() || window) {
-    // distance(i, j) = (i + query_offset) - j, the query's position minus
-    // the key's.
-    const auto positions = torch::TensorOptions(torch::kLong).device(query.device());
-    const auto distance =
-        (torch::arange(L, positions) + options.query_offset()).unsqueeze(1) -
-        torch::arange(S, positions).unsqueeze(0); // (L, S)
-    auto hidden = torch::zeros({L, S}, positions.dtype(torch::kBool));
-    if (options.is_causal()) {
-      hidden = hidden.logical_or(distance < 0);
-    }
-    if (window) {
-      hidden = hidden.logical_or(distance.abs() >= *window);
-    }
-    scores = scores.masked_fill(hidden, kNegativeInfinity);
+    scores = scores.masked_fill(
+        visible_band(L, S, options.query_offset(), options.is_causal(), window,
+                     query.device())
+            .logical_not(),
+        kNegativeInfinity);
   }
 
   // Causal masking alone with a non-negative offset always leaves key 0

@@ -3,6 +3,7 @@
 #include <attn/functional.h>
 
 #include "../checks.h"
+#include "../kernels/reference_attention.h"
 
 #include <torch/torch.h>
 
@@ -16,7 +17,8 @@ MultiHeadAttentionOptions::MultiHeadAttentionOptions(
     : embed_dim_(embed_dim),
       num_heads_(num_heads),
       kdim_(embed_dim),
-      vdim_(embed_dim) {}
+      vdim_(embed_dim),
+      num_kv_heads_(num_heads) {}
 
 namespace {
 
@@ -33,36 +35,38 @@ torch::Tensor as_additive(const torch::Tensor& mask, torch::ScalarType dtype) {
           mask.logical_not(), -std::numeric_limits<double>::infinity());
 }
 
-// One mask in SDPA's convention, broadcastable to (B, H, L, S), from the
-// per-pair attn_mask and the per-key key_padding_mask (either may be
-// undefined). Both bool: their intersection stays bool; otherwise additive.
-torch::Tensor merge_masks(
-    const torch::Tensor& attn_mask,
-    const torch::Tensor& key_padding_mask,
-    int64_t B,
-    int64_t H,
-    int64_t L,
-    int64_t S,
-    torch::ScalarType dtype) {
-  torch::Tensor per_pair;
-  if (attn_mask.defined()) {
-    per_pair = attn_mask.dim() == 3 ? attn_mask.reshape({B, H, L, S})
-                                    : attn_mask;
+// The pairs that every mask allows, each mask in SDPA's convention and
+// broadcastable to (B, H, L, S); undefined ones are skipped. All bool: the
+// intersection stays bool; otherwise their additive forms are summed.
+torch::Tensor intersect_masks(std::initializer_list<torch::Tensor> masks,
+                              torch::ScalarType dtype) {
+  std::vector<torch::Tensor> defined;
+  bool all_bool = true;
+  for (const auto& mask : masks) {
+    if (mask.defined()) {
+      defined.push_back(mask);
+      all_bool = all_bool && mask.scalar_type() == torch::kBool;
+    }
   }
-  torch::Tensor per_key;
-  if (key_padding_mask.defined()) {
-    const auto padding = key_padding_mask.reshape({B, 1, 1, S});
-    per_key = padding.scalar_type() == torch::kBool ? padding.logical_not()
-                                                     : padding;
+  if (defined.size() < 2) {
+    return defined.empty() ? torch::Tensor() : defined.front();
   }
-  if (!per_pair.defined() || !per_key.defined()) {
-    return per_pair.defined() ? per_pair : per_key;
+  auto result = all_bool ? defined.front() : as_additive(defined.front(), dtype);
+  for (size_t i = 1; i < defined.size(); ++i) {
+    result = all_bool ? result.logical_and(defined[i])
+                      : result + as_additive(defined[i], dtype);
   }
-  if (per_pair.scalar_type() == torch::kBool &&
-      per_key.scalar_type() == torch::kBool) {
-    return per_pair.logical_and(per_key);
-  }
-  return as_additive(per_pair, dtype) + as_additive(per_key, dtype);
+  return result;
+}
+
+// `mask` (last dim S) with `extra` more keys that every query may see.
+torch::Tensor allow_extra_keys(const torch::Tensor& mask, int64_t extra) {
+  auto sizes = mask.sizes().vec();
+  sizes.back() = extra;
+  const auto allowed = mask.scalar_type() == torch::kBool
+      ? torch::ones(sizes, mask.options())
+      : torch::zeros(sizes, mask.options());
+  return torch::cat({mask, allowed}, -1);
 }
 
 } // namespace
@@ -76,11 +80,16 @@ MultiHeadAttentionImpl::MultiHeadAttentionImpl(
 void MultiHeadAttentionImpl::reset() {
   const auto E = options.embed_dim();
   const auto H = options.num_heads();
+  const auto H_kv = options.num_kv_heads();
   TORCH_CHECK(E > 0, kCaller, ": embed_dim must be positive, got ", E);
   TORCH_CHECK(H > 0, kCaller, ": num_heads must be positive, got ", H);
   TORCH_CHECK(
       E % H == 0, kCaller, ": embed_dim must be divisible by num_heads, got ",
       "embed_dim=", E, " and num_heads=", H, " (remainder ", E % H, ")");
+  TORCH_CHECK(
+      H_kv > 0 && H % H_kv == 0, kCaller,
+      ": num_kv_heads must be positive and divide num_heads, got num_heads=",
+      H, " and num_kv_heads=", H_kv);
   TORCH_CHECK(
       options.kdim() > 0 && options.vdim() > 0, kCaller,
       ": kdim and vdim must be positive, got kdim=", options.kdim(),
@@ -88,24 +97,38 @@ void MultiHeadAttentionImpl::reset() {
   TORCH_CHECK(
       options.dropout() >= 0.0 && options.dropout() < 1.0, kCaller,
       ": dropout must be in [0, 1), got ", options.dropout());
+  const auto D = E / H;
+  TORCH_CHECK(
+      !options.rotary() || options.rotary()->dim() <= D, kCaller,
+      ": rotary dim must be at most the head width embed_dim / num_heads = ", D,
+      ", got ", options.rotary() ? options.rotary()->dim() : 0);
 
   using torch::nn::Linear;
   using torch::nn::LinearOptions;
   const bool bias = options.bias();
+  const auto E_kv = H_kv * D;
   q_proj = register_module("q_proj", Linear(LinearOptions(E, E).bias(bias)));
   k_proj = register_module(
-      "k_proj", Linear(LinearOptions(options.kdim(), E).bias(bias)));
+      "k_proj", Linear(LinearOptions(options.kdim(), E_kv).bias(bias)));
   v_proj = register_module(
-      "v_proj", Linear(LinearOptions(options.vdim(), E).bias(bias)));
+      "v_proj", Linear(LinearOptions(options.vdim(), E_kv).bias(bias)));
   out_proj =
       register_module("out_proj", Linear(LinearOptions(E, E).bias(bias)));
+  if (options.add_bias_kv()) {
+    bias_k = register_parameter("bias_k", torch::empty({1, 1, E_kv}));
+    bias_v = register_parameter("bias_v", torch::empty({1, 1, E_kv}));
+  }
+  if (options.rotary()) {
+    rotary = register_module("rotary", RotaryEmbedding(*options.rotary()));
+  }
   reset_parameters();
 }
 
 void MultiHeadAttentionImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
   const auto E = options.embed_dim();
-  if (options.kdim() == E && options.vdim() == E) {
+  if (options.kdim() == E && options.vdim() == E &&
+      options.num_kv_heads() == options.num_heads()) {
     // The built-in initialises one packed (3E, E) matrix; draw from the same
     // distribution, whose bound depends on the packed shape.
     auto packed = torch::empty({3 * E, E}, q_proj->weight.options());
@@ -124,6 +147,10 @@ void MultiHeadAttentionImpl::reset_parameters() {
       torch::nn::init::zeros_(projection->bias);
     }
   }
+  if (options.add_bias_kv()) {
+    torch::nn::init::xavier_normal_(bias_k);
+    torch::nn::init::xavier_normal_(bias_v);
+  }
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
@@ -133,7 +160,9 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const MultiHeadAttentionForwardOptions& forward_options) {
   const auto E = options.embed_dim();
   const auto H = options.num_heads();
+  const auto H_kv = options.num_kv_heads();
   const auto D = E / H;
+  const auto E_kv = H_kv * D;
   const bool batch_first = options.batch_first();
   const char* layout_q = batch_first ? "(B, L, E)" : "(L, B, E)";
   const char* layout_k = batch_first ? "(B, S, kdim)" : "(S, B, kdim)";
@@ -160,13 +189,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   const auto v_in = batch_first ? value : value.transpose(0, 1);
   const auto B = q_in.size(0);
   const auto L = q_in.size(1);
-  const auto S = k_in.size(1);
   TORCH_CHECK(
       k_in.size(0) == B && v_in.size(0) == B, kCaller,
       ": query, key and value must have the same batch size B, got query ",
       query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
   TORCH_CHECK(
-      v_in.size(1) == S, kCaller,
+      v_in.size(1) == k_in.size(1), kCaller,
       ": key and value must have the same length S, got key ", key.sizes(),
       ", value ", value.sizes());
 
@@ -184,6 +212,18 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
         ", value ", value.scalar_type(), " (convert one with .to())");
   }
 
+  KVCache* cache = forward_options.kv_cache();
+  const int64_t extra_keys =
+      int64_t{options.add_bias_kv()} + int64_t{options.add_zero_attn()};
+  TORCH_CHECK(
+      cache == nullptr || extra_keys == 0, kCaller,
+      ": a kv_cache cannot be combined with add_bias_kv or add_zero_attn ",
+      "(their extra key would be cached at every step)");
+  // Cached tokens stand before the call's: queries start at position `past`.
+  const int64_t past = cache != nullptr ? cache->length() : 0;
+  // Keys that the masks cover: the cached ones and the call's.
+  const int64_t S = past + k_in.size(1);
+
   const auto& padding = forward_options.key_padding_mask();
   if (padding.defined()) {
     detail::check_mask_dtype_and_device(
@@ -191,7 +231,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     TORCH_CHECK(
         padding.dim() == 2 && padding.size(0) == B && padding.size(1) == S,
         kCaller, ": key_padding_mask must be (B, S) = ",
-        torch::IntArrayRef({B, S}), ", got ", padding.sizes());
+        torch::IntArrayRef({B, S}), past > 0 ? " (S counting the cached keys)" : "",
+        ", got ", padding.sizes());
   }
   const auto& attn_mask = forward_options.attn_mask();
   if (attn_mask.defined()) {
@@ -205,10 +246,11 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
         valid, kCaller, ": attn_mask must be (L, S) = ",
         torch::IntArrayRef({L, S}), ", (B·H, L, S) = ",
         torch::IntArrayRef({B * H, L, S}), " or (B, H, L, S) = ",
-        torch::IntArrayRef({B, H, L, S}), " (B and H may be 1), got ", sizes);
+        torch::IntArrayRef({B, H, L, S}), " (B and H may be 1)",
+        past > 0 ? ", S counting the cached keys" : "", ", got ", sizes);
   }
 
-  torch::Tensor q, k, v; // (B, H, L or S, D) views of the projections
+  torch::Tensor q, k, v; // (B, L, E), (B, S, E_kv), (B, S, E_kv)
   if (query.is_same(key) && key.is_same(value) && options.kdim() == E &&
       options.vdim() == E) {
     // Self-attention: one GEMM against the stacked weights.
@@ -216,25 +258,72 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const auto bias = options.bias()
         ? torch::cat({q_proj->bias, k_proj->bias, v_proj->bias})
         : torch::Tensor();
-    const auto qkv = torch::nn::functional::linear(q_in, weight, bias)
-                         .view({B, L, 3, H, D}); // (B, L, 3, H, D)
-    q = qkv.select(2, 0).transpose(1, 2);
-    k = qkv.select(2, 1).transpose(1, 2);
-    v = qkv.select(2, 2).transpose(1, 2);
+    const auto qkv = torch::nn::functional::linear(q_in, weight, bias);
+    q = qkv.narrow(2, 0, E);
+    k = qkv.narrow(2, E, E_kv);
+    v = qkv.narrow(2, E + E_kv, E_kv);
   } else {
-    q = q_proj(q_in).view({B, L, H, D}).transpose(1, 2);
-    k = k_proj(k_in).view({B, S, H, D}).transpose(1, 2);
-    v = v_proj(v_in).view({B, S, H, D}).transpose(1, 2);
+    q = q_proj(q_in);
+    k = k_proj(k_in);
+    v = v_proj(v_in);
   }
-  auto [heads, weights] = scaled_dot_product_attention(
-      q, k, v,
-      SDPAOptions()
-          .attn_mask(merge_masks(
-              attn_mask, padding, B, H, L, S, query.scalar_type()))
-          .is_causal(forward_options.is_causal())
-          .dropout_p(options.dropout())
-          .training(is_training())
-          .need_weights(forward_options.need_weights()));
+  // Heads by strides: (B, H, L, D) and (B, H_kv, ·, D).
+  q = q.view({B, L, H, D}).transpose(1, 2);
+  k = k.view({B, k.size(1), H_kv, D}).transpose(1, 2);
+  v = v.view({B, v.size(1), H_kv, D}).transpose(1, 2);
+  if (rotary) {
+    q = rotary(q, past);
+    k = rotary(k, past);
+  }
+  if (cache != nullptr) {
+    std::tie(k, v) = cache->append(k, v);
+  }
+  if (options.add_bias_kv()) {
+    const auto per_head = [&](const torch::Tensor& bias) {
+      return bias.view({1, H_kv, 1, D}).expand({B, H_kv, 1, D});
+    };
+    k = torch::cat({k, per_head(bias_k)}, 2);
+    v = torch::cat({v, per_head(bias_v)}, 2);
+  }
+  if (options.add_zero_attn()) {
+    k = torch::cat({k, torch::zeros({B, H_kv, 1, D}, k.options())}, 2);
+    v = torch::cat({v, torch::zeros({B, H_kv, 1, D}, v.options())}, 2);
+  }
+
+  const torch::Tensor per_pair =
+      attn_mask.defined() && attn_mask.dim() == 3 ? attn_mask.reshape({B, H, L, S})
+                                                  : attn_mask;
+  const torch::Tensor per_key = !padding.defined() ? torch::Tensor()
+      : padding.scalar_type() == torch::kBool      ? padding.logical_not().view({B, 1, 1, S})
+                                                   : padding.view({B, 1, 1, S});
+  auto sdpa_options = SDPAOptions()
+                          .is_causal(forward_options.is_causal())
+                          .window(forward_options.window())
+                          .query_offset(past)
+                          .enable_gqa(true)
+                          .dropout_p(options.dropout())
+                          .training(is_training())
+                          .need_weights(forward_options.need_weights());
+  torch::Tensor mask;
+  if (extra_keys == 0) {
+    mask = intersect_masks({per_pair, per_key}, query.scalar_type());
+  } else {
+    // The appended keys are visible to every query, whatever the causal
+    // and window rules say of their positions: those rules become a mask.
+    const bool banded = forward_options.is_causal() || forward_options.window();
+    mask = intersect_masks(
+        {per_pair, per_key,
+         banded ? detail::visible_band(L, S, past, forward_options.is_causal(),
+                                       forward_options.window(), query.device())
+                : torch::Tensor()},
+        query.scalar_type());
+    if (mask.defined()) {
+      mask = allow_extra_keys(mask, extra_keys);
+    }
+    sdpa_options.is_causal(false).window(c10::nullopt);
+  }
+  auto [heads, weights] =
+      scaled_dot_product_attention(q, k, v, sdpa_options.attn_mask(mask));
 
   // Merge the heads straight into the caller's layout, so the output is
   // contiguous either way: (B, H, L, D) -> (B, L, E) or (L, B, E).
@@ -243,7 +332,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
       : heads.permute({2, 0, 1, 3}).reshape({L, B, E});
   auto output = out_proj(merged);
   if (weights.defined() && forward_options.average_attn_weights()) {
-    weights = weights.mean(1); // (B, L, S)
+    weights = weights.mean(1); // (B, L, S')
   }
   return {output, weights};
 }
@@ -251,10 +340,23 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha
          << "attn::MultiHeadAttention(embed_dim=" << options.embed_dim()
-         << ", num_heads=" << options.num_heads()
-         << ", dropout=" << options.dropout() << ", bias=" << options.bias()
+         << ", num_heads=" << options.num_heads();
+  if (options.num_kv_heads() != options.num_heads()) {
+    stream << ", num_kv_heads=" << options.num_kv_heads();
+  }
+  stream << ", dropout=" << options.dropout() << ", bias=" << options.bias()
          << ", kdim=" << options.kdim() << ", vdim=" << options.vdim()
-         << ", batch_first=" << options.batch_first() << ")";
+         << ", batch_first=" << options.batch_first();
+  if (options.rotary()) {
+    stream << ", rotary_dim=" << options.rotary()->dim();
+  }
+  if (options.add_bias_kv()) {
+    stream << ", add_bias_kv=true";
+  }
+  if (options.add_zero_attn()) {
+    stream << ", add_zero_attn=true";
+  }
+  stream << ")";
 }
 
 } // namespace attn

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <attn/kv_cache.h>
+#include <attn/modules/rotary_embedding.h>
 #include <attn/options.h>
 
 #include <torch/nn/cloneable.h>
@@ -16,6 +18,11 @@ namespace attn {
 /// Multi-head attention: `Q = query·Wqᵀ + bq`, `K = key·Wkᵀ + bk`,
 /// `V = value·Wvᵀ + bv`, split into H heads of width D = E / H, scaled
 /// dot-product attention per head, heads merged and projected by `out_proj`.
+///
+/// Beyond the built-in's options it offers grouped-query attention
+/// (`num_kv_heads`), rotary position embeddings (`rotary`), a KV cache for
+/// incremental decoding and sliding-window attention (per call, in
+/// `MultiHeadAttentionForwardOptions`).
 ///
 /// It computes what `torch::nn::MultiheadAttention` computes with the same
 /// weights (see `attn/interop.h` to copy them), with these differences:
@@ -38,26 +45,30 @@ class MultiHeadAttentionImpl
   MultiHeadAttentionImpl(int64_t embed_dim, int64_t num_heads)
       : MultiHeadAttentionImpl(
             MultiHeadAttentionOptions(embed_dim, num_heads)) {}
-  /// Checks the options (E and H positive, H dividing E, dropout in
-  /// [0, 1)) and creates the projections.
+  /// Checks the options (E and H positive, H dividing E, num_kv_heads
+  /// dividing H, dropout in [0, 1), rotary dim even and at most E / H) and
+  /// creates the projections.
   explicit MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options);
 
   /// query `(B, L, E)`, key `(B, S, kdim)`, value `(B, S, vdim)` (sequence
   /// first when `batch_first` is false). Returns the output, shaped like the
-  /// query, and the weights `(B, H, L, S)`, or `(B, L, S)` when averaged, or
-  /// an undefined tensor when `need_weights` is false.
+  /// query, and the weights `(B, H, L, S')`, or `(B, L, S')` when averaged,
+  /// or an undefined tensor when `need_weights` is false. S' counts every
+  /// key attended to: the cached ones, the call's S, and one more for each
+  /// of `add_bias_kv` and `add_zero_attn`.
   std::tuple<torch::Tensor, torch::Tensor> forward(
       const torch::Tensor& query,
       const torch::Tensor& key,
       const torch::Tensor& value,
       const MultiHeadAttentionForwardOptions& options = {});
 
-  /// Registers the four projections and initialises them.
+  /// Registers the projections (and `bias_k`, `bias_v`, `rotary` when
+  /// asked for) and initialises them.
   void reset() override;
 
-  /// Initialises the projections as `torch::nn::MultiheadAttention` does:
+  /// Initialises the parameters as `torch::nn::MultiheadAttention` does:
   /// Xavier-uniform Q/K/V weights, zero biases, `out_proj` weight as in
-  /// `torch::nn::Linear`.
+  /// `torch::nn::Linear`, Xavier-normal `bias_k` and `bias_v`.
   void reset_parameters();
 
   /// Prints `attn::MultiHeadAttention(embed_dim=512, num_heads=8, ...)`.
@@ -68,12 +79,17 @@ class MultiHeadAttentionImpl
 
   /// `E -> E`.
   torch::nn::Linear q_proj = nullptr;
-  /// `kdim -> E`.
+  /// `kdim -> num_kv_heads · D` (E unless grouped).
   torch::nn::Linear k_proj = nullptr;
-  /// `vdim -> E`.
+  /// `vdim -> num_kv_heads · D` (E unless grouped).
   torch::nn::Linear v_proj = nullptr;
   /// `E -> E`, applied to the merged heads.
   torch::nn::Linear out_proj = nullptr;
+  /// `(1, 1, num_kv_heads · D)` with `add_bias_kv`; undefined otherwise.
+  torch::Tensor bias_k, bias_v;
+  /// Applied to queries and keys when `options.rotary()` is set; null
+  /// otherwise. Has no parameters.
+  RotaryEmbedding rotary = nullptr;
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS(

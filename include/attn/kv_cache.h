@@ -1,0 +1,70 @@
+#pragma once
+
+/// \file
+/// The key/value cache of incremental (token-by-token) decoding.
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <utility>
+
+namespace attn {
+
+/// Keys and values of the tokens decoded so far, per batch element and
+/// key/value head, so that each decoding step projects only its new tokens.
+/// `attn::MultiHeadAttention` appends to it when one is passed in
+/// `MultiHeadAttentionForwardOptions::kv_cache`.
+///
+/// The first `append` fixes the batch size, heads, feature sizes, dtype and
+/// device until `reset()`; later appends must match them. Without a
+/// maximum length the storage grows by doubling; with one it is allocated
+/// once, for that many tokens, and an append that would exceed it fails.
+/// The cache holds inference state: appending tensors that require grad
+/// while grad mode is on is an error (decode under `torch::NoGradGuard`).
+///
+/// Example:
+/// ```
+/// attn::KVCache cache(/*max_length=*/2048);
+/// torch::NoGradGuard no_grad;
+/// for (int step = 0; step < steps; ++step) {
+///   auto [out, w] = mha(x, x, x, attn::MultiHeadAttentionForwardOptions()
+///                                    .kv_cache(&cache).is_causal(true));
+///   x = next_token_embedding(out);
+/// }
+/// ```
+class KVCache {
+ public:
+  /// A cache that grows on demand.
+  KVCache() = default;
+  /// A cache for at most `max_length` tokens (positive).
+  explicit KVCache(int64_t max_length);
+
+  /// Appends keys `(B, H, T, D)` and values `(B, H, T, Dv)` and returns
+  /// every cached key and value, `(B, H, length(), D)` and
+  /// `(B, H, length(), Dv)`: views of the cache's storage, valid until the
+  /// next append or reset.
+  std::pair<torch::Tensor, torch::Tensor> append(
+      const torch::Tensor& keys, const torch::Tensor& values);
+
+  /// Tokens cached so far.
+  int64_t length() const { return length_; }
+  /// The maximum length given at construction; 0 when it grows on demand.
+  int64_t max_length() const { return max_length_; }
+  /// The cached keys `(B, H, length(), D)`; undefined before the first
+  /// append.
+  torch::Tensor keys() const;
+  /// The cached values `(B, H, length(), Dv)`; undefined before the first
+  /// append.
+  torch::Tensor values() const;
+
+  /// Forgets every token and the shapes the first append fixed; storage
+  /// of the same shape is reused by the next sequence.
+  void reset();
+
+ private:
+  torch::Tensor keys_, values_; // storage (B, H, capacity, ·)
+  int64_t length_ = 0;
+  int64_t max_length_ = 0;
+};
+
+} // namespace attn

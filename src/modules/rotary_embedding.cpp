@@ -1,0 +1,121 @@
+#include <attn/modules/rotary_embedding.h>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <ostream>
+#include <vector>
+
+namespace attn {
+
+RotaryEmbeddingOptions::RotaryEmbeddingOptions(int64_t dim) : dim_(dim) {}
+
+namespace {
+
+constexpr const char* kCaller = "RotaryEmbedding";
+constexpr int64_t kFirstTableLength = 256;
+
+// cos and sin of every position's angles, (length, dim / 2) each.
+struct Table {
+  torch::Device device;
+  torch::ScalarType dtype;
+  torch::Tensor cos, sin;
+};
+
+} // namespace
+
+struct RotaryEmbeddingImpl::Tables {
+  std::mutex mutex;
+  std::vector<Table> tables;
+};
+
+RotaryEmbeddingImpl::RotaryEmbeddingImpl(const RotaryEmbeddingOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+void RotaryEmbeddingImpl::reset() {
+  const auto dim = options.dim();
+  TORCH_CHECK(
+      dim > 0 && dim % 2 == 0, kCaller,
+      ": dim must be a positive even number of features (they rotate in ",
+      "pairs), got ", dim);
+  TORCH_CHECK(
+      std::isfinite(options.base()) && options.base() > 0.0, kCaller,
+      ": base must be a positive finite number, got ", options.base());
+  tables_ = std::make_shared<Tables>();
+}
+
+torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offset) {
+  const auto dim = options.dim();
+  TORCH_CHECK(x.defined(), kCaller, ": x must be a defined tensor");
+  TORCH_CHECK(
+      x.dim() >= 2 && x.size(-1) >= dim, kCaller,
+      ": x must be (..., T, F) with F >= dim = ", dim, ", got ", x.sizes());
+  TORCH_CHECK(
+      torch::isFloatingType(x.scalar_type()), kCaller,
+      ": x must have a floating-point dtype, got ", x.scalar_type());
+  TORCH_CHECK(offset >= 0, kCaller, ": offset must be >= 0, got ", offset);
+  const auto T = x.size(-2);
+
+  torch::Tensor cos, sin; // (T, dim / 2)
+  {
+    const std::lock_guard<std::mutex> lock(tables_->mutex);
+    auto& tables = tables_->tables;
+    auto table = std::find_if(tables.begin(), tables.end(), [&](const Table& t) {
+      return t.device == x.device() && t.dtype == x.scalar_type();
+    });
+    const int64_t needed = offset + T;
+    if (table == tables.end() || table->cos.size(0) < needed) {
+      int64_t length = kFirstTableLength;
+      while (length < needed) {
+        length *= 2;
+      }
+      // Angles in float64: position · base^(-2i/dim), exact for integer
+      // positions up to 2^53 before the one rounding to x's dtype.
+      const auto f64 = torch::TensorOptions(torch::kDouble);
+      const auto inverse_frequency =
+          torch::pow(options.base(), torch::arange(0, dim, 2, f64) / -static_cast<double>(dim));
+      const auto angles = torch::outer(torch::arange(length, f64), inverse_frequency);
+      const auto target = torch::TensorOptions(x.scalar_type()).device(x.device());
+      Table fresh{x.device(), x.scalar_type(), angles.cos().to(target), angles.sin().to(target)};
+      if (table == tables.end()) {
+        tables.push_back(std::move(fresh));
+        table = tables.end() - 1;
+      } else {
+        *table = std::move(fresh);
+      }
+    }
+    cos = table->cos.narrow(0, offset, T);
+    sin = table->sin.narrow(0, offset, T);
+  }
+
+  const auto rotated = x.narrow(-1, 0, dim);
+  torch::Tensor first, second; // the two members of every pair, (..., T, dim/2)
+  if (options.interleaved()) {
+    const auto pairs = rotated.unflatten(-1, {dim / 2, 2});
+    first = pairs.select(-1, 0);
+    second = pairs.select(-1, 1);
+  } else {
+    first = rotated.narrow(-1, 0, dim / 2);
+    second = rotated.narrow(-1, dim / 2, dim / 2);
+  }
+  const auto new_first = first * cos - second * sin;
+  const auto new_second = second * cos + first * sin;
+  auto result = options.interleaved()
+      ? torch::stack({new_first, new_second}, -1).flatten(-2)
+      : torch::cat({new_first, new_second}, -1);
+  if (dim == x.size(-1)) {
+    return result;
+  }
+  return torch::cat({result, x.narrow(-1, dim, x.size(-1) - dim)}, -1);
+}
+
+void RotaryEmbeddingImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "attn::RotaryEmbedding(dim=" << options.dim()
+         << ", base=" << options.base() << ", interleaved=" << options.interleaved() << ")";
+}
+
+} // namespace attn

@@ -1,0 +1,373 @@
+#include "torch_save_reader.h"
+
+#include <caffe2/serialize/inline_container.h>
+#include <torch/torch.h>
+
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace attn::detail {
+namespace {
+
+// A Python object, as far as a state_dict needs them.
+struct Object;
+using ObjectPtr = std::shared_ptr<Object>;
+struct Object {
+  enum class Kind { none, boolean, integer, floating, string, tuple, list, dict, global, tensor };
+  Kind kind = Kind::none;
+  int64_t integer = 0;  // also booleans
+  double floating = 0.0;
+  std::string text;     // a string, or a global's "module.name"
+  std::vector<ObjectPtr> items;                          // tuple, list
+  std::vector<std::pair<ObjectPtr, ObjectPtr>> entries;  // dict, in order
+  torch::Tensor tensor; // a tensor, or a storage as a 1-D tensor
+
+  const char* kind_name() const {
+    constexpr const char* names[] = {"None",  "a bool", "an int",   "a float", "a string",
+                                     "a tuple", "a list", "a dict", "a global", "a tensor"};
+    return names[static_cast<int>(kind)];
+  }
+
+  static ObjectPtr make(Kind kind) {
+    auto object = std::make_shared<Object>();
+    object->kind = kind;
+    return object;
+  }
+};
+
+// The storage dtypes torch.save names by class.
+const std::unordered_map<std::string, torch::ScalarType>& storage_dtypes() {
+  static const std::unordered_map<std::string, torch::ScalarType> dtypes = {
+      {"torch.FloatStorage", torch::kFloat},     {"torch.DoubleStorage", torch::kDouble},
+      {"torch.HalfStorage", torch::kHalf},       {"torch.BFloat16Storage", torch::kBFloat16},
+      {"torch.LongStorage", torch::kLong},       {"torch.IntStorage", torch::kInt},
+      {"torch.ShortStorage", torch::kShort},     {"torch.CharStorage", torch::kChar},
+      {"torch.ByteStorage", torch::kByte},       {"torch.BoolStorage", torch::kBool}};
+  return dtypes;
+}
+
+class Unpickler {
+ public:
+  Unpickler(caffe2::serialize::PyTorchStreamReader& archive, const std::string& where)
+      : archive_(archive), where_(where) {
+    const auto [data, size] = archive_.getRecord("data.pkl");
+    const auto* bytes = static_cast<const char*>(data.get());
+    bytes_.assign(bytes, bytes + size);
+  }
+
+  ObjectPtr run() {
+    while (true) {
+      const auto opcode = static_cast<unsigned char>(read_bytes(1)[0]);
+      if (opcode == '.') { // STOP
+        check(stack_.size() == 1, "the pickle ends with ", stack_.size(), " objects on its stack");
+        return stack_.back();
+      }
+      step(opcode);
+    }
+  }
+
+ private:
+  template <typename... Args>
+  void check(bool condition, const Args&... what) {
+    TORCH_CHECK(condition, where_, " is not a pickle this reader understands: ", what...);
+  }
+
+  std::string read_bytes(size_t n) {
+    check(position_ + n <= bytes_.size(), "it ends early at byte ", bytes_.size());
+    std::string result(bytes_.data() + position_, n);
+    position_ += n;
+    return result;
+  }
+
+  // Little-endian unsigned integer of n bytes.
+  uint64_t read_unsigned(size_t n) {
+    const auto raw = read_bytes(n);
+    uint64_t value = 0;
+    for (size_t i = 0; i < n; ++i) {
+      value |= static_cast<uint64_t>(static_cast<unsigned char>(raw[i])) << (8 * i);
+    }
+    return value;
+  }
+
+  std::string read_line() {
+    const auto end = std::find(bytes_.begin() + position_, bytes_.end(), '\n');
+    check(end != bytes_.end(), "an unterminated GLOBAL name");
+    std::string line(bytes_.begin() + position_, end);
+    position_ = static_cast<size_t>(end - bytes_.begin()) + 1;
+    return line;
+  }
+
+  ObjectPtr pop() {
+    check(!stack_.empty(), "an opcode needs more objects than its stack holds");
+    auto top = stack_.back();
+    stack_.pop_back();
+    return top;
+  }
+
+  // The objects pushed since the last MARK, removed from the stack.
+  std::vector<ObjectPtr> pop_to_mark() {
+    check(!marks_.empty() && marks_.back() <= stack_.size(),
+          "an opcode needs a MARK that is missing");
+    const auto mark = marks_.back();
+    marks_.pop_back();
+    std::vector<ObjectPtr> items(stack_.begin() + mark, stack_.end());
+    stack_.resize(mark);
+    return items;
+  }
+
+  void push_scalar(Object::Kind kind, int64_t value) {
+    auto object = Object::make(kind);
+    object->integer = value;
+    stack_.push_back(object);
+  }
+
+  void push_string(std::string text, Object::Kind kind = Object::Kind::string) {
+    auto object = Object::make(kind);
+    object->text = std::move(text);
+    stack_.push_back(object);
+  }
+
+  void push_tuple(std::vector<ObjectPtr> items) {
+    auto tuple = Object::make(Object::Kind::tuple);
+    tuple->items = std::move(items);
+    stack_.push_back(tuple);
+  }
+
+  ObjectPtr& top(Object::Kind kind, const char* opcode) {
+    check(!stack_.empty() && stack_.back()->kind == kind, opcode, " applied to the wrong object");
+    return stack_.back();
+  }
+
+  void memoize(uint64_t index) {
+    check(!stack_.empty(), "a memo write with an empty stack");
+    memo_[index] = stack_.back();
+  }
+
+  void step(unsigned char opcode) {
+    using Kind = Object::Kind;
+    switch (opcode) {
+      case 0x80: read_bytes(1); break;                    // PROTO
+      case 0x95: read_bytes(8); break;                    // FRAME
+      case '(': marks_.push_back(stack_.size()); break;   // MARK
+      case '0': pop(); break;                             // POP
+      case '1': pop_to_mark(); break;                     // POP_MARK
+      case 'N': stack_.push_back(Object::make(Kind::none)); break;
+      case 0x88: push_scalar(Kind::boolean, 1); break;    // NEWTRUE
+      case 0x89: push_scalar(Kind::boolean, 0); break;    // NEWFALSE
+      case 'J': push_scalar(Kind::integer, static_cast<int32_t>(read_unsigned(4))); break;
+      case 'K': push_scalar(Kind::integer, static_cast<int64_t>(read_unsigned(1))); break;
+      case 'M': push_scalar(Kind::integer, static_cast<int64_t>(read_unsigned(2))); break;
+      case 0x8a: {                                        // LONG1
+        const auto n = read_unsigned(1);
+        check(n <= 8, "an integer of ", n, " bytes");
+        auto value = n == 0 ? 0 : read_unsigned(n);
+        if (n > 0 && n < 8 && (value >> (8 * n - 1)) != 0) {
+          value |= ~uint64_t{0} << (8 * n); // sign-extend
+        }
+        push_scalar(Kind::integer, static_cast<int64_t>(value));
+        break;
+      }
+      case 'G': {                                         // BINFLOAT, big-endian
+        auto raw = read_bytes(8);
+        std::reverse(raw.begin(), raw.end());
+        auto object = Object::make(Kind::floating);
+        std::memcpy(&object->floating, raw.data(), 8);
+        stack_.push_back(object);
+        break;
+      }
+      case 'X': push_string(read_bytes(read_unsigned(4))); break;   // BINUNICODE
+      case 0x8c: push_string(read_bytes(read_unsigned(1))); break;  // SHORT_BINUNICODE
+      case 0x8d: push_string(read_bytes(read_unsigned(8))); break;  // BINUNICODE8
+      case ')': push_tuple({}); break;                    // EMPTY_TUPLE
+      case 't': push_tuple(pop_to_mark()); break;         // TUPLE
+      case 0x85: case 0x86: case 0x87: {                  // TUPLE1..3
+        const size_t n = opcode - 0x84;
+        check(stack_.size() >= n, "a tuple of more objects than the stack holds");
+        std::vector<ObjectPtr> items(stack_.end() - n, stack_.end());
+        stack_.resize(stack_.size() - n);
+        push_tuple(std::move(items));
+        break;
+      }
+      case ']': stack_.push_back(Object::make(Kind::list)); break;  // EMPTY_LIST
+      case 'a': {                                         // APPEND
+        auto item = pop();
+        top(Kind::list, "APPEND")->items.push_back(item);
+        break;
+      }
+      case 'e': {                                         // APPENDS
+        auto items = pop_to_mark();
+        auto& list = top(Kind::list, "APPENDS")->items;
+        list.insert(list.end(), items.begin(), items.end());
+        break;
+      }
+      case '}': stack_.push_back(Object::make(Kind::dict)); break;  // EMPTY_DICT
+      case 's': {                                         // SETITEM
+        auto value = pop();
+        auto key = pop();
+        top(Kind::dict, "SETITEM")->entries.emplace_back(key, value);
+        break;
+      }
+      case 'u': {                                         // SETITEMS
+        auto items = pop_to_mark();
+        check(items.size() % 2 == 0, "SETITEMS with an odd number of objects");
+        auto& dict = top(Kind::dict, "SETITEMS")->entries;
+        for (size_t i = 0; i < items.size(); i += 2) {
+          dict.emplace_back(items[i], items[i + 1]);
+        }
+        break;
+      }
+      case 'c': {                                         // GLOBAL
+        auto module = read_line();
+        push_string(module + "." + read_line(), Kind::global);
+        break;
+      }
+      case 0x93: {                                        // STACK_GLOBAL
+        auto name = pop();
+        auto module = pop();
+        check(name->kind == Kind::string && module->kind == Kind::string,
+              "STACK_GLOBAL without a module and a name");
+        push_string(module->text + "." + name->text, Kind::global);
+        break;
+      }
+      case 'q': memoize(read_unsigned(1)); break;         // BINPUT
+      case 'r': memoize(read_unsigned(4)); break;         // LONG_BINPUT
+      case 0x94: memoize(memo_.size()); break;            // MEMOIZE
+      case 'h': case 'j': {                               // BINGET, LONG_BINGET
+        const auto found = memo_.find(read_unsigned(opcode == 'h' ? 1 : 4));
+        check(found != memo_.end(), "a memo read of an unwritten entry");
+        stack_.push_back(found->second);
+        break;
+      }
+      case 'Q': stack_.push_back(load_storage(pop())); break;  // BINPERSID
+      case 'R': {                                         // REDUCE
+        auto arguments = pop();
+        auto callable = pop();
+        check(callable->kind == Kind::global && arguments->kind == Kind::tuple,
+              "REDUCE without a global and its arguments");
+        stack_.push_back(call(callable->text, arguments->items));
+        break;
+      }
+      case 'b': pop(); break; // BUILD: an OrderedDict's _metadata, not needed
+      default:
+        check(false, "opcode 0x", c10::str(std::hex, static_cast<int>(opcode)), " at byte ",
+              position_ - 1, " (expected a state_dict of tensors saved with torch.save)");
+    }
+  }
+
+  // The objects torch.save builds by calling a global.
+  ObjectPtr call(const std::string& name, const std::vector<ObjectPtr>& arguments) {
+    using Kind = Object::Kind;
+    if (name == "collections.OrderedDict") {
+      return Object::make(Kind::dict);
+    }
+    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor") {
+      // (storage, storage_offset, size, stride, ...)
+      check(arguments.size() >= 4 && arguments[0]->kind == Kind::tensor &&
+                arguments[1]->kind == Kind::integer && arguments[2]->kind == Kind::tuple &&
+                arguments[3]->kind == Kind::tuple,
+            name, " with unexpected arguments");
+      const auto ints = [&](const ObjectPtr& tuple) {
+        std::vector<int64_t> values;
+        for (const auto& item : tuple->items) {
+          check(item->kind == Kind::integer, "a tensor size or stride that is not an integer");
+          values.push_back(item->integer);
+        }
+        return values;
+      };
+      const auto& storage = arguments[0]->tensor;
+      const auto size = ints(arguments[2]), stride = ints(arguments[3]);
+      const auto offset = arguments[1]->integer;
+      check(size.size() == stride.size(), "a tensor with ", size.size(), " sizes and ",
+            stride.size(), " strides");
+      // The last element's index, in int64 arithmetic that cannot overflow
+      // for the sizes a storage can hold.
+      bool empty = false;
+      int64_t last = offset;
+      for (size_t d = 0; d < size.size(); ++d) {
+        check(size[d] >= 0 && stride[d] >= 0 && size[d] <= storage.numel() &&
+                  stride[d] <= storage.numel(),
+              "a tensor whose sizes or strides do not fit its storage");
+        empty = empty || size[d] == 0;
+        last += size[d] > 0 ? (size[d] - 1) * stride[d] : 0;
+      }
+      check(offset >= 0 && offset <= storage.numel() && (empty || last < storage.numel()),
+            "a tensor that reaches past its storage");
+      auto tensor = Object::make(Kind::tensor);
+      tensor->tensor = storage.as_strided(size, stride, offset);
+      return tensor;
+    }
+    if (name == "torch._utils._rebuild_parameter") { // (tensor, requires_grad, hooks)
+      check(!arguments.empty() && arguments[0]->kind == Kind::tensor, name, " without a tensor");
+      return arguments[0];
+    }
+    check(false, "it calls ", name, " (expected a state_dict of tensors saved with torch.save)");
+    return nullptr;
+  }
+
+  // A persistent id ('storage', type, key, location, numel) as a 1-D tensor
+  // of the storage's dtype, read from the archive's data/<key>.
+  ObjectPtr load_storage(const ObjectPtr& id) {
+    using Kind = Object::Kind;
+    const auto& items = id->items;
+    check(id->kind == Kind::tuple && items.size() >= 5 && items[0]->text == "storage" &&
+              items[1]->kind == Kind::global && items[2]->kind == Kind::string &&
+              items[4]->kind == Kind::integer,
+          "a persistent id that is not a storage");
+    const auto& key = items[2]->text;
+    if (const auto found = storages_.find(key); found != storages_.end()) {
+      return found->second;
+    }
+    const auto dtype = storage_dtypes().find(items[1]->text);
+    check(dtype != storage_dtypes().end(), "a storage of type ", items[1]->text);
+    const auto numel = items[4]->integer;
+    check(numel >= 0, "a storage of ", numel, " elements");
+    auto storage = Object::make(Kind::tensor);
+    storage->tensor = torch::empty({numel}, torch::TensorOptions(dtype->second));
+    const auto [data, size] = archive_.getRecord("data/" + key);
+    check(size == static_cast<size_t>(numel) * storage->tensor.element_size(), "storage ", key,
+          " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
+    std::memcpy(storage->tensor.data_ptr(), data.get(), size);
+    storages_[key] = storage;
+    return storage;
+  }
+
+  caffe2::serialize::PyTorchStreamReader& archive_;
+  std::string where_;
+  std::vector<char> bytes_;
+  size_t position_ = 0;
+  std::vector<ObjectPtr> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, ObjectPtr> memo_;
+  std::unordered_map<std::string, ObjectPtr> storages_;
+};
+
+} // namespace
+
+std::map<std::string, torch::Tensor> read_saved_tensor_dict(
+    const std::string& path, const char* caller) {
+  const auto where = c10::str(caller, ": '", path, "'");
+  TORCH_CHECK(std::ifstream(path).good(), caller, ": cannot open '", path, "' for reading");
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
+  try {
+    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+    TORCH_CHECK(archive->hasRecord("data.pkl"), "no data.pkl record");
+  } catch (const c10::Error& error) {
+    TORCH_CHECK(false, where, " is not a file written by Python's torch.save (zip format, ",
+                "PyTorch >= 1.6): ", error.what_without_backtrace());
+  }
+  const auto root = Unpickler(*archive, where).run();
+  TORCH_CHECK(root->kind == Object::Kind::dict, where,
+              " must hold a state_dict (a dict of tensors), got ", root->kind_name());
+  std::map<std::string, torch::Tensor> tensors;
+  for (const auto& [key, value] : root->entries) {
+    if (key->kind == Object::Kind::string && value->kind == Object::Kind::tensor) {
+      tensors[key->text] = value->tensor;
+    }
+  }
+  return tensors;
+}
+
+} // namespace attn::detail
