@@ -313,8 +313,9 @@ TEST(MultiHeadAttentionErrors, ModernOptionsNameWhatWasExpectedAndWhatArrived) {
   EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).attn_mask(torch::ones({3, 3}, torch::kBool))),
                     "attn_mask must be (L, S) = [3, 6], (B·H, L, S) = [8, 3, 6] or (B, H, L, S) = [2, 4, 3, 6] "
                     "(B and H may be 1), S counting the cached keys, got [3, 3]");
-  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().window(0)),
-                    "scaled_dot_product_attention: window must be a positive number of keys, got 0");
+  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).window(0)),
+                    "MultiHeadAttention: window must be a positive number of keys, got 0");
+  EXPECT_EQ(cache.length(), 3); // a call that fails leaves the cache as it was
   MultiHeadAttention extra(MultiHeadAttentionOptions(16, 4).add_bias_kv(true));
   EXPECT_ATTN_ERROR(extra(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
                     "MultiHeadAttention: a kv_cache cannot be combined with add_bias_kv or add_zero_attn");

@@ -212,6 +212,10 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
         ", value ", value.scalar_type(), " (convert one with .to())");
   }
 
+  const auto& window = forward_options.window();
+  TORCH_CHECK(
+      !window || *window > 0, kCaller,
+      ": window must be a positive number of keys, got ", *window);
   KVCache* cache = forward_options.kv_cache();
   const int64_t extra_keys =
       int64_t{options.add_bias_kv()} + int64_t{options.add_zero_attn()};
@@ -219,7 +223,8 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
       cache == nullptr || extra_keys == 0, kCaller,
       ": a kv_cache cannot be combined with add_bias_kv or add_zero_attn ",
       "(their extra key would be cached at every step)");
-  // Cached tokens stand before the call's: queries start at position `past`.
+  // Everything is checked before the cache changes. Cached tokens stand
+  // before the call's: queries start at position `past`.
   const int64_t past = cache != nullptr ? cache->length() : 0;
   // Keys that the masks cover: the cached ones and the call's.
   const int64_t S = past + k_in.size(1);
@@ -294,11 +299,11 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
       attn_mask.defined() && attn_mask.dim() == 3 ? attn_mask.reshape({B, H, L, S})
                                                   : attn_mask;
   const torch::Tensor per_key = !padding.defined() ? torch::Tensor()
-      : padding.scalar_type() == torch::kBool      ? padding.logical_not().view({B, 1, 1, S})
-                                                   : padding.view({B, 1, 1, S});
+      : padding.scalar_type() == torch::kBool      ? padding.logical_not().reshape({B, 1, 1, S})
+                                                   : padding.reshape({B, 1, 1, S});
   auto sdpa_options = SDPAOptions()
                           .is_causal(forward_options.is_causal())
-                          .window(forward_options.window())
+                          .window(window)
                           .query_offset(past)
                           .enable_gqa(true)
                           .dropout_p(options.dropout())
@@ -310,11 +315,11 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
   } else {
     // The appended keys are visible to every query, whatever the causal
     // and window rules say of their positions: those rules become a mask.
-    const bool banded = forward_options.is_causal() || forward_options.window();
+    const bool banded = forward_options.is_causal() || window;
     mask = intersect_masks(
         {per_pair, per_key,
          banded ? detail::visible_band(L, S, past, forward_options.is_causal(),
-                                       forward_options.window(), query.device())
+                                       window, query.device())
                 : torch::Tensor()},
         query.scalar_type());
     if (mask.defined()) {
