@@ -1,13 +1,20 @@
 // attn against torch::nn::MultiheadAttention and the reference text's naive
-// composite, side by side in one process at one fixed thread count.
+// composite (and, on CUDA, LibTorch's own at::scaled_dot_product_attention),
+// side by side in one process at one fixed thread count.
 //
 // Counters: GFLOP/s (attention 4·B·H·L·S·D, halved when causal; each
 // projection 2·B·T·E·E'; forward+backward counted as 3× the forward),
-// peak_MiB (tensor memory allocated on top of what existed before the
+// peak_MiB (CPU tensor memory allocated on top of what existed before the
 // call), and, in the context, this machine's sgemm GFLOP/s at the same
 // thread count. Threads: ATTN_BENCH_THREADS, default all cores.
+//
+// ATTN_BENCH_DEVICE=cuda runs the CUDA suite instead: the same cases in
+// float32, bfloat16 and float16 (T = 512 … 8192), each timed call followed
+// by a device synchronisation, named cuda_<dtype>_<group>/<impl>/....
 
 #include <attn/attn.h>
+
+#include "compat.h" // LibTorch's own attention, where the version has it
 
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -19,10 +26,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -117,7 +126,7 @@ double sgemm_gflops() {
 // ---------------------------------------------------------------------------
 // The implementations.
 
-enum class Impl { ours, ours_weights, builtin, builtin_weights, naive };
+enum class Impl { ours, ours_weights, builtin, builtin_weights, naive, aten_sdpa };
 
 const char* impl_name(Impl impl) {
   switch (impl) {
@@ -126,6 +135,7 @@ const char* impl_name(Impl impl) {
     case Impl::builtin: return "builtin";
     case Impl::builtin_weights: return "builtin_need_weights";
     case Impl::naive: return "naive";
+    case Impl::aten_sdpa: return "aten_sdpa";
   }
   return "";
 }
@@ -157,6 +167,24 @@ struct Case {
   bool causal;
 };
 
+// Where and in which dtype a suite runs.
+struct Target {
+  torch::Device device;
+  torch::ScalarType dtype;
+
+  torch::TensorOptions options() const { return torch::TensorOptions(dtype).device(device); }
+  // "" for the CPU float32 suite, else "cuda_bfloat16_" and the like.
+  std::string prefix() const {
+    if (device.is_cpu() && dtype == torch::kFloat) {
+      return "";
+    }
+    const char* name = dtype == torch::kFloat ? "float32"
+        : dtype == torch::kBFloat16           ? "bfloat16"
+                                              : "float16";
+    return std::string(device.is_cuda() ? "cuda_" : "cpu_") + name + "_";
+  }
+};
+
 Case read_case(const benchmark::State& state) {
   return {state.range(0), state.range(1), state.range(2) != 0};
 }
@@ -169,14 +197,22 @@ double projection_flops(const Case& c) {
 }
 
 // Runs `step` under the state's timing loop and records the counters.
+// On CUDA each call is followed by a synchronisation, so the time is the
+// kernels' and not the launch's.
 template <typename Step>
-void measure(benchmark::State& state, double flops, Step&& step) {
-  if (state.range(0) < 4096) {
-    step(); // warm-up: first-touch allocations; negligible for long runs
+void measure(benchmark::State& state, double flops, const Target& target, Step&& step) {
+  const auto run = [&] {
+    step();
+    if (target.device.is_cuda()) {
+      torch::cuda::synchronize();
+    }
+  };
+  if (state.range(0) < 4096 || target.device.is_cuda()) {
+    run(); // warm-up: first-touch allocations, kernel selection
   }
   const int64_t baseline = counting_allocator().reset_peak();
   for (auto _ : state) {
-    step();
+    run();
   }
   state.counters["GFLOP/s"] = benchmark::Counter(
       flops * static_cast<double>(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
@@ -187,16 +223,25 @@ void measure(benchmark::State& state, double flops, Step&& step) {
 // ---------------------------------------------------------------------------
 // Benchmarks.
 
-void attention_core(benchmark::State& state, Impl impl) {
+void attention_core(benchmark::State& state, Impl impl, const Target& target) {
   torch::NoGradGuard no_grad;
   const auto c = read_case(state);
-  const auto q = torch::randn({c.B, kHeads, c.T, kHeadDim});
-  const auto k = torch::randn({c.B, kHeads, c.T, kHeadDim});
-  const auto v = torch::randn({c.B, kHeads, c.T, kHeadDim});
-  const auto lower = c.causal ? torch::ones({c.T, c.T}, torch::kBool).tril() : torch::Tensor();
-  measure(state, attention_flops(c), [&] {
+  const auto q = torch::randn({c.B, kHeads, c.T, kHeadDim}, target.options());
+  const auto k = torch::randn({c.B, kHeads, c.T, kHeadDim}, target.options());
+  const auto v = torch::randn({c.B, kHeads, c.T, kHeadDim}, target.options());
+  const auto lower = c.causal
+      ? torch::ones({c.T, c.T}, torch::TensorOptions(torch::kBool).device(target.device)).tril()
+      : torch::Tensor();
+  if (impl == Impl::aten_sdpa &&
+      !attn::detail::native_attention(q, k, v, 0.0, c.causal, c10::nullopt)) {
+    state.SkipWithError("at::scaled_dot_product_attention needs LibTorch >= 2.0");
+    return;
+  }
+  measure(state, attention_flops(c), target, [&] {
     if (impl == Impl::naive) {
       benchmark::DoNotOptimize(naive_attention(q, k, v, lower));
+    } else if (impl == Impl::aten_sdpa) {
+      benchmark::DoNotOptimize(attn::detail::native_attention(q, k, v, 0.0, c.causal, c10::nullopt));
     } else {
       benchmark::DoNotOptimize(attn::scaled_dot_product_attention(
           q, k, v, attn::SDPAOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights)));
@@ -205,21 +250,27 @@ void attention_core(benchmark::State& state, Impl impl) {
 }
 
 // Self-attention through each module; `backward` adds a backward pass.
-void multi_head(benchmark::State& state, Impl impl, bool backward) {
+void multi_head(benchmark::State& state, Impl impl, bool backward, const Target& target) {
   const auto c = read_case(state);
   torch::manual_seed(0);
   attn::MultiHeadAttention ours(attn::MultiHeadAttentionOptions(kEmbed, kHeads));
   torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(kEmbed, kHeads));
   NaiveMultiHeadAttention naive;
-  auto x = torch::randn({c.B, c.T, kEmbed}, torch::requires_grad(backward));
+  ours->to(target.device, target.dtype);
+  builtin->to(target.device, target.dtype);
+  for (auto* linear : {&naive.w_q, &naive.w_k, &naive.w_v, &naive.w_o}) {
+    (*linear)->to(target.device, target.dtype);
+  }
+  auto x = torch::randn({c.B, c.T, kEmbed}, target.options().requires_grad(backward));
   const auto x_seq_first = x.detach().transpose(0, 1).contiguous().requires_grad_(backward);
   const bool is_builtin = impl == Impl::builtin || impl == Impl::builtin_weights;
   // The built-in takes only an additive float mask; the naive code a 0/1 one.
   const auto lower = c.causal && (is_builtin || impl == Impl::naive)
-      ? torch::ones({c.T, c.T}, torch::kBool).tril()
+      ? torch::ones({c.T, c.T}, torch::TensorOptions(torch::kBool).device(target.device)).tril()
       : torch::Tensor();
   const auto causal_bias = lower.defined() && is_builtin
-      ? torch::zeros({c.T, c.T}).masked_fill(~lower, -std::numeric_limits<float>::infinity())
+      ? torch::zeros({c.T, c.T}, target.options())
+            .masked_fill(~lower, -std::numeric_limits<float>::infinity())
       : torch::Tensor();
 
   const auto forward = [&]() -> torch::Tensor {
@@ -234,15 +285,17 @@ void multi_head(benchmark::State& state, Impl impl, bool backward) {
                                    impl == Impl::builtin_weights, causal_bias));
       case Impl::naive:
         return naive.forward(x, lower);
+      case Impl::aten_sdpa:
+        break; // an attention core, not a module
     }
     return {};
   };
   const double flops = (attention_flops(c) + projection_flops(c)) * (backward ? 3.0 : 1.0);
   if (backward) {
-    measure(state, flops, [&] { forward().sum().backward(); });
+    measure(state, flops, target, [&] { forward().sum().backward(); });
   } else {
     torch::NoGradGuard no_grad;
-    measure(state, flops, [&] { benchmark::DoNotOptimize(forward()); });
+    measure(state, flops, target, [&] { benchmark::DoNotOptimize(forward()); });
   }
 }
 
@@ -251,7 +304,7 @@ void sgemm(benchmark::State& state) {
   const int64_t n = state.range(0);
   const auto a = torch::randn({n, n}), b = torch::randn({n, n});
   auto out = torch::empty({n, n});
-  measure(state, 2.0 * n * n * n, [&] { torch::mm_out(out, a, b); });
+  measure(state, 2.0 * n * n * n, {torch::kCPU, torch::kFloat}, [&] { torch::mm_out(out, a, b); });
 }
 
 // T from 128 to 8192 with B = 1, plus B = 4 up to T = 1024; causal and not.
@@ -267,26 +320,57 @@ void shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"T", "B", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5);
 }
 
-void register_all() {
+// On CUDA: T from 512 to 8192, B = 1, causal and not.
+void cuda_shapes(benchmark::internal::Benchmark* b) {
+  for (const int64_t causal : {0, 1}) {
+    for (const int64_t T : {512, 1024, 2048, 4096, 8192}) {
+      b->Args({T, 1, causal});
+    }
+  }
+  b->ArgNames({"T", "B", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.2);
+}
+
+// The core, the module forward and forward+backward, per implementation.
+void register_suite(const Target& target, const std::vector<Impl>& core_impls,
+                    const std::vector<Impl>& forward_impls, const std::vector<Impl>& backward_impls,
+                    void (*apply_shapes)(benchmark::internal::Benchmark*)) {
+  const auto name = [&](const char* group, Impl impl) {
+    return target.prefix() + group + "/" + impl_name(impl);
+  };
+  for (const Impl impl : core_impls) {
+    benchmark::RegisterBenchmark(name("core", impl).c_str(),
+                                 [impl, target](benchmark::State& s) { attention_core(s, impl, target); })
+        ->Apply(apply_shapes);
+  }
+  for (const Impl impl : forward_impls) {
+    benchmark::RegisterBenchmark(name("mha_forward", impl).c_str(),
+                                 [impl, target](benchmark::State& s) { multi_head(s, impl, false, target); })
+        ->Apply(apply_shapes);
+  }
+  for (const Impl impl : backward_impls) {
+    benchmark::RegisterBenchmark(name("mha_forward_backward", impl).c_str(),
+                                 [impl, target](benchmark::State& s) { multi_head(s, impl, true, target); })
+        ->Apply(apply_shapes);
+  }
+}
+
+void register_cuda() {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    register_suite({torch::kCUDA, dtype}, {Impl::ours, Impl::aten_sdpa, Impl::naive},
+                   {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights},
+                   {Impl::ours, Impl::builtin}, cuda_shapes);
+  }
+}
+
+void register_cpu() {
+  const Target cpu{torch::kCPU, torch::kFloat};
   benchmark::RegisterBenchmark("sgemm", sgemm)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
-  for (const Impl impl : {Impl::ours, Impl::ours_weights, Impl::naive}) {
-    benchmark::RegisterBenchmark((std::string("core/") + impl_name(impl)).c_str(),
-                                 [impl](benchmark::State& s) { attention_core(s, impl); })
-        ->Apply(shapes);
-  }
-  for (const Impl impl : {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive}) {
-    benchmark::RegisterBenchmark((std::string("mha_forward/") + impl_name(impl)).c_str(),
-                                 [impl](benchmark::State& s) { multi_head(s, impl, false); })
-        ->Apply(shapes);
-  }
-  for (const Impl impl : {Impl::ours, Impl::builtin, Impl::naive}) {
-    benchmark::RegisterBenchmark((std::string("mha_forward_backward/") + impl_name(impl)).c_str(),
-                                 [impl](benchmark::State& s) { multi_head(s, impl, true); })
-        ->Apply(shapes);
-  }
+  register_suite(cpu, {Impl::ours, Impl::ours_weights, Impl::naive},
+                 {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
+                 {Impl::ours, Impl::builtin, Impl::naive}, shapes);
   // Memory at a length where the built-in's weights alone would take 8 GiB.
   benchmark::RegisterBenchmark("mha_forward_long/ours",
-                               [](benchmark::State& s) { multi_head(s, Impl::ours, false); })
+                               [cpu](benchmark::State& s) { multi_head(s, Impl::ours, false, cpu); })
       ->Args({16384, 1, 0})
       ->Args({16384, 1, 1})
       ->ArgNames({"T", "B", "causal"})
@@ -303,7 +387,21 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("threads", std::to_string(threads));
   benchmark::AddCustomContext("sgemm_1024_GFLOP/s", std::to_string(sgemm_gflops()));
   benchmark::AddCustomContext("libtorch", TORCH_VERSION);
-  register_all();
+  const char* device = std::getenv("ATTN_BENCH_DEVICE");
+  if (device != nullptr && std::string(device) == "cuda") {
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr, "ATTN_BENCH_DEVICE=cuda, but CUDA is not available to this LibTorch\n");
+      return 2;
+    }
+    benchmark::AddCustomContext("device", "cuda");
+    register_cuda();
+  } else if (device == nullptr || std::string(device) == "cpu") {
+    benchmark::AddCustomContext("device", "cpu");
+    register_cpu();
+  } else {
+    std::fprintf(stderr, "ATTN_BENCH_DEVICE must be cpu or cuda, got '%s'\n", device);
+    return 2;
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
     return 1;

@@ -1,21 +1,22 @@
 #!/usr/bin/python3
 """Turns a Google Benchmark JSON report of attn_bench into docs material.
 
-    bench/report.py RESULTS.json TABLE.md PLOT.png
+    bench/report.py RESULTS.json TABLE.md [PLOT.png]
 
 Writes a Markdown table (times, GFLOP/s and our speed-up over the built-in
-per shape) and a plot of GFLOP/s against T for each implementation
-(B = 1). Needs matplotlib (Debian: python3-matplotlib).
+and over at::scaled_dot_product_attention per shape) and, when a plot is
+asked for, a plot of GFLOP/s against T for each implementation (B = 1),
+which needs matplotlib (Debian: python3-matplotlib).
 """
 import collections
 import json
 import re
 import sys
 
-NAME = re.compile(r"^(?P<group>[a-z_]+)/(?P<impl>[a-z_]+)/T:(?P<T>\d+)/B:(?P<B>\d+)/causal:(?P<causal>\d)")
+NAME = re.compile(r"^(?P<group>[a-z0-9_]+)/(?P<impl>[a-z_]+)/T:(?P<T>\d+)/B:(?P<B>\d+)/causal:(?P<causal>\d)")
 
 
-IMPLS = ("ours", "ours_need_weights", "builtin", "builtin_need_weights", "naive")
+IMPLS = ("ours", "ours_need_weights", "builtin", "builtin_need_weights", "aten_sdpa", "naive")
 
 
 def load(path):
@@ -30,17 +31,20 @@ def load(path):
         rows[key][match["impl"]] = {
             "ms": bench["real_time"],
             "gflops": bench["GFLOP/s"],
-            "peak_mib": bench["peak_MiB"],
+            "peak_mib": bench.get("peak_MiB", 0.0),
         }
     return report["context"], rows
 
 
 def table(context, rows):
     sgemm = float(context["sgemm_1024_GFLOP/s"])
+    device = context.get("device", "cpu")
     groups = sorted({key[0] for key in rows})
+    where = (f"Device: {device}. " if device != "cpu" else
+             f"Threads: {context['threads']} (ATen and BLAS). ")
     lines = [
-        f"Threads: {context['threads']} (ATen and BLAS). LibTorch {context['libtorch']}. "
-        f"sgemm 1024³ in the same run: {sgemm:.1f} GFLOP/s.",
+        f"{where}LibTorch {context['libtorch']}. "
+        f"CPU sgemm 1024³ in the same run: {sgemm:.1f} GFLOP/s.",
         "",
     ]
     for group in groups:
@@ -48,8 +52,13 @@ def table(context, rows):
                  if any(impl in row for key, row in rows.items() if key[0] == group)]
         header = ["T", "B", "causal"] + [f"{impl} ms (GFLOP/s)" for impl in impls]
         has_builtin = "builtin" in impls
+        has_aten = "aten_sdpa" in impls
         if has_builtin:
-            header += ["ours ÷ builtin", "ours % of sgemm"]
+            header += ["ours ÷ builtin"]
+        if has_aten:
+            header += ["ours ÷ aten_sdpa"]
+        if device == "cpu":
+            header += ["ours % of sgemm"]
         lines += [f"### {group}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for key in sorted(k for k in rows if k[0] == group):
             row = rows[key]
@@ -57,9 +66,12 @@ def table(context, rows):
             for impl in impls:
                 r = row.get(impl)
                 cells.append(f"{r['ms']:.1f} ({r['gflops']:.1f})" if r else "—")
-            if has_builtin:
-                ours, builtin = row.get("ours"), row.get("builtin")
-                cells.append(f"{builtin['ms'] / ours['ms']:.2f}×" if ours and builtin else "—")
+            ours = row.get("ours")
+            for present, other in ((has_builtin, "builtin"), (has_aten, "aten_sdpa")):
+                if present:
+                    theirs = row.get(other)
+                    cells.append(f"{theirs['ms'] / ours['ms']:.2f}×" if ours and theirs else "—")
+            if device == "cpu":
                 cells.append(f"{100 * ours['gflops'] / sgemm:.0f} %" if ours else "—")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
@@ -99,12 +111,13 @@ def plot(context, rows, path):
 
 
 def main():
-    if len(sys.argv) != 4:
+    if len(sys.argv) not in (3, 4):
         sys.exit(__doc__)
     context, rows = load(sys.argv[1])
     with open(sys.argv[2], "w") as f:
         f.write(table(context, rows))
-    plot(context, rows, sys.argv[3])
+    if len(sys.argv) == 4:
+        plot(context, rows, sys.argv[3])
 
 
 if __name__ == "__main__":

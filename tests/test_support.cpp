@@ -1,6 +1,7 @@
 #include "test_support.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 namespace attn::testing {
@@ -181,6 +182,11 @@ void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target)
 
 std::vector<torch::Device> test_devices() {
   return {torch::kCPU, torch::kCUDA};
+}
+
+bool cuda_required() {
+  const char* value = std::getenv("ATTN_REQUIRE_CUDA");
+  return value != nullptr && std::string(value) == "1";
 }
 
 } // namespace attn::testing

@@ -94,14 +94,23 @@ void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target)
 // The devices a device-parameterised test runs on.
 std::vector<torch::Device> test_devices();
 
+// Whether the environment sets ATTN_REQUIRE_CUDA=1 (scripts/gpu-check.sh
+// does on a GPU machine): then a CUDA variant that cannot run fails.
+bool cuda_required();
+
 // Skips the current test, with the reason, when `device` is CUDA and no
-// CUDA device is available. Use as: ATTN_SKIP_IF_UNAVAILABLE(device);
-#define ATTN_SKIP_IF_UNAVAILABLE(device)                                  \
-  do {                                                                    \
-    if ((device).is_cuda() && !torch::cuda::is_available()) {             \
-      GTEST_SKIP() << "CUDA is not available to this LibTorch build or "  \
-                      "no GPU is visible; the CUDA variant needs one";    \
-    }                                                                     \
+// CUDA device is available (fails instead under ATTN_REQUIRE_CUDA=1).
+// Use as: ATTN_SKIP_IF_UNAVAILABLE(device);
+#define ATTN_SKIP_IF_UNAVAILABLE(device)                                   \
+  do {                                                                     \
+    if ((device).is_cuda() && !torch::cuda::is_available()) {              \
+      if (::attn::testing::cuda_required()) {                              \
+        FAIL() << "ATTN_REQUIRE_CUDA=1 but CUDA is not available to this " \
+                  "LibTorch build or no GPU is visible";                   \
+      }                                                                    \
+      GTEST_SKIP() << "CUDA is not available to this LibTorch build or "   \
+                      "no GPU is visible; the CUDA variant needs one";     \
+    }                                                                      \
   } while (false)
 
 } // namespace attn::testing
