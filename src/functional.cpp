@@ -7,7 +7,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 namespace attn {
 namespace detail {
@@ -33,6 +35,12 @@ void check_mask_dtype_and_device(
 namespace {
 
 constexpr const char* kCaller = "scaled_dot_product_attention";
+
+// Query offsets are bounded by 2^60 (no tensor is that long), so every
+// query-key distance is below 2^61 and a window of 2^62 reaches them all:
+// with both bounds the kernels' position arithmetic stays in int64.
+constexpr int64_t kMaxPosition = int64_t{1} << 60;
+constexpr int64_t kUnboundedWindow = int64_t{1} << 62;
 
 void check_inputs(
     const torch::Tensor& query,
@@ -131,6 +139,9 @@ void check_inputs(
   TORCH_CHECK(
       !options.window() || *options.window() > 0, kCaller,
       ": window must be a positive number of keys, got ", *options.window());
+  TORCH_CHECK(
+      std::abs(options.query_offset()) <= kMaxPosition, kCaller,
+      ": query_offset must be within ±2^60, got ", options.query_offset());
 }
 
 // (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
@@ -235,7 +246,7 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
   const detail::CpuAttentionConfig config{
       mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(),
       scale, options.is_causal(), options.query_offset(),
-      options.window().value_or(0)};
+      std::min(options.window().value_or(0), kUnboundedWindow)};
   const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
   if (options.need_weights()) {
     const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);

@@ -34,11 +34,18 @@ struct Entry {
 // (C++ and Python alike) gives them.
 std::vector<Entry> builtin_entries(const MultiHeadAttentionImpl& ours, const char* caller) {
   const auto& options = ours.options;
+  const auto kv_heads = options.num_kv_heads().value_or(options.num_heads());
   TORCH_CHECK(
-      options.num_kv_heads() == options.num_heads(), caller,
+      kv_heads == options.num_heads(), caller,
       ": torch.nn.MultiheadAttention has no grouped-query form; the ",
       "attn::MultiHeadAttention must have num_kv_heads == num_heads, got ",
-      "num_kv_heads=", options.num_kv_heads(), " and num_heads=", options.num_heads());
+      "num_kv_heads=", kv_heads, " and num_heads=", options.num_heads());
+  TORCH_CHECK(
+      !options.rotary(), caller,
+      ": torch.nn.MultiheadAttention has no rotary embeddings; with the same ",
+      "weights the attn::MultiHeadAttention (rotary dim ",
+      options.rotary() ? options.rotary()->dim() : 0,
+      ") would compute something else, so it must not have rotary set");
   const bool packed = options.kdim() == options.embed_dim() &&
       options.vdim() == options.embed_dim();
   std::vector<Entry> entries;
@@ -162,9 +169,11 @@ void copy_weights(
 }
 
 void load_pytorch_state_dict(
-    MultiHeadAttentionImpl& target, const std::string& path, const std::string& prefix) {
+    MultiHeadAttentionImpl& target, const std::string& path, const std::string& scope) {
   constexpr const char* caller = "load_pytorch_state_dict";
-  // The entries under `prefix`, with it removed.
+  // The entries under `prefix`, with it removed; "layers.1" means
+  // "layers.1." and not "layers.10.".
+  const auto prefix = scope.empty() || scope.back() == '.' ? scope : scope + ".";
   NamedTensors named;
   for (const auto& [name, tensor] : detail::read_saved_tensor_dict(path, caller)) {
     if (name.compare(0, prefix.size(), prefix) == 0) {

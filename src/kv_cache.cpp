@@ -70,8 +70,11 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
       " (reset() to start another sequence)");
 
   // Storage that does not fit the new tokens (or no longer matches their
-  // shape and dtype after a reset) is replaced.
-  const bool fits = keys_.defined() && needed <= keys_.size(2) &&
+  // shape and dtype after a reset, or was made under InferenceMode, which
+  // forbids writing it outside) is replaced.
+  const bool writable = !keys_.defined() || !keys_.is_inference() ||
+      c10::InferenceMode::is_enabled();
+  const bool fits = keys_.defined() && writable && needed <= keys_.size(2) &&
       keys_.size(0) == keys.size(0) && keys_.size(1) == keys.size(1) &&
       keys_.size(3) == keys.size(3) && values_.size(3) == values.size(3) &&
       keys_.scalar_type() == keys.scalar_type() && keys_.device() == keys.device();
@@ -91,6 +94,17 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
   values_.narrow(2, length_, T).copy_(values);
   length_ = needed;
   return {this->keys(), this->values()};
+}
+
+KVCache KVCache::clone() const {
+  KVCache copy;
+  copy.max_length_ = max_length_;
+  copy.length_ = length_;
+  if (keys_.defined()) {
+    copy.keys_ = keys_.clone();
+    copy.values_ = values_.clone();
+  }
+  return copy;
 }
 
 torch::Tensor KVCache::keys() const {

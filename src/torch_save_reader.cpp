@@ -75,8 +75,8 @@ class Unpickler {
     TORCH_CHECK(condition, where_, " is not a pickle this reader understands: ", what...);
   }
 
-  std::string read_bytes(size_t n) {
-    check(position_ + n <= bytes_.size(), "it ends early at byte ", bytes_.size());
+  std::string read_bytes(uint64_t n) {
+    check(n <= bytes_.size() - position_, "it ends early at byte ", bytes_.size());
     std::string result(bytes_.data() + position_, n);
     position_ += n;
     return result;
@@ -282,8 +282,9 @@ class Unpickler {
       const auto offset = arguments[1]->integer;
       check(size.size() == stride.size(), "a tensor with ", size.size(), " sizes and ",
             stride.size(), " strides");
-      // The last element's index, in int64 arithmetic that cannot overflow
-      // for the sizes a storage can hold.
+      // The last element's index: sizes and strides are at most the
+      // storage's length, so for any storage that fits in memory the
+      // products stay far from int64's limit.
       bool empty = false;
       int64_t last = offset;
       for (size_t d = 0; d < size.size(); ++d) {
@@ -323,12 +324,13 @@ class Unpickler {
     const auto dtype = storage_dtypes().find(items[1]->text);
     check(dtype != storage_dtypes().end(), "a storage of type ", items[1]->text);
     const auto numel = items[4]->integer;
-    check(numel >= 0, "a storage of ", numel, " elements");
+    const auto element_size = static_cast<int64_t>(c10::elementSize(dtype->second));
+    const auto [data, size] = archive_.getRecord("data/" + key);
+    check(numel >= 0 && numel <= static_cast<int64_t>(size) / element_size &&
+              static_cast<size_t>(numel * element_size) == size,
+          "storage ", key, " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
     auto storage = Object::make(Kind::tensor);
     storage->tensor = torch::empty({numel}, torch::TensorOptions(dtype->second));
-    const auto [data, size] = archive_.getRecord("data/" + key);
-    check(size == static_cast<size_t>(numel) * storage->tensor.element_size(), "storage ", key,
-          " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
     std::memcpy(storage->tensor.data_ptr(), data.get(), size);
     storages_[key] = storage;
     return storage;
@@ -358,7 +360,14 @@ std::map<std::string, torch::Tensor> read_saved_tensor_dict(
     TORCH_CHECK(false, where, " is not a file written by Python's torch.save (zip format, ",
                 "PyTorch >= 1.6): ", error.what_without_backtrace());
   }
-  const auto root = Unpickler(*archive, where).run();
+  ObjectPtr root;
+  try {
+    root = Unpickler(*archive, where).run();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& error) { // e.g. a length that cannot be allocated
+    TORCH_CHECK(false, where, " could not be read: ", error.what());
+  }
   TORCH_CHECK(root->kind == Object::Kind::dict, where,
               " must hold a state_dict (a dict of tensors), got ", root->kind_name());
   std::map<std::string, torch::Tensor> tensors;

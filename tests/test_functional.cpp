@@ -321,6 +321,36 @@ TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMa
   }
 }
 
+TEST(ScaledDotProductAttention, AWindowPastEveryDistanceIsNoWindow) {
+  // Including int64's largest value, which the position arithmetic must
+  // survive, with offsets on both sides.
+  torch::manual_seed(17);
+  const auto q = torch::randn({2, 70, 8}, torch::kDouble);
+  const auto k = torch::randn({2, 90, 8}, torch::kDouble);
+  for (const int64_t offset : {int64_t{0}, int64_t{-50}, int64_t{1} << 60}) {
+    for (const bool causal : {false, true}) {
+      const auto plain = SDPAOptions().is_causal(causal).query_offset(offset);
+      const auto [expected, expected_w] = scaled_dot_product_attention(q, k, k, plain);
+      // 200 exceeds every distance unless the queries stand 2^60 away.
+      const auto windows = offset > 1000 ? std::vector<int64_t>{std::numeric_limits<int64_t>::max()}
+                                         : std::vector<int64_t>{200, std::numeric_limits<int64_t>::max()};
+      for (const int64_t window : windows) {
+        SCOPED_TRACE(::testing::Message() << "offset=" << offset << " causal=" << causal
+                                          << " window=" << window);
+        const auto [out, w] = scaled_dot_product_attention(q, k, k, SDPAOptions(plain).window(window));
+        const auto [out_only, none] = scaled_dot_product_attention(
+            q, k, k, SDPAOptions(plain).window(window).need_weights(false));
+        EXPECT_LE(max_abs_diff(out, expected), kDoubleTolerance);
+        EXPECT_LE(max_abs_diff(out_only, expected), kDoubleTolerance);
+        EXPECT_LE(max_abs_diff(w, expected_w), kDoubleTolerance);
+      }
+    }
+  }
+  EXPECT_ATTN_ERROR(
+      scaled_dot_product_attention(q, k, k, SDPAOptions().query_offset((int64_t{1} << 60) + 1)),
+      "query_offset must be within ±2^60, got 1152921504606846977");
+}
+
 TEST(ScaledDotProductAttention, SlidingWindowGradientsMatchTheBandMasksOnes) {
   torch::manual_seed(14);
   const auto opts = torch::TensorOptions(torch::kDouble);

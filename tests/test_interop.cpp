@@ -88,7 +88,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         PythonCase{"packed", "", MultiHeadAttentionOptions(16, 4)},
         PythonCase{"separate", "", MultiHeadAttentionOptions(16, 2).kdim(12).vdim(10)},
-        PythonCase{"block_with_bias_kv", "attention.",
+        PythonCase{"block_with_bias_kv", "attention",
                    MultiHeadAttentionOptions(16, 4).add_bias_kv(true).add_zero_attn(true)}),
     [](const ::testing::TestParamInfo<PythonCase>& info) { return std::string(info.param.name); });
 
@@ -124,6 +124,9 @@ TEST(PythonStateDict, RejectsMissingUnexpectedAndMisshapedEntries) {
   MultiHeadAttention grouped(MultiHeadAttentionOptions(16, 4).num_kv_heads(2));
   EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*grouped, path),
                     "load_pytorch_state_dict: torch.nn.MultiheadAttention has no grouped-query form");
+  MultiHeadAttention rotary(MultiHeadAttentionOptions(16, 4).rotary(attn::RotaryEmbeddingOptions(4)));
+  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*rotary, path),
+                    "load_pytorch_state_dict: torch.nn.MultiheadAttention has no rotary embeddings");
   EXPECT_TRUE(torch::equal(packed->q_proj->weight, before)); // failed loads change nothing
 }
 

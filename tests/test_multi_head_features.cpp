@@ -8,6 +8,7 @@
 #include <attn/modules/multi_head_attention.h>
 
 #include <sstream>
+#include <type_traits>
 
 namespace {
 
@@ -37,7 +38,8 @@ torch::Tensor band(int64_t L, int64_t S, int64_t offset, bool causal, int64_t wi
 MultiHeadAttention with_repeated_kv_heads(const attn::MultiHeadAttentionImpl& grouped) {
   const auto& o = grouped.options;
   const int64_t D = o.embed_dim() / o.num_heads();
-  const int64_t group = o.num_heads() / o.num_kv_heads();
+  const int64_t kv_heads = o.num_kv_heads().value_or(o.num_heads());
+  const int64_t group = o.num_heads() / kv_heads;
   MultiHeadAttention full(MultiHeadAttentionOptions(o.embed_dim(), o.num_heads())
                               .kdim(o.kdim())
                               .vdim(o.vdim())
@@ -45,7 +47,7 @@ MultiHeadAttention with_repeated_kv_heads(const attn::MultiHeadAttentionImpl& gr
                               .rotary(o.rotary()));
   torch::NoGradGuard no_grad;
   const auto repeat = [&](const torch::Tensor& t) { // (H_kv·D, ...) -> (H·D, ...)
-    auto heads = t.unflatten(0, {o.num_kv_heads(), D});
+    auto heads = t.unflatten(0, {kv_heads, D});
     return heads.repeat_interleave(group, 0).flatten(0, 1);
   };
   full->q_proj->weight.copy_(grouped.q_proj->weight);
@@ -209,6 +211,35 @@ TEST(KVCache, PreallocatedStorageIsReusedAndNeverOverflows) {
   cache.reset();
   const auto [again, unused2] = cache.append(k, k);
   EXPECT_EQ(again.data_ptr(), storage);
+}
+
+TEST(KVCache, ClonesBranchIndependentlyAndCopiesAreRefused) {
+  static_assert(!std::is_copy_constructible_v<KVCache> && !std::is_copy_assignable_v<KVCache>,
+                "copies would share storage");
+  static_assert(std::is_move_constructible_v<KVCache>);
+  torch::NoGradGuard no_grad;
+  KVCache prompt(16);
+  const auto k = torch::randn({1, 2, 6, 4});
+  prompt.append(k.narrow(2, 0, 4), k.narrow(2, 0, 4));
+  auto branch = prompt.clone();
+  EXPECT_EQ(branch.max_length(), 16);
+  const auto [a, unused_a] = prompt.append(k.narrow(2, 4, 1), k.narrow(2, 4, 1));
+  const auto [b, unused_b] = branch.append(k.narrow(2, 5, 1), k.narrow(2, 5, 1));
+  EXPECT_TRUE(torch::equal(a.narrow(2, 4, 1), k.narrow(2, 4, 1)));
+  EXPECT_TRUE(torch::equal(b.narrow(2, 4, 1), k.narrow(2, 5, 1)));
+  EXPECT_TRUE(torch::equal(a.narrow(2, 0, 4), b.narrow(2, 0, 4)));
+}
+
+TEST(KVCache, StorageFromInferenceModeIsReplacedWhenAppendedToOutsideIt) {
+  KVCache cache;
+  const auto k = torch::randn({1, 1, 3, 2});
+  {
+    c10::InferenceMode inference;
+    cache.append(k.narrow(2, 0, 2), k.narrow(2, 0, 2));
+  }
+  torch::NoGradGuard no_grad;
+  const auto [keys, values] = cache.append(k.narrow(2, 2, 1), k.narrow(2, 2, 1));
+  EXPECT_TRUE(torch::equal(keys, k));
 }
 
 TEST(KVCacheErrors, NameWhatWasExpectedAndWhatArrived) {

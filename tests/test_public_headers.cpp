@@ -11,7 +11,7 @@ TEST(PublicHeaders, CompileOnTheirOwn) {
   EXPECT_EQ(options.kdim(), 8);
   EXPECT_EQ(options.vdim(), 8);
   EXPECT_TRUE(options.batch_first());
-  EXPECT_EQ(options.num_kv_heads(), 2);
+  EXPECT_FALSE(options.num_kv_heads().has_value()); // = num_heads
 }
 
 } // namespace

@@ -14,7 +14,10 @@ namespace attn {
 /// `softmax(Q·Kᵀ·scale + mask)·V`, returning `(output, weights)`.
 ///
 /// Shapes: query `(..., L, E)`, key `(..., S, E)`, value `(..., S, Ev)` with
-/// identical leading dims; output `(..., L, Ev)`, weights `(..., L, S)`.
+/// identical leading dims (with `enable_gqa`, key and value may have fewer
+/// heads in dim -3); output `(..., L, Ev)`, weights `(..., L, S)`. Masks,
+/// `is_causal`, `window` and `query_offset` combine as `SDPAOptions`
+/// describes.
 /// A query row whose keys are all masked gets zero weights and a zero output
 /// (not NaN), with finite gradients. The returned weights are the ones that
 /// multiplied V, so they include dropout when it is active.

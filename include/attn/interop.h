@@ -9,8 +9,8 @@
 /// are always packed in `in_proj_bias` (3E), and `add_bias_kv` adds
 /// `bias_k` and `bias_v`. attn keeps one `Linear` per projection. Both
 /// modules must have the same `embed_dim`, `num_heads`, `kdim`, `vdim`,
-/// `bias`, `add_bias_kv` and `add_zero_attn`, and attn's `num_kv_heads`
-/// must equal `num_heads`; values are copied (and cast) into the target's
+/// `bias`, `add_bias_kv` and `add_zero_attn`, and attn's must have no
+/// grouped-query heads and no rotary embeddings; values are copied (and cast) into the target's
 /// existing parameters, so the target keeps its device and dtype.
 ///
 /// attn's own modules round-trip through `torch::save` and `torch::load`
@@ -48,7 +48,8 @@ void copy_weights(
 /// with packed `in_proj_weight` or separate `q/k/v_proj_weight`.
 ///
 /// `prefix` selects the attention inside a whole model's state_dict, e.g.
-/// `"encoder.layers.0.self_attn."`; entries outside it are ignored. Under
+/// `"encoder.layers.0.self_attn"` (a final `.` is implied); entries outside
+/// it are ignored. Under
 /// it, every entry the target needs must be present with its shape and no
 /// other may be, or a `c10::Error` names the entry, the file and what was
 /// expected. `target` must be built with the Python module's options (and

@@ -13,7 +13,10 @@ namespace attn {
 /// Keys and values of the tokens decoded so far, per batch element and
 /// key/value head, so that each decoding step projects only its new tokens.
 /// `attn::MultiHeadAttention` appends to it when one is passed in
-/// `MultiHeadAttentionForwardOptions::kv_cache`.
+/// `MultiHeadAttentionForwardOptions::kv_cache`; it is meant for
+/// self-attention, where each call's keys are the new tokens' own. Every
+/// sequence of a batch advances together: positions (for causal masking and
+/// rotary embeddings) are the cache's length, the same for all of them.
 ///
 /// The first `append` fixes the batch size, heads, feature sizes, dtype and
 /// device until `reset()`; later appends must match them. Without a
@@ -26,10 +29,12 @@ namespace attn {
 /// ```
 /// attn::KVCache cache(/*max_length=*/2048);
 /// torch::NoGradGuard no_grad;
+/// mha->eval();  // no dropout while decoding
+/// auto options = attn::MultiHeadAttentionForwardOptions().kv_cache(&cache).is_causal(true);
+/// auto [out, w] = mha(prompt, prompt, prompt, options);  // (B, P, E)
 /// for (int step = 0; step < steps; ++step) {
-///   auto [out, w] = mha(x, x, x, attn::MultiHeadAttentionForwardOptions()
-///                                    .kv_cache(&cache).is_causal(true));
-///   x = next_token_embedding(out);
+///   auto token = next_token_embedding(out);               // (B, 1, E)
+///   std::tie(out, w) = mha(token, token, token, options);
 /// }
 /// ```
 class KVCache {
@@ -38,6 +43,18 @@ class KVCache {
   KVCache() = default;
   /// A cache for at most `max_length` tokens (positive).
   explicit KVCache(int64_t max_length);
+
+  /// Not copyable: two caches sharing storage would overwrite each other's
+  /// tokens. Use `clone()` to branch a sequence (beam search, speculative
+  /// decoding).
+  KVCache(const KVCache&) = delete;
+  KVCache& operator=(const KVCache&) = delete;
+  KVCache(KVCache&&) = default;
+  KVCache& operator=(KVCache&&) = default;
+
+  /// An independent cache holding a copy of this one's tokens, with the same
+  /// maximum length.
+  KVCache clone() const;
 
   /// Appends keys `(B, H, T, D)` and values `(B, H, T, Dv)` and returns
   /// every cached key and value, `(B, H, length(), D)` and
@@ -51,10 +68,10 @@ class KVCache {
   /// The maximum length given at construction; 0 when it grows on demand.
   int64_t max_length() const { return max_length_; }
   /// The cached keys `(B, H, length(), D)`; undefined before the first
-  /// append.
+  /// append, empty after `reset()`.
   torch::Tensor keys() const;
   /// The cached values `(B, H, length(), Dv)`; undefined before the first
-  /// append.
+  /// append, empty after `reset()`.
   torch::Tensor values() const;
 
   /// Forgets every token and the shapes the first append fixed; storage

@@ -75,7 +75,7 @@ struct ScaledDotProductAttentionOptions {
 /// ```
 struct RotaryEmbeddingOptions {
   /// Rotates the first `dim` features of each head.
-  /* implicit */ RotaryEmbeddingOptions(int64_t dim);
+  explicit RotaryEmbeddingOptions(int64_t dim);
 
   /// Features rotated per head: even, and at most the head width; the
   /// features after them pass through unchanged (partial rotary).
@@ -116,8 +116,8 @@ struct MultiHeadAttentionOptions {
   /// Key/value heads for grouped-query attention: must divide `num_heads`;
   /// 1 gives multi-query attention. `k_proj` and `v_proj` then produce
   /// `num_kv_heads · D` features, each shared by `num_heads / num_kv_heads`
-  /// query heads without being copied. Defaults to `num_heads`.
-  TORCH_ARG(int64_t, num_kv_heads);
+  /// query heads without being copied. Unset: `num_heads`.
+  TORCH_ARG(c10::optional<int64_t>, num_kv_heads) = c10::nullopt;
   /// Rotary position embeddings applied to queries and keys after the
   /// projections (token `t` at position `t`, or after the cached tokens
   /// with a KV cache). Unset: none.

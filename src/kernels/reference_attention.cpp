@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace attn::detail {
@@ -30,17 +31,21 @@ torch::Tensor visible_band(
     bool causal,
     const c10::optional<int64_t>& window,
     torch::Device device) {
-  // distance(i, j) = (i + query_offset) - j: the query's position minus the
-  // key's.
+  // Query positions (L, 1) against key positions (1, S): each comparison
+  // broadcasts straight to an (L, S) bool tensor.
   const auto positions = torch::TensorOptions(torch::kLong).device(device);
-  const auto distance = (torch::arange(L, positions) + query_offset).unsqueeze(1) -
-      torch::arange(S, positions).unsqueeze(0);
+  const auto query = (torch::arange(L, positions) + query_offset).unsqueeze(1);
+  const auto key = torch::arange(S, positions).unsqueeze(0);
   auto visible = torch::ones({L, S}, positions.dtype(torch::kBool));
   if (causal) {
-    visible = visible.logical_and(distance >= 0);
+    visible.logical_and_(key <= query);
   }
   if (window) {
-    visible = visible.logical_and(distance.abs() < *window);
+    // |query - key| < window. Distances stay below 2^61 (offsets are
+    // bounded by 2^60), so a window of 2^62 reaches every key and keeps the
+    // subtractions from overflowing.
+    const auto reach = std::min(*window, int64_t{1} << 62);
+    visible.logical_and_(key > query - reach).logical_and_(key - reach < query);
   }
   return visible;
 }

@@ -17,8 +17,7 @@ MultiHeadAttentionOptions::MultiHeadAttentionOptions(
     : embed_dim_(embed_dim),
       num_heads_(num_heads),
       kdim_(embed_dim),
-      vdim_(embed_dim),
-      num_kv_heads_(num_heads) {}
+      vdim_(embed_dim) {}
 
 namespace {
 
@@ -80,7 +79,7 @@ MultiHeadAttentionImpl::MultiHeadAttentionImpl(
 void MultiHeadAttentionImpl::reset() {
   const auto E = options.embed_dim();
   const auto H = options.num_heads();
-  const auto H_kv = options.num_kv_heads();
+  const auto H_kv = options.num_kv_heads().value_or(H);
   TORCH_CHECK(E > 0, kCaller, ": embed_dim must be positive, got ", E);
   TORCH_CHECK(H > 0, kCaller, ": num_heads must be positive, got ", H);
   TORCH_CHECK(
@@ -128,7 +127,7 @@ void MultiHeadAttentionImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
   const auto E = options.embed_dim();
   if (options.kdim() == E && options.vdim() == E &&
-      options.num_kv_heads() == options.num_heads()) {
+      options.num_kv_heads().value_or(options.num_heads()) == options.num_heads()) {
     // The built-in initialises one packed (3E, E) matrix; draw from the same
     // distribution, whose bound depends on the packed shape.
     auto packed = torch::empty({3 * E, E}, q_proj->weight.options());
@@ -160,7 +159,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const MultiHeadAttentionForwardOptions& forward_options) {
   const auto E = options.embed_dim();
   const auto H = options.num_heads();
-  const auto H_kv = options.num_kv_heads();
+  const auto H_kv = options.num_kv_heads().value_or(H);
   const auto D = E / H;
   const auto E_kv = H_kv * D;
   const bool batch_first = options.batch_first();
@@ -346,8 +345,8 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha
          << "attn::MultiHeadAttention(embed_dim=" << options.embed_dim()
          << ", num_heads=" << options.num_heads();
-  if (options.num_kv_heads() != options.num_heads()) {
-    stream << ", num_kv_heads=" << options.num_kv_heads();
+  if (options.num_kv_heads()) {
+    stream << ", num_kv_heads=" << *options.num_kv_heads();
   }
   stream << ", dropout=" << options.dropout() << ", bias=" << options.bias()
          << ", kdim=" << options.kdim() << ", vdim=" << options.vdim()
