@@ -78,7 +78,10 @@ Evaluation evaluate(
 }
 
 // The model's own reversal of the strings (B, N): it writes one token at a
-// time after the separator, always taking the likeliest. Returns (B, N).
+// time after the separator, always taking the likeliest. The prompt goes
+// through the model once; each later step feeds only the token just
+// written, attending to the earlier ones through the blocks' KV caches.
+// Returns (B, N).
 torch::Tensor reverse_greedily(
     train::Transformer& model,
     const train::ReversalTask& task,
@@ -86,16 +89,19 @@ torch::Tensor reverse_greedily(
   torch::NoGradGuard no_grad;
   model->eval();
   const auto N = task.digits();
-  auto sequence = torch::cat(
+  const auto prompt = torch::cat(
       {digits, torch::full({digits.size(0), 1}, train::ReversalTask::kSeparator,
                            digits.options())},
       1); // (B, N + 1)
-  for (int64_t i = 0; i < N; ++i) {
-    const auto next = model(sequence).select(1, -1).argmax(-1, /*keepdim=*/true);
-    sequence = torch::cat({sequence, next}, 1);
+  std::vector<attn::KVCache> caches;
+  auto next = model->decode(prompt, caches).select(1, -1).argmax(-1, /*keepdim=*/true);
+  std::vector<torch::Tensor> written = {next};
+  for (int64_t i = 1; i < N; ++i) {
+    next = model->decode(next, caches).select(1, -1).argmax(-1, /*keepdim=*/true);
+    written.push_back(next);
   }
   model->train();
-  return sequence.narrow(1, N + 1, N);
+  return torch::cat(written, 1);
 }
 
 std::string digit_string(const torch::Tensor& digits) {

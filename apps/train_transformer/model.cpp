@@ -20,13 +20,13 @@ DecoderBlockImpl::DecoderBlockImpl(
           torch::nn::Linear(feed_forward_width, d_model)));
 }
 
-torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x) {
+torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, attn::KVCache* cache) {
   const auto normed = attention_norm_(x);
   // No weights asked for: the fused kernel never materialises (T, T).
   const auto attended = std::get<0>(attention_(
       normed, normed, normed,
-      attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(
-          false)));
+      attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(false).kv_cache(
+          cache)));
   const auto h = x + attended;
   return h + feed_forward_->forward(feed_forward_norm_(h));
 }
@@ -51,15 +51,36 @@ TransformerImpl::TransformerImpl(const TransformerConfig& config)
       "head", torch::nn::Linear(config.d_model, config.vocabulary_size));
 }
 
-torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens, int64_t first) {
   const auto T = tokens.size(1);
   TORCH_CHECK(
-      T <= config_.max_length, "Transformer: inputs of at most ",
-      config_.max_length, " tokens, got ", T);
-  const auto positions = torch::arange(T, tokens.options()); // (T)
-  auto x = token_embedding_(tokens) + position_embedding_(positions); // (B, T, E)
+      first + T <= config_.max_length, "Transformer: inputs of at most ",
+      config_.max_length, " tokens, got ", first + T);
+  const auto positions = torch::arange(first, first + T, tokens.options()); // (T)
+  return token_embedding_(tokens) + position_embedding_(positions); // (B, T, E)
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
+  auto x = embed(tokens, 0);
   for (const auto& block : *blocks_) {
     x = block->as<DecoderBlock>()->forward(x);
+  }
+  return head_(final_norm_(x)); // (B, T, V)
+}
+
+torch::Tensor TransformerImpl::decode(
+    const torch::Tensor& tokens, std::vector<attn::KVCache>& caches) {
+  if (caches.empty()) {
+    for (size_t i = 0; i < blocks_->size(); ++i) {
+      caches.emplace_back(config_.max_length);
+    }
+  }
+  TORCH_CHECK(
+      caches.size() == blocks_->size(), "Transformer: one KV cache per block (",
+      blocks_->size(), ") expected, got ", caches.size());
+  auto x = embed(tokens, caches.front().length());
+  for (size_t i = 0; i < blocks_->size(); ++i) {
+    x = blocks_[i]->as<DecoderBlock>()->forward(x, &caches[i]);
   }
   return head_(final_norm_(x)); // (B, T, V)
 }

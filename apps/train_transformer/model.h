@@ -5,6 +5,7 @@
 // (causal attn::MultiHeadAttention, then a feed-forward layer, each added
 // to its input), a final layer norm and a linear head over the vocabulary.
 
+#include <attn/kv_cache.h>
 #include <attn/modules/multi_head_attention.h>
 
 #include <torch/nn/module.h>
@@ -14,6 +15,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace train {
 
@@ -33,8 +35,9 @@ class DecoderBlockImpl : public torch::nn::Module {
  public:
   DecoderBlockImpl(int64_t d_model, int64_t heads, int64_t feed_forward_width);
 
-  /// (B, T, E) -> (B, T, E); position t sees positions 0..t only.
-  torch::Tensor forward(const torch::Tensor& x);
+  /// (B, T, E) -> (B, T, E); position t sees positions 0..t only. With a
+  /// cache, x holds the tokens after the cached ones, which it also sees.
+  torch::Tensor forward(const torch::Tensor& x, attn::KVCache* cache = nullptr);
 
  private:
   torch::nn::LayerNorm attention_norm_ = nullptr;
@@ -51,9 +54,18 @@ class TransformerImpl : public torch::nn::Module {
   /// Token ids (B, T), T <= max_length -> next-token logits (B, T, V).
   torch::Tensor forward(const torch::Tensor& tokens);
 
+  /// Incremental decoding: `tokens` (B, T) continue the sequence whose
+  /// keys and values `caches` (one per block, created on the first call)
+  /// hold, and are appended to them. Logits as `forward` gives them for
+  /// these positions, at the cost of the new tokens only.
+  torch::Tensor decode(const torch::Tensor& tokens, std::vector<attn::KVCache>& caches);
+
   const TransformerConfig& config() const { return config_; }
 
  private:
+  // Embeds tokens standing at positions first, first + 1, ...
+  torch::Tensor embed(const torch::Tensor& tokens, int64_t first);
+
   TransformerConfig config_;
   torch::nn::Embedding token_embedding_ = nullptr;
   torch::nn::Embedding position_embedding_ = nullptr;
