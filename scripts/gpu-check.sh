@@ -128,6 +128,9 @@ run() {
     command -v nvcc >/dev/null && nvcc --version | tail -1
   } > "$reports/environment.txt" 2>&1 || true
 
+  # A fresh configuration, so that no package found for another LibTorch
+  # or another DEPS lingers in the cache (the objects are reused).
+  rm -f "$build/CMakeCache.txt"
   cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$prefix" 2>&1 | tee "$reports/configure.log"
   cmake --build "$build" 2>&1 | tee "$reports/build.log" | tail -5
