@@ -115,7 +115,7 @@ run() {
   local prefix="$libtorch"
   if [ -d "$deps" ]; then
     build_deps "$deps" "${generator[@]}"
-    prefix="$libtorch;$deps/install"
+    prefix="$deps/install;$libtorch"
   fi
 
   local build="$root/build-gpu"
