@@ -49,8 +49,10 @@ class KVCache {
   /// decoding).
   KVCache(const KVCache&) = delete;
   KVCache& operator=(const KVCache&) = delete;
-  KVCache(KVCache&&) = default;
-  KVCache& operator=(KVCache&&) = default;
+  /// Takes over `other`'s tokens and storage; `other` is left empty.
+  KVCache(KVCache&& other) = default;
+  /// Takes over `other`'s tokens and storage; `other` is left empty.
+  KVCache& operator=(KVCache&& other) = default;
 
   /// An independent cache holding a copy of this one's tokens, with the same
   /// maximum length.

@@ -85,8 +85,12 @@ class MultiHeadAttentionImpl
   torch::nn::Linear v_proj = nullptr;
   /// `E -> E`, applied to the merged heads.
   torch::nn::Linear out_proj = nullptr;
-  /// `(1, 1, num_kv_heads · D)` with `add_bias_kv`; undefined otherwise.
-  torch::Tensor bias_k, bias_v;
+  /// `(1, 1, num_kv_heads · D)` with `add_bias_kv`: the extra key;
+  /// undefined otherwise.
+  torch::Tensor bias_k;
+  /// `(1, 1, num_kv_heads · D)` with `add_bias_kv`: the extra key's value;
+  /// undefined otherwise.
+  torch::Tensor bias_v;
   /// Applied to queries and keys when `options.rotary()` is set; null
   /// otherwise. Has no parameters.
   RotaryEmbedding rotary = nullptr;
