@@ -126,7 +126,7 @@ double sgemm_gflops() {
 // ---------------------------------------------------------------------------
 // The implementations.
 
-enum class Impl { ours, ours_weights, builtin, builtin_weights, naive, aten_sdpa };
+enum class Impl { ours, ours_weights, builtin, builtin_weights, naive, aten_sdpa, ours_window };
 
 const char* impl_name(Impl impl) {
   switch (impl) {
@@ -136,6 +136,7 @@ const char* impl_name(Impl impl) {
     case Impl::builtin_weights: return "builtin_need_weights";
     case Impl::naive: return "naive";
     case Impl::aten_sdpa: return "aten_sdpa";
+    case Impl::ours_window: return "ours_window";
   }
   return "";
 }
@@ -192,6 +193,19 @@ Case read_case(const benchmark::State& state) {
 double attention_flops(const Case& c) {
   return 4.0 * c.B * kHeads * c.T * c.T * kHeadDim * (c.causal ? 0.5 : 1.0);
 }
+
+// The sliding window of the ours_window cases.
+constexpr int64_t kWindow = 512;
+
+// Attention FLOPs over the query-key pairs a window of kWindow leaves.
+double windowed_attention_flops(const Case& c) {
+  double pairs = 0;
+  for (int64_t i = 0; i < c.T; ++i) {
+    const int64_t last = c.causal ? i : std::min(c.T - 1, i + kWindow - 1);
+    pairs += static_cast<double>(last - std::max<int64_t>(0, i - kWindow + 1) + 1);
+  }
+  return 4.0 * c.B * kHeads * kHeadDim * pairs;
+}
 double projection_flops(const Case& c) {
   return 4 * 2.0 * c.B * c.T * kEmbed * kEmbed;
 }
@@ -237,11 +251,15 @@ void attention_core(benchmark::State& state, Impl impl, const Target& target) {
     state.SkipWithError("at::scaled_dot_product_attention needs LibTorch >= 2.0");
     return;
   }
-  measure(state, attention_flops(c), target, [&] {
+  const bool windowed = impl == Impl::ours_window;
+  measure(state, windowed ? windowed_attention_flops(c) : attention_flops(c), target, [&] {
     if (impl == Impl::naive) {
       benchmark::DoNotOptimize(naive_attention(q, k, v, lower));
     } else if (impl == Impl::aten_sdpa) {
       benchmark::DoNotOptimize(attn::detail::native_attention(q, k, v, 0.0, c.causal, c10::nullopt));
+    } else if (windowed) {
+      benchmark::DoNotOptimize(attn::scaled_dot_product_attention(
+          q, k, v, attn::SDPAOptions().is_causal(c.causal).window(kWindow).need_weights(false)));
     } else {
       benchmark::DoNotOptimize(attn::scaled_dot_product_attention(
           q, k, v, attn::SDPAOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights)));
@@ -286,7 +304,8 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
       case Impl::naive:
         return naive.forward(x, lower);
       case Impl::aten_sdpa:
-        break; // an attention core, not a module
+      case Impl::ours_window:
+        break; // attention cores, not modules
     }
     return {};
   };
@@ -297,6 +316,45 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
     torch::NoGradGuard no_grad;
     measure(state, flops, target, [&] { benchmark::DoNotOptimize(forward()); });
   }
+}
+
+// Incremental decoding after a prompt of T tokens: kDecodeSteps more tokens,
+// one at a time, either through a KV cache (the prompt read once, then each
+// token alone) or recomputing the causal forward over the whole prefix for
+// every token. GFLOP/s counts the cached computation's FLOPs for both, so
+// the rates compare as the times do.
+constexpr int64_t kDecodeSteps = 16;
+
+void decode(benchmark::State& state, bool cached) {
+  torch::NoGradGuard no_grad;
+  const auto c = read_case(state);
+  torch::manual_seed(0);
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(kEmbed, kHeads));
+  mha->eval();
+  const auto x = torch::randn({c.B, c.T + kDecodeSteps, kEmbed});
+  const auto causal = attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(false);
+  attn::KVCache cache(c.T + kDecodeSteps);
+  double flops = attention_flops(c) + projection_flops(c); // the prompt
+  for (int64_t t = 1; t <= kDecodeSteps; ++t) {
+    flops += 4.0 * c.B * kHeads * (c.T + t) * kHeadDim + 4 * 2.0 * c.B * kEmbed * kEmbed;
+  }
+  measure(state, flops, {torch::kCPU, torch::kFloat}, [&] {
+    if (cached) {
+      cache.reset();
+      const auto with_cache = attn::MultiHeadAttentionForwardOptions(causal).kv_cache(&cache);
+      const auto prompt = x.narrow(1, 0, c.T);
+      benchmark::DoNotOptimize(mha(prompt, prompt, prompt, with_cache));
+      for (int64_t t = 0; t < kDecodeSteps; ++t) {
+        const auto token = x.narrow(1, c.T + t, 1);
+        benchmark::DoNotOptimize(mha(token, token, token, with_cache));
+      }
+    } else {
+      for (int64_t t = 0; t <= kDecodeSteps; ++t) {
+        const auto prefix = x.narrow(1, 0, c.T + t);
+        benchmark::DoNotOptimize(mha(prefix, prefix, prefix, causal));
+      }
+    }
+  });
 }
 
 void sgemm(benchmark::State& state) {
@@ -365,9 +423,19 @@ void register_cuda() {
 void register_cpu() {
   const Target cpu{torch::kCPU, torch::kFloat};
   benchmark::RegisterBenchmark("sgemm", sgemm)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
-  register_suite(cpu, {Impl::ours, Impl::ours_weights, Impl::naive},
+  register_suite(cpu, {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive},
                  {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
                  {Impl::ours, Impl::builtin, Impl::naive}, shapes);
+  for (const bool cached : {true, false}) {
+    benchmark::RegisterBenchmark(cached ? "decode/ours_kv_cache" : "decode/ours_recompute",
+                                 [cached](benchmark::State& s) { decode(s, cached); })
+        ->Args({512, 1, 1})
+        ->Args({2048, 1, 1})
+        ->ArgNames({"T", "B", "causal"})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime()
+        ->MinTime(0.5);
+  }
   // Memory at a length where the built-in's weights alone would take 8 GiB.
   benchmark::RegisterBenchmark("mha_forward_long/ours",
                                [cpu](benchmark::State& s) { multi_head(s, Impl::ours, false, cpu); })

@@ -16,7 +16,11 @@ import sys
 NAME = re.compile(r"^(?P<group>[a-z0-9_]+)/(?P<impl>[a-z_]+)/T:(?P<T>\d+)/B:(?P<B>\d+)/causal:(?P<causal>\d)")
 
 
-IMPLS = ("ours", "ours_need_weights", "builtin", "builtin_need_weights", "aten_sdpa", "naive")
+IMPLS = ("ours", "ours_need_weights", "ours_window", "ours_kv_cache", "ours_recompute",
+         "builtin", "builtin_need_weights", "aten_sdpa", "naive")
+# Speed-up columns: (slower, faster) pairs, shown where a group has both.
+RATIOS = (("builtin", "ours"), ("aten_sdpa", "ours"), ("ours", "ours_window"),
+          ("ours_recompute", "ours_kv_cache"))
 
 
 def load(path):
@@ -51,13 +55,10 @@ def table(context, rows):
         impls = [impl for impl in IMPLS
                  if any(impl in row for key, row in rows.items() if key[0] == group)]
         header = ["T", "B", "causal"] + [f"{impl} ms (GFLOP/s)" for impl in impls]
-        has_builtin = "builtin" in impls
-        has_aten = "aten_sdpa" in impls
-        if has_builtin:
-            header += ["ours ÷ builtin"]
-        if has_aten:
-            header += ["ours ÷ aten_sdpa"]
-        if device == "cpu":
+        ratios = [(slow, fast) for slow, fast in RATIOS if slow in impls and fast in impls]
+        header += [f"{fast} vs {slow}" for slow, fast in ratios]
+        has_ours = "ours" in impls
+        if device == "cpu" and has_ours:
             header += ["ours % of sgemm"]
         lines += [f"### {group}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for key in sorted(k for k in rows if k[0] == group):
@@ -66,12 +67,11 @@ def table(context, rows):
             for impl in impls:
                 r = row.get(impl)
                 cells.append(f"{r['ms']:.1f} ({r['gflops']:.1f})" if r else "—")
+            for slow, fast in ratios:
+                a, b = row.get(slow), row.get(fast)
+                cells.append(f"{a['ms'] / b['ms']:.2f}× faster" if a and b else "—")
             ours = row.get("ours")
-            for present, other in ((has_builtin, "builtin"), (has_aten, "aten_sdpa")):
-                if present:
-                    theirs = row.get(other)
-                    cells.append(f"{theirs['ms'] / ours['ms']:.2f}×" if ours and theirs else "—")
-            if device == "cpu":
+            if device == "cpu" and has_ours:
                 cells.append(f"{100 * ours['gflops'] / sgemm:.0f} %" if ours else "—")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")

@@ -28,6 +28,31 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// Work below this many FLOPs runs on the calling thread: waking the thread
+// pool, with OpenBLAS's workers still spinning from the projection before,
+// costs milliseconds on two cores, while a decoding step's attention (one
+// query against 512 keys, 8 heads) takes about 0.5 MFLOP.
+constexpr double kMinParallelFlops = 4e6;
+
+// at::parallel_for runs `units` inline when they number at most its grain:
+// units per task such that each task does at least kMinParallelFlops.
+int64_t parallel_grain(double flops_per_unit) {
+  return static_cast<int64_t>(std::ceil(kMinParallelFlops / std::max(flops_per_unit, 1.0)));
+}
+
+// The kernels' parallel loop: BLAS on one thread inside the tasks when they
+// run in parallel (two pools on the same cores would contend), inline with
+// the BLAS as it is set otherwise.
+template <typename Body>
+void parallel_units(int64_t units, double flops_per_unit, const Body& body) {
+  const int64_t grain = parallel_grain(flops_per_unit);
+  c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
+  if (units > grain) {
+    one_blas_thread_per_task.emplace();
+  }
+  at::parallel_for(0, units, grain, body);
+}
+
 // (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
 // writing head h of token t lands where merged heads expect it.
 torch::Tensor empty_heads_interleaved(
@@ -134,11 +159,11 @@ void flash_forward(
   const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
 
-  const ScopedSingleThreadedBlas one_blas_thread_per_task;
-  at::parallel_for(0, B * H * tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tile_rows = std::min(kQueryTile, L);
+  parallel_units(B * H * tiles, 2.0 * tile_rows * S * (q.size(3) + Dv), [&](int64_t begin, int64_t end) {
     // Grad mode is thread-local: worker threads start with it on.
     const torch::NoGradGuard no_grad;
-    auto scores = torch::empty({kQueryTile, key_block}, q.options());
+    auto scores = torch::empty({tile_rows, key_block}, q.options());
     std::vector<scalar_t> running_max(kQueryTile), running_sum(kQueryTile);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / (H * tiles), h = unit / tiles % H;
@@ -211,12 +236,13 @@ void flash_backward(
   // row term, computed once instead of once per key block.
   const auto delta = (grad_out * out).sum(-1).contiguous(); // (B, H, L)
 
-  const ScopedSingleThreadedBlas one_blas_thread_per_task;
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tile_rows = std::min(kQueryTile, L);
+  // Five GEMMs of L·S·D per (b, h).
+  parallel_units(B * H, 10.0 * L * S * q.size(3), [&](int64_t begin, int64_t end) {
     // Grad mode is thread-local: worker threads start with it on.
     const torch::NoGradGuard no_grad;
-    auto probs = torch::empty({kQueryTile, key_block}, q.options());
-    auto grad_scores = torch::empty({kQueryTile, key_block}, q.options());
+    auto probs = torch::empty({tile_rows, key_block}, q.options());
+    auto grad_scores = torch::empty({tile_rows, key_block}, q.options());
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / H, h = unit % H;
       const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
@@ -282,8 +308,8 @@ void forward_with_weights(
   const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
 
-  const ScopedSingleThreadedBlas one_blas_thread_per_task;
-  at::parallel_for(0, B * H * tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(B * H * tiles, 2.0 * std::min(kQueryTile, L) * S * (q.size(3) + v.size(3)),
+                 [&](int64_t begin, int64_t end) {
     // Grad mode is thread-local: worker threads start with it on.
     const torch::NoGradGuard no_grad;
     for (int64_t unit = begin; unit < end; ++unit) {

@@ -256,8 +256,10 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 
   torch::Tensor q, k, v; // (B, L, E), (B, S, E_kv), (B, S, E_kv)
   if (query.is_same(key) && key.is_same(value) && options.kdim() == E &&
-      options.vdim() == E) {
-    // Self-attention: one GEMM against the stacked weights.
+      options.vdim() == E && B * L >= E) {
+    // Self-attention: one GEMM against the stacked weights. Stacking copies
+    // (E + 2·E_kv)·E values per call, which only pays off once the inputs
+    // are at least as large: a decoding step projects separately.
     const auto weight = torch::cat({q_proj->weight, k_proj->weight, v_proj->weight});
     const auto bias = options.bias()
         ? torch::cat({q_proj->bias, k_proj->bias, v_proj->bias})
