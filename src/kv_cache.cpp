@@ -21,6 +21,14 @@ torch::Tensor allocate(
   return storage;
 }
 
+// Whether `storage` (B, H, capacity, F) holds tokens like `t` (B, H, T, F):
+// same batch, heads, width, dtype and device.
+bool same_layout(const torch::Tensor& storage, const torch::Tensor& t) {
+  return storage.size(0) == t.size(0) && storage.size(1) == t.size(1) &&
+      storage.size(3) == t.size(3) && storage.scalar_type() == t.scalar_type() &&
+      storage.device() == t.device();
+}
+
 } // namespace
 
 KVCache::KVCache(int64_t max_length) : max_length_(max_length) {
@@ -75,9 +83,7 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
   const bool writable = !keys_.defined() || !keys_.is_inference() ||
       c10::InferenceMode::is_enabled();
   const bool fits = keys_.defined() && writable && needed <= keys_.size(2) &&
-      keys_.size(0) == keys.size(0) && keys_.size(1) == keys.size(1) &&
-      keys_.size(3) == keys.size(3) && values_.size(3) == values.size(3) &&
-      keys_.scalar_type() == keys.scalar_type() && keys_.device() == keys.device();
+      same_layout(keys_, keys) && same_layout(values_, values);
   if (!fits) {
     int64_t capacity = max_length_;
     if (capacity == 0) {

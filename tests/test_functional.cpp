@@ -14,6 +14,7 @@ namespace {
 
 using attn::SDPAOptions;
 using attn::scaled_dot_product_attention;
+using attn::testing::band_mask;
 using attn::testing::max_abs_diff;
 using attn::testing::numerical_gradient;
 using attn::testing::reference_attention;
@@ -267,21 +268,6 @@ TEST(ScaledDotProductAttention, DropoutZeroesAboutPOfTheWeightsAndRescalesTheRes
   EXPECT_LE(max_abs_diff(out_drop, torch::matmul(w_drop, v)), 1e-6);
 }
 
-// (L, S) bool band: query i at position i + offset sees key j when
-// j <= i + offset (causal) and |i + offset - j| < window (window > 0).
-torch::Tensor band(int64_t L, int64_t S, int64_t offset, bool causal, int64_t window) {
-  auto allowed = torch::ones({L, S}, torch::kBool);
-  for (int64_t i = 0; i < L; ++i) {
-    for (int64_t j = 0; j < S; ++j) {
-      const int64_t distance = i + offset - j;
-      if ((causal && distance < 0) || (window > 0 && std::abs(distance) >= window)) {
-        allowed[i][j] = false;
-      }
-    }
-  }
-  return allowed;
-}
-
 TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMask) {
   // Lengths across the fused kernel's 128-query tiles and 512-key blocks.
   torch::manual_seed(13);
@@ -303,7 +289,7 @@ TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMa
     if (c.window > 0) {
       options.window(c.window);
     }
-    const auto allowed = band(L, S, c.offset, c.causal, c.window);
+    const auto allowed = band_mask(L, S, c.offset, c.causal, c.window);
     const auto [ref_out, ref_w] =
         reference_attention(q, k, v, additive(allowed).expand({2, L, S}), scale);
     // With weights (weights kernel), without (flash kernel), and both
@@ -363,7 +349,7 @@ TEST(ScaledDotProductAttention, SlidingWindowGradientsMatchTheBandMasksOnes) {
     return torch::autograd::grad({out}, {q, k, v}, {upstream});
   };
   const auto windowed = gradients(SDPAOptions().is_causal(true).window(100).query_offset(390));
-  const auto masked = gradients(SDPAOptions().attn_mask(band(140, 530, 390, true, 100)));
+  const auto masked = gradients(SDPAOptions().attn_mask(band_mask(140, 530, 390, true, 100)));
   for (int i = 0; i < 3; ++i) {
     EXPECT_LE(max_abs_diff(windowed[i], masked[i]), kDoubleTolerance) << "input " << i;
   }

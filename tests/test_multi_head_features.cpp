@@ -17,21 +17,8 @@ using attn::MultiHeadAttention;
 using attn::MultiHeadAttentionForwardOptions;
 using attn::MultiHeadAttentionOptions;
 using attn::RotaryEmbeddingOptions;
+using attn::testing::band_mask;
 using attn::testing::max_abs_diff;
-
-// (L, S) bool: query i (at position i + offset) may see key j.
-torch::Tensor band(int64_t L, int64_t S, int64_t offset, bool causal, int64_t window) {
-  const auto i = torch::arange(L).unsqueeze(1) + offset;
-  const auto j = torch::arange(S).unsqueeze(0);
-  auto allowed = torch::ones({L, S}, torch::kBool);
-  if (causal) {
-    allowed = allowed.logical_and(j <= i);
-  }
-  if (window > 0) {
-    allowed = allowed.logical_and((i - j).abs() < window);
-  }
-  return allowed;
-}
 
 // `grouped`'s K/V projections with every kv head's rows repeated for the
 // query heads that share it: the ordinary multi-head module it equals.
@@ -109,7 +96,7 @@ TEST(RotaryMultiHeadAttention, RotatesQueriesAndKeysOfEveryHeadBeforeAttention) 
   const auto k = mha->rotary(heads(mha->k_proj(x)));
   const auto v = heads(mha->v_proj(x));
   const auto causal = torch::zeros({7, 7}, torch::kDouble)
-                          .masked_fill(band(7, 7, 0, true, 0).logical_not(), -INFINITY);
+                          .masked_fill(band_mask(7, 7, 0, true, 0).logical_not(), -INFINITY);
   const auto [ref_heads, ref_w] = attn::testing::reference_attention(
       q.reshape({8, 7, 8}), k.reshape({8, 7, 8}), v.reshape({8, 7, 8}),
       causal.expand({8, 7, 7}), 1.0 / std::sqrt(8.0));
@@ -280,14 +267,14 @@ TEST(SlidingWindowAttention, EqualsAnExplicitBandMask) {
             MultiHeadAttentionForwardOptions().is_causal(causal).window(9).need_weights(need_weights));
         const auto [masked, w_masked] = mha(
             x, x, x,
-            MultiHeadAttentionForwardOptions().attn_mask(band(140, 140, 0, causal, 9)).need_weights(need_weights));
+            MultiHeadAttentionForwardOptions().attn_mask(band_mask(140, 140, 0, causal, 9)).need_weights(need_weights));
         EXPECT_LE(max_abs_diff(windowed, masked), 1e-6);
         if (need_weights) {
           EXPECT_LE(max_abs_diff(w, w_masked), 1e-7);
           // The appended keys stay visible to every query.
           const auto S = 140 + (extra_keys ? 2 : 0);
           EXPECT_EQ(w.size(3), S);
-          const auto outside_window = band(140, 140, 0, causal, 9).logical_not();
+          const auto outside_window = band_mask(140, 140, 0, causal, 9).logical_not();
           EXPECT_EQ(w.narrow(3, 0, 140).masked_select(outside_window).abs().max().item<float>(), 0.0f);
         }
       }

@@ -154,6 +154,20 @@ MultiHeadReference reference_multi_head_attention(
   return result;
 }
 
+torch::Tensor band_mask(int64_t L, int64_t S, int64_t offset, bool causal, int64_t window) {
+  auto allowed = torch::ones({L, S}, torch::kBool);
+  auto a = allowed.accessor<bool, 2>();
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t distance = i + offset - j;
+      if ((causal && distance < 0) || (window > 0 && std::abs(distance) >= window)) {
+        a[i][j] = false;
+      }
+    }
+  }
+  return allowed;
+}
+
 torch::Tensor numerical_gradient(
     const std::function<torch::Tensor()>& loss, torch::Tensor x) {
   torch::NoGradGuard no_grad;

@@ -68,6 +68,11 @@ MultiHeadReference reference_multi_head_attention(
     const attn::MultiHeadAttentionForwardOptions& options,
     const torch::Tensor& upstream);
 
+// (L, S) bool, true where query i (standing at key position i + offset) may
+// see key j: j <= i + offset when causal, |i + offset - j| < window when
+// window > 0. Written element by element, sharing no code with the library.
+torch::Tensor band_mask(int64_t L, int64_t S, int64_t offset, bool causal, int64_t window);
+
 // d loss / d x by central differences; `x` must be a float64 CPU tensor
 // that `loss` reads. Entries are perturbed in place and restored.
 torch::Tensor numerical_gradient(
