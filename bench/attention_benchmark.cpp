@@ -47,7 +47,7 @@ class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
 
-  c10::DataPtr allocate(size_t bytes) const override {
+  c10::DataPtr allocate(size_t bytes) ATTN_ALLOCATE_CONST override {
     auto inner = inner_->allocate(bytes);
     void* data = inner.get();
     const auto now = live_ += static_cast<int64_t>(bytes);

@@ -32,3 +32,36 @@ function(attn_configure_target target)
     endif()
   endif()
 endfunction()
+
+# attn_find_fmt()
+#   Defines attn_fmt, the fmt that the apps link. LibTorch 2.x ships fmt's
+#   headers in its include folder, which the compiler searches before the
+#   system's: there the apps use those headers, header-only, because the
+#   system's libfmt would not match them. Elsewhere, the installed fmt.
+function(attn_find_fmt)
+  find_path(ATTN_TORCH_FMT_DIR fmt/format.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+  add_library(attn_fmt INTERFACE)
+  if(ATTN_TORCH_FMT_DIR AND NOT ATTN_TORCH_FMT_DIR STREQUAL "/usr/include")
+    message(STATUS "fmt: LibTorch's own headers in ${ATTN_TORCH_FMT_DIR}, header-only")
+    target_compile_definitions(attn_fmt INTERFACE FMT_HEADER_ONLY)
+  else()
+    find_package(fmt REQUIRED)
+    target_link_libraries(attn_fmt INTERFACE fmt::fmt)
+  endif()
+endfunction()
+
+# attn_link_torch_wheel_libraries(<target>)
+#   The LibTorch inside PyPI's torch wheel finds the CUDA libraries it needs
+#   (NCCL, cuSPARSELt, ...) in the nvidia-* wheels beside it, through its
+#   own RPATH. At link time, though, the linker searches the executable's
+#   RPATH first, and that names the CUDA toolkit's folder, whose older NCCL
+#   then fails the link. Pointing -rpath-link at the wheels' folders first
+#   keeps link time and run time on the same libraries; consumers of
+#   <target> inherit the option. Other LibTorch layouts need nothing.
+function(attn_link_torch_wheel_libraries target)
+  file(GLOB wheel_library_dirs LIST_DIRECTORIES true "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+  foreach(dir IN LISTS wheel_library_dirs)
+    get_filename_component(dir "${dir}" REALPATH)
+    target_link_options(${target} INTERFACE "LINKER:-rpath-link,${dir}")
+  endforeach()
+endfunction()

@@ -1,22 +1,41 @@
 #!/usr/bin/env bash
-# Installs what is missing (Debian 12, as root or with sudo), builds attn in
-# ./build, then runs the demo or the whole test suite.
+# Installs what is missing (Debian 12, as root or with sudo), builds attn,
+# then runs the demo or the whole test suite.
 #
 #   scripts/setup.sh demo   # install, build, run the shape demo
 #   scripts/setup.sh test   # install, build, run every test through ctest,
-#                           # then the tests under ASan and UBSan (build-asan)
+#                           # then the tests under ASan and UBSan
+#
+# Against Debian's LibTorch 1.13 by default (build, build-asan); with
+# `--libtorch pypi`, against the LibTorch inside the pinned PyPI torch 2.x
+# wheel (scripts/pypi-libtorch.sh; build-pypi, build-asan-pypi).
 set -euo pipefail
+
+usage() {
+  echo "usage: scripts/setup.sh demo|test [--libtorch debian|pypi]" >&2
+  exit 2
+}
 
 mode="${1:-}"
 case "$mode" in
   demo|test) ;;
-  *) echo "usage: scripts/setup.sh demo|test" >&2; exit 2 ;;
+  *) usage ;;
+esac
+libtorch=debian
+if [ $# -gt 1 ]; then
+  [ $# -eq 3 ] && [ "$2" = --libtorch ] || usage
+  libtorch="$3"
+fi
+case "$libtorch" in
+  debian|pypi) ;;
+  *) usage ;;
 esac
 
 cd "$(dirname "$0")/.."
 
-packages=(libtorch-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
+packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
           cmake ninja-build g++)
+[ "$libtorch" = debian ] && packages+=(libtorch-dev)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
@@ -31,20 +50,33 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
-cmake --build build
+configure=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
+if [ "$libtorch" = pypi ]; then
+  suffix=-pypi
+  configure+=("-DCMAKE_PREFIX_PATH=$(scripts/pypi-libtorch.sh prefix)")
+else
+  suffix=
+fi
+# State_dicts written by PyTorch 2.x's Python, for the interop tests, where
+# the wheel's environment is installed (always on the pypi leg).
+if [ "$libtorch" = pypi ] || [ -x .deps/pytorch-*/bin/python ]; then
+  configure+=("-DATTN_TEST_PYTHON=$(scripts/pypi-libtorch.sh python)")
+fi
+
+cmake -S . -B "build$suffix" "${configure[@]}"
+cmake --build "build$suffix"
 
 if [ "$mode" = demo ]; then
-  ./build/apps/attn_demo
+  "./build$suffix/apps/attn_demo"
 else
-  ctest --test-dir build --output-on-failure -j "$(nproc)"
+  ctest --test-dir "build$suffix" --output-on-failure -j "$(nproc)"
   # The reliability suites again, built with AddressSanitizer and UBSan over
   # attn's own code (LibTorch is not instrumented), in one process. -O1 and
   # a test binary of four sources keep the instrumented build short.
   # detect_leaks=0: LibTorch keeps its allocators and operator registries
   # alive until exit, by design.
-  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  cmake -S . -B "build-asan$suffix" "${configure[@]}" \
         "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" -DATTN_SANITIZE=ON -DATTN_BUILD_BENCHMARKS=OFF
-  cmake --build build-asan --target attn_sanitizer_tests
-  ASAN_OPTIONS=detect_leaks=0 ./build-asan/tests/attn_sanitizer_tests --gtest_brief=1
+  cmake --build "build-asan$suffix" --target attn_sanitizer_tests
+  ASAN_OPTIONS=detect_leaks=0 "./build-asan$suffix/tests/attn_sanitizer_tests" --gtest_brief=1
 fi

@@ -7,6 +7,15 @@
 #include <torch/types.h>
 #include <torch/version.h>
 
+// c10::Allocator::allocate lost its const in LibTorch 2.3, when copy_data
+// arrived; an allocator written for both versions declares
+// `c10::DataPtr allocate(size_t) ATTN_ALLOCATE_CONST override`.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define ATTN_ALLOCATE_CONST
+#else
+#define ATTN_ALLOCATE_CONST const
+#endif
+
 namespace attn::detail {
 
 // at::scaled_dot_product_attention without a mask, on (B, H, L, E) inputs,

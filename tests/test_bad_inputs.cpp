@@ -23,7 +23,6 @@ using attn::MultiHeadAttention;
 using attn::MultiHeadAttentionForwardOptions;
 using attn::MultiHeadAttentionOptions;
 using attn::SDPAOptions;
-using attn::scaled_dot_product_attention;
 using attn::testing::max_abs_diff;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -63,7 +62,7 @@ TEST(BadInputs, ScaledDotProductAttentionFunction) {
   const auto v = torch::randn({2, 6, 5});
   const auto sdpa = [](const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                        const SDPAOptions& options = {}) {
-    return scaled_dot_product_attention(query, key, value, options);
+    return attn::scaled_dot_product_attention(query, key, value, options);
   };
   const auto expected = output_of(sdpa(q, k, v));
   const auto with_mask = [](const torch::Tensor& mask) { return SDPAOptions().attn_mask(mask); };

@@ -13,7 +13,6 @@
 namespace {
 
 using attn::SDPAOptions;
-using attn::scaled_dot_product_attention;
 using attn::testing::band_mask;
 using attn::testing::max_abs_diff;
 using attn::testing::numerical_gradient;
@@ -57,7 +56,7 @@ TEST_P(SdpaMatchesReference, OutputAndWeightsWithoutMask) {
   const auto k = torch::randn(with(s.batch, s.S, s.E), dtype);
   const auto v = torch::randn(with(s.batch, s.S, s.Ev), dtype);
 
-  const auto [out, w] = scaled_dot_product_attention(q, k, v);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v);
   const auto [ref_out, ref_w] = reference_attention(
       flatten_batch(q), flatten_batch(k), flatten_batch(v), {},
       1.0 / std::sqrt(s.E));
@@ -84,7 +83,7 @@ TEST_P(SdpaMatchesReference, BoolFloatAndCausalMasks) {
 
   const auto check = [&](const SDPAOptions& options,
                          const torch::Tensor& reference_bias) {
-    const auto [out, w] = scaled_dot_product_attention(q, k, v, options);
+    const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, options);
     const auto [ref_out, ref_w] = reference_attention(
         flatten_batch(q), flatten_batch(k), flatten_batch(v),
         flatten_batch(reference_bias), scale);
@@ -132,9 +131,9 @@ TEST(ScaledDotProductAttention, BoolMaskEqualsFloatMaskOfZerosAndNegativeInfinit
   const auto as_float = torch::zeros({2, 1, 6, 5}).masked_fill(~allowed, -kInf);
 
   const auto [out_bool, w_bool] =
-      scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(allowed));
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(allowed));
   const auto [out_float, w_float] =
-      scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(as_float));
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(as_float));
   EXPECT_TRUE(torch::equal(out_bool, out_float));
   EXPECT_TRUE(torch::equal(w_bool, w_float));
 }
@@ -147,9 +146,9 @@ TEST(ScaledDotProductAttention, CausalEqualsLowerTriangularMaskWhenLengthsDiffer
     const auto v = torch::randn({3, S, 8});
     const auto lower = torch::ones({L, S}, torch::kBool).tril();
     const auto [out_causal, w_causal] =
-        scaled_dot_product_attention(q, k, v, SDPAOptions().is_causal(true));
+        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().is_causal(true));
     const auto [out_mask, w_mask] =
-        scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(lower));
+        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(lower));
     EXPECT_TRUE(torch::equal(out_causal, out_mask)) << "L=" << L << " S=" << S;
     EXPECT_TRUE(torch::equal(w_causal, w_mask)) << "L=" << L << " S=" << S;
     // Query i never sees key j > i.
@@ -168,7 +167,7 @@ TEST(ScaledDotProductAttention, FullyMaskedRowGivesZerosAndFiniteGradients) {
 
   for (const auto& mask : {allowed, as_float}) {
     const auto [out, w] =
-        scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(mask));
+        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(mask));
     EXPECT_EQ(out[0][1].abs().max().item<float>(), 0.0f);
     EXPECT_EQ(w[0][1].abs().max().item<float>(), 0.0f);
     EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
@@ -196,7 +195,7 @@ TEST(ScaledDotProductAttention, GradientsMatchFiniteDifferences) {
   const auto upstream_out = torch::randn({2, 3, 3}, opts);
   const auto upstream_w = torch::randn({2, 3, 5}, opts);
   const auto loss = [&] {
-    const auto [out, w] = scaled_dot_product_attention(q, k, v, options);
+    const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, options);
     return (out * upstream_out).sum() + (w * upstream_w).sum();
   };
   loss().backward();
@@ -211,7 +210,7 @@ TEST(ScaledDotProductAttention, ExplicitScaleReplacesOneOverSqrtE) {
   const auto k = torch::randn({2, 6, 8}, torch::kDouble);
   const auto v = torch::randn({2, 6, 8}, torch::kDouble);
   const auto [out, w] =
-      scaled_dot_product_attention(q, k, v, SDPAOptions().scale(0.9));
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().scale(0.9));
   const auto [ref_out, ref_w] = reference_attention(q, k, v, {}, 0.9);
   EXPECT_LE(max_abs_diff(out, ref_out), kDoubleTolerance);
   EXPECT_LE(max_abs_diff(w, ref_w), kDoubleTolerance);
@@ -220,9 +219,9 @@ TEST(ScaledDotProductAttention, ExplicitScaleReplacesOneOverSqrtE) {
 TEST(ScaledDotProductAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOutput) {
   torch::manual_seed(8);
   const auto q = torch::randn({2, 4, 8});
-  const auto [out, w] = scaled_dot_product_attention(q, q, q);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, q, q);
   const auto [out_only, no_w] =
-      scaled_dot_product_attention(q, q, q, SDPAOptions().need_weights(false));
+      attn::scaled_dot_product_attention(q, q, q, SDPAOptions().need_weights(false));
   EXPECT_TRUE(w.defined());
   EXPECT_FALSE(no_w.defined());
   // Without weights the fused kernel normalises after multiplying by V,
@@ -233,7 +232,7 @@ TEST(ScaledDotProductAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOu
 TEST(ScaledDotProductAttention, EmptyKeySequenceGivesZeroOutput) {
   const auto q = torch::randn({2, 3, 4});
   const auto kv = torch::randn({2, 0, 4});
-  const auto [out, w] = scaled_dot_product_attention(q, kv, kv);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, kv, kv);
   EXPECT_EQ(out.sizes(), torch::IntArrayRef({2, 3, 4}));
   EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 3, 0}));
   EXPECT_EQ(out.abs().max().item<float>(), 0.0f);
@@ -242,8 +241,8 @@ TEST(ScaledDotProductAttention, EmptyKeySequenceGivesZeroOutput) {
 TEST(ScaledDotProductAttention, DropoutIsInactiveWhenNotTraining) {
   torch::manual_seed(9);
   const auto q = torch::randn({2, 8, 16});
-  const auto [out, w] = scaled_dot_product_attention(q, q, q);
-  const auto [out_eval, w_eval] = scaled_dot_product_attention(
+  const auto [out, w] = attn::scaled_dot_product_attention(q, q, q);
+  const auto [out_eval, w_eval] = attn::scaled_dot_product_attention(
       q, q, q, SDPAOptions().dropout_p(0.5).training(false));
   EXPECT_TRUE(torch::equal(out, out_eval));
   EXPECT_TRUE(torch::equal(w, w_eval));
@@ -254,8 +253,8 @@ TEST(ScaledDotProductAttention, DropoutZeroesAboutPOfTheWeightsAndRescalesTheRes
   constexpr double p = 0.3;
   const auto q = torch::randn({4, 64, 8});
   const auto v = torch::randn({4, 64, 8});
-  const auto [out, w] = scaled_dot_product_attention(q, q, v);
-  const auto [out_drop, w_drop] = scaled_dot_product_attention(
+  const auto [out, w] = attn::scaled_dot_product_attention(q, q, v);
+  const auto [out_drop, w_drop] = attn::scaled_dot_product_attention(
       q, q, v, SDPAOptions().dropout_p(p).training(true));
 
   const auto dropped = w_drop == 0;
@@ -294,11 +293,11 @@ TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMa
         reference_attention(q, k, v, additive(allowed).expand({2, L, S}), scale);
     // With weights (weights kernel), without (flash kernel), and both
     // against an explicit mask.
-    const auto [out, w] = scaled_dot_product_attention(q, k, v, options);
+    const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, options);
     const auto [out_only, none] =
-        scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
+        attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
     const auto [out_mask, w_mask] =
-        scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(allowed));
+        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(allowed));
     EXPECT_LE(max_abs_diff(out, ref_out), kDoubleTolerance);
     EXPECT_LE(max_abs_diff(w, ref_w), kDoubleTolerance);
     EXPECT_LE(max_abs_diff(out_only, ref_out), kDoubleTolerance);
@@ -316,15 +315,15 @@ TEST(ScaledDotProductAttention, AWindowPastEveryDistanceIsNoWindow) {
   for (const int64_t offset : {int64_t{0}, int64_t{-50}, int64_t{1} << 60}) {
     for (const bool causal : {false, true}) {
       const auto plain = SDPAOptions().is_causal(causal).query_offset(offset);
-      const auto [expected, expected_w] = scaled_dot_product_attention(q, k, k, plain);
+      const auto [expected, expected_w] = attn::scaled_dot_product_attention(q, k, k, plain);
       // 200 exceeds every distance unless the queries stand 2^60 away.
       const auto windows = offset > 1000 ? std::vector<int64_t>{std::numeric_limits<int64_t>::max()}
                                          : std::vector<int64_t>{200, std::numeric_limits<int64_t>::max()};
       for (const int64_t window : windows) {
         SCOPED_TRACE(::testing::Message() << "offset=" << offset << " causal=" << causal
                                           << " window=" << window);
-        const auto [out, w] = scaled_dot_product_attention(q, k, k, SDPAOptions(plain).window(window));
-        const auto [out_only, none] = scaled_dot_product_attention(
+        const auto [out, w] = attn::scaled_dot_product_attention(q, k, k, SDPAOptions(plain).window(window));
+        const auto [out_only, none] = attn::scaled_dot_product_attention(
             q, k, k, SDPAOptions(plain).window(window).need_weights(false));
         EXPECT_LE(max_abs_diff(out, expected), kDoubleTolerance);
         EXPECT_LE(max_abs_diff(out_only, expected), kDoubleTolerance);
@@ -333,7 +332,7 @@ TEST(ScaledDotProductAttention, AWindowPastEveryDistanceIsNoWindow) {
     }
   }
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, k, SDPAOptions().query_offset((int64_t{1} << 60) + 1)),
+      attn::scaled_dot_product_attention(q, k, k, SDPAOptions().query_offset((int64_t{1} << 60) + 1)),
       "query_offset must be within ±2^60, got 1152921504606846977");
 }
 
@@ -345,7 +344,7 @@ TEST(ScaledDotProductAttention, SlidingWindowGradientsMatchTheBandMasksOnes) {
   auto v = torch::randn({2, 3, 530, 8}, opts).requires_grad_();
   const auto upstream = torch::randn({2, 3, 140, 8}, opts);
   const auto gradients = [&](const SDPAOptions& options) {
-    const auto [out, w] = scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
+    const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
     return torch::autograd::grad({out}, {q, k, v}, {upstream});
   };
   const auto windowed = gradients(SDPAOptions().is_causal(true).window(100).query_offset(390));
@@ -373,9 +372,9 @@ TEST(ScaledDotProductAttention, GroupedQueryEqualsRepeatedKeyValueHeads) {
       const auto repeated_k = k.repeat_interleave(3, 1);
       const auto repeated_v = v.repeat_interleave(3, 1);
       const auto [grouped, w] =
-          scaled_dot_product_attention(q, k, v, SDPAOptions(options).enable_gqa(true));
+          attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).enable_gqa(true));
       const auto [expanded, w_expanded] =
-          scaled_dot_product_attention(q, repeated_k, repeated_v, options);
+          attn::scaled_dot_product_attention(q, repeated_k, repeated_v, options);
       EXPECT_LE(max_abs_diff(grouped, expanded), tol);
       if (need_weights) {
         EXPECT_LE(max_abs_diff(w, w_expanded), tol);
@@ -397,11 +396,11 @@ TEST(ScaledDotProductAttention, MultiQueryAttentionSharesOneKeyValueHeadWithoutC
   const auto k = torch::randn({1, 7, 8});
   const auto v = torch::randn({1, 7, 3});
   const auto [out, w] =
-      scaled_dot_product_attention(q, k, v, SDPAOptions().enable_gqa(true));
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().enable_gqa(true));
   EXPECT_EQ(out.sizes(), torch::IntArrayRef({4, 5, 3}));
   EXPECT_EQ(w.sizes(), torch::IntArrayRef({4, 5, 7}));
   for (int64_t h = 0; h < 4; ++h) {
-    const auto [head_out, head_w] = scaled_dot_product_attention(q[h], k[0], v[0]);
+    const auto [head_out, head_w] = attn::scaled_dot_product_attention(q[h], k[0], v[0]);
     EXPECT_LE(max_abs_diff(out[h], head_out), kFloatTolerance) << "head " << h;
   }
 }
@@ -411,7 +410,7 @@ TEST(ScaledDotProductAttentionModule, AppliesDropoutOnlyInTrainingMode) {
   attn::ScaledDotProductAttention sdpa(
       attn::ScaledDotProductAttentionOptions().dropout(0.5));
   const auto q = torch::randn({2, 16, 8});
-  const auto [reference, w_reference] = scaled_dot_product_attention(q, q, q);
+  const auto [reference, w_reference] = attn::scaled_dot_product_attention(q, q, q);
 
   sdpa->eval();
   const auto [out_eval, w_eval] = sdpa(q, q, q);
@@ -430,7 +429,7 @@ TEST(ScaledDotProductAttentionModule, ForwardsMaskCausalAndScale) {
   const auto q = torch::randn({2, 5, 8});
   const auto allowed = torch::rand({5, 5}) > 0.2;
   const auto [out, w] = sdpa(q, q, q, allowed, /*is_causal=*/true);
-  const auto [expected_out, expected_w] = scaled_dot_product_attention(
+  const auto [expected_out, expected_w] = attn::scaled_dot_product_attention(
       q, q, q, SDPAOptions().attn_mask(allowed).is_causal(true).scale(0.5));
   EXPECT_TRUE(torch::equal(out, expected_out));
   EXPECT_TRUE(torch::equal(w, expected_w));
@@ -448,70 +447,70 @@ TEST(ScaledDotProductAttentionErrors, NameWhatWasExpectedAndWhatArrived) {
   const auto k = torch::randn({2, 6, 8});
   const auto v = torch::randn({2, 6, 5});
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(torch::randn({8}), k, v),
+      attn::scaled_dot_product_attention(torch::randn({8}), k, v),
       "query must be (..., L, E) with at least 2 dims, got [8]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, torch::randn({6, 8}), v),
+      attn::scaled_dot_product_attention(q, torch::randn({6, 8}), v),
       "query, key and value must have the same number of dims, got query [2, 4, 8], key [6, 8], value [2, 6, 5]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, torch::randn({3, 6, 8}), torch::randn({3, 6, 5})),
+      attn::scaled_dot_product_attention(q, torch::randn({3, 6, 8}), torch::randn({3, 6, 5})),
       "query, key and value must have the same leading dims");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, torch::randn({2, 6, 7}), v),
+      attn::scaled_dot_product_attention(q, torch::randn({2, 6, 7}), v),
       "key must be (..., S, E) with E == 8 (the query's feature size), got [2, 6, 7]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, torch::randn({2, 5, 5})),
+      attn::scaled_dot_product_attention(q, k, torch::randn({2, 5, 5})),
       "value must be (..., S, Ev) with S == 6 (the key's length), got [2, 5, 5]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(torch::zeros({2, 4, 0}), torch::zeros({2, 6, 0}), v),
+      attn::scaled_dot_product_attention(torch::zeros({2, 4, 0}), torch::zeros({2, 6, 0}), v),
       "query must have a feature size E > 0, got [2, 4, 0]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q.to(torch::kLong), k.to(torch::kLong), v.to(torch::kLong)),
+      attn::scaled_dot_product_attention(q.to(torch::kLong), k.to(torch::kLong), v.to(torch::kLong)),
       "query must have a floating-point dtype, got Long");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k.to(torch::kDouble), v),
+      attn::scaled_dot_product_attention(q, k.to(torch::kDouble), v),
       "key and value must have the query's dtype Float, got key Double and value Float");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({4, 5}))),
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({4, 5}))),
       "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [4, 5]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({3, 2, 4, 6}))),
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({3, 2, 4, 6}))),
       "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [3, 2, 4, 6]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({4, 6}, torch::kInt))),
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({4, 6}, torch::kInt))),
       "attn_mask must be bool or have the query's dtype Float, got Int");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({4, 6}, torch::kDouble))),
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(torch::zeros({4, 6}, torch::kDouble))),
       "attn_mask must be bool or have the query's dtype Float, got Double");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, v, SDPAOptions().dropout_p(1.5)),
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().dropout_p(1.5)),
       "dropout_p must be in [0, 1], got 1.5");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, torch::Tensor(), v),
+      attn::scaled_dot_product_attention(q, torch::Tensor(), v),
       "query, key and value must be defined tensors");
   EXPECT_ATTN_ERROR(
       attn::ScaledDotProductAttention(attn::ScaledDotProductAttentionOptions().dropout(-0.1)),
       "ScaledDotProductAttention: dropout must be in [0, 1), got -0.1");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, v, SDPAOptions().window(0)),
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().window(0)),
       "window must be a positive number of keys, got 0");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(q, k, v, SDPAOptions().is_causal(true).window(-4)),
+      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().is_causal(true).window(-4)),
       "window must be a positive number of keys, got -4");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(torch::randn({4, 8}), torch::randn({6, 8}), torch::randn({6, 5}),
+      attn::scaled_dot_product_attention(torch::randn({4, 8}), torch::randn({6, 8}), torch::randn({6, 5}),
                                    SDPAOptions().enable_gqa(true)),
       "enable_gqa needs a heads dim: query must be (..., Hq, L, E), got [4, 8]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 4, 6, 8}),
+      attn::scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 4, 6, 8}),
                                    torch::randn({2, 4, 6, 5}), SDPAOptions().enable_gqa(true)),
       "the key/value heads Hkv must divide the query heads Hq, got Hq=6 and Hkv=4");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}),
+      attn::scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}),
                                    torch::randn({2, 3, 6, 5}), SDPAOptions().enable_gqa(true)),
       "and key and value their heads, got query [2, 6, 4, 8], key [2, 2, 6, 8], value [2, 3, 6, 5]");
   EXPECT_ATTN_ERROR(
-      scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}),
+      attn::scaled_dot_product_attention(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}),
                                    torch::randn({2, 2, 6, 5})),
       "(enable_gqa allows fewer key/value heads)");
 }

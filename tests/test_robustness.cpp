@@ -29,7 +29,6 @@
 namespace {
 
 using attn::SDPAOptions;
-using attn::scaled_dot_product_attention;
 using attn::testing::max_abs_diff;
 using attn::testing::ThreadCount;
 
@@ -63,7 +62,7 @@ TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath
       const auto q = torch::randint(-100, 101, {2, 130, 2}, dtype).requires_grad_(route.requires_grad);
       const auto k = torch::randint(-100, 101, {2, 600, 2}, dtype).requires_grad_(route.requires_grad);
       const auto v = torch::randn({2, 600, 3}, dtype).requires_grad_(route.requires_grad);
-      const auto [out, weights] = scaled_dot_product_attention(
+      const auto [out, weights] = attn::scaled_dot_product_attention(
           q, k, v, SDPAOptions().scale(1.0).is_causal(true).need_weights(route.need_weights));
       const auto causal = torch::zeros({130, 600}, torch::kDouble)
                               .masked_fill(torch::ones({130, 600}, torch::kBool).triu(1), -kInf);
@@ -117,12 +116,12 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
       const auto mask = torch::randn({70, 40}).masked_fill(torch::rand({70, 40}) > 0.7, -kInf);
       const auto options = SDPAOptions().need_weights(route.need_weights).is_causal(true);
       const auto [out, weights] =
-          scaled_dot_product_attention(q, k, v, SDPAOptions(options).attn_mask(mask.to(dtype)));
+          attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).attn_mask(mask.to(dtype)));
       const auto as_float = [](const torch::Tensor& t) {
         return t.detach().to(torch::kFloat).requires_grad_(t.requires_grad());
       };
       const auto q32 = as_float(q), k32 = as_float(k), v32 = as_float(v);
-      const auto [out32, weights32] = scaled_dot_product_attention(
+      const auto [out32, weights32] = attn::scaled_dot_product_attention(
           q32, k32, v32, SDPAOptions(options).attn_mask(mask.to(dtype).to(torch::kFloat)));
       ASSERT_EQ(out.scalar_type(), dtype);
       const auto within_half_ulp = [&](const torch::Tensor& low, const torch::Tensor& ref) {
@@ -194,7 +193,7 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
         allowed.select(1, 133).fill_(false); // in the second query tile
         const auto mask = bool_mask ? allowed
                                     : torch::zeros({2, 140, 520}, dtype).masked_fill(allowed.logical_not(), -kInf);
-        const auto [out, weights] = scaled_dot_product_attention(
+        const auto [out, weights] = attn::scaled_dot_product_attention(
             q, k, v, SDPAOptions().attn_mask(mask).need_weights(route.need_weights));
         for (const int64_t row : {3, 133}) {
           EXPECT_EQ(out.select(1, row).abs().max().item<double>(), 0.0) << "row " << row;
@@ -227,7 +226,7 @@ TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPa
       const auto k = torch::randn({sizes.B, sizes.S, 8}).requires_grad_(route.requires_grad);
       const auto v = torch::randn({sizes.B, sizes.S, 3}).requires_grad_(route.requires_grad);
       const auto mask = torch::ones({sizes.L, sizes.S}, torch::kBool);
-      const auto [out, weights] = scaled_dot_product_attention(
+      const auto [out, weights] = attn::scaled_dot_product_attention(
           q, k, v, SDPAOptions().attn_mask(mask).is_causal(true).need_weights(route.need_weights));
       ASSERT_EQ(out.sizes(), torch::IntArrayRef({sizes.B, sizes.L, 3}));
       if (out.numel() > 0) {
@@ -264,7 +263,7 @@ TEST(NonContiguousInputs, TransposedAndBroadcastMasksGiveTheContiguousResult) {
   const auto bias = torch::randn({3, 40, 130});
   for (const bool need_weights : {true, false}) {
     const auto run = [&](const torch::Tensor& mask) {
-      return std::get<0>(scaled_dot_product_attention(
+      return std::get<0>(attn::scaled_dot_product_attention(
           q, k, v, SDPAOptions().attn_mask(mask).need_weights(need_weights)));
     };
     EXPECT_TRUE(torch::equal(run(allowed.t()), run(allowed.t().contiguous())));
