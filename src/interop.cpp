@@ -72,12 +72,10 @@ std::vector<Entry> builtin_entries(const MultiHeadAttentionImpl& ours, const cha
   return entries;
 }
 
-// Copies `source` (built-in names) into `target`'s parameters, cast to
-// their dtype and device. Every entry the target needs must be there with
-// its shape, and no other entry may be.
-void load_entries(MultiHeadAttentionImpl& target, const NamedTensors& source,
-                  const char* caller, const std::string& where) {
-  const auto entries = builtin_entries(target, caller);
+// Every entry `entries` names must be in `source` (built-in names) with its
+// shape, and no other entry may be.
+void check_entries(const std::vector<Entry>& entries, const NamedTensors& source,
+                   const char* caller, const std::string& where) {
   std::vector<std::string> expected;
   for (const auto& entry : entries) {
     expected.push_back(entry.name);
@@ -103,7 +101,6 @@ void load_entries(MultiHeadAttentionImpl& target, const NamedTensors& source,
         c10::Join(", ", expected), " (bias_k and bias_v come with add_bias_kv, ",
         "in_proj_weight with kdim == vdim == embed_dim)");
   }
-  torch::NoGradGuard no_grad;
   for (const auto& entry : entries) {
     const auto found = source.find(entry.name);
     TORCH_CHECK(
@@ -115,6 +112,19 @@ void load_entries(MultiHeadAttentionImpl& target, const NamedTensors& source,
         tensor.sizes() == torch::IntArrayRef(entry.shape()), caller, ": entry '",
         entry.name, "'", where, " must be ", torch::IntArrayRef(entry.shape()), ", got ",
         tensor.sizes());
+  }
+}
+
+// Copies `source` (built-in names) into `target`'s parameters, cast to
+// their dtype and device. All entries are checked before the first copy,
+// so that a failed load leaves the target as it was.
+void load_entries(MultiHeadAttentionImpl& target, const NamedTensors& source,
+                  const char* caller, const std::string& where) {
+  const auto entries = builtin_entries(target, caller);
+  check_entries(entries, source, caller, where);
+  torch::NoGradGuard no_grad;
+  for (const auto& entry : entries) {
+    const auto& tensor = source.at(entry.name);
     int64_t row = 0;
     for (const auto& part : entry.parts) {
       auto destination = part; // shares the parameter's storage

@@ -16,7 +16,9 @@ namespace {
 struct Object;
 using ObjectPtr = std::shared_ptr<Object>;
 struct Object {
-  enum class Kind { none, boolean, integer, floating, string, tuple, list, dict, global, tensor };
+  enum class Kind {
+    none, boolean, integer, floating, string, tuple, list, dict, global, tensor, storage
+  };
   Kind kind = Kind::none;
   int64_t integer = 0;  // also booleans
   double floating = 0.0;
@@ -26,8 +28,9 @@ struct Object {
   torch::Tensor tensor; // a tensor, or a storage as a 1-D tensor
 
   const char* kind_name() const {
-    constexpr const char* names[] = {"None",  "a bool", "an int",   "a float", "a string",
-                                     "a tuple", "a list", "a dict", "a global", "a tensor"};
+    constexpr const char* names[] = {"None",    "a bool",   "an int",   "a float",
+                                     "a string", "a tuple",  "a list",   "a dict",
+                                     "a global", "a tensor", "a storage"};
     return names[static_cast<int>(kind)];
   }
 
@@ -38,15 +41,46 @@ struct Object {
   }
 };
 
-// The storage dtypes torch.save names by class.
-const std::unordered_map<std::string, torch::ScalarType>& storage_dtypes() {
-  static const std::unordered_map<std::string, torch::ScalarType> dtypes = {
+// The storage classes of a tensor's persistent id, by the dtype of their
+// elements. torch.storage.UntypedStorage holds bytes: PyTorch 2.x writes it
+// for dtypes that have no storage class (float8, uint16), and the tensor
+// rebuilt from it by _rebuild_tensor_v3 names its dtype.
+const std::map<std::string, torch::ScalarType>& storage_dtypes() {
+  static const std::map<std::string, torch::ScalarType> dtypes = {
       {"torch.FloatStorage", torch::kFloat},     {"torch.DoubleStorage", torch::kDouble},
       {"torch.HalfStorage", torch::kHalf},       {"torch.BFloat16Storage", torch::kBFloat16},
       {"torch.LongStorage", torch::kLong},       {"torch.IntStorage", torch::kInt},
       {"torch.ShortStorage", torch::kShort},     {"torch.CharStorage", torch::kChar},
-      {"torch.ByteStorage", torch::kByte},       {"torch.BoolStorage", torch::kBool}};
+      {"torch.ByteStorage", torch::kByte},       {"torch.BoolStorage", torch::kBool},
+      {"torch.ComplexFloatStorage", torch::kComplexFloat},
+      {"torch.ComplexDoubleStorage", torch::kComplexDouble},
+      {"torch.storage.UntypedStorage", torch::kByte}};
   return dtypes;
+}
+
+// The dtypes _rebuild_tensor_v3 names, as Python pickles them: LibTorch
+// 1.13's, so that a file loads alike on every LibTorch attn builds with.
+const std::map<std::string, torch::ScalarType>& tensor_dtypes() {
+  static const std::map<std::string, torch::ScalarType> dtypes = {
+      {"torch.float32", torch::kFloat},        {"torch.float64", torch::kDouble},
+      {"torch.float16", torch::kHalf},         {"torch.bfloat16", torch::kBFloat16},
+      {"torch.int64", torch::kLong},           {"torch.int32", torch::kInt},
+      {"torch.int16", torch::kShort},          {"torch.int8", torch::kChar},
+      {"torch.uint8", torch::kByte},           {"torch.bool", torch::kBool},
+      {"torch.complex64", torch::kComplexFloat}, {"torch.complex128", torch::kComplexDouble}};
+  return dtypes;
+}
+
+// "a, b or c", for the errors that list what a table holds.
+template <typename Table>
+std::string names_of(const Table& table) {
+  std::vector<std::string> names;
+  for (const auto& entry : table) {
+    names.push_back(entry.first);
+  }
+  const auto last = names.back();
+  names.pop_back();
+  return c10::Join(", ", names) + " or " + last;
 }
 
 class Unpickler {
@@ -73,6 +107,13 @@ class Unpickler {
   template <typename... Args>
   void check(bool condition, const Args&... what) {
     TORCH_CHECK(condition, where_, " is not a pickle this reader understands: ", what...);
+  }
+
+  // Content that no state_dict this reader was written for holds: most
+  // likely the work of a newer PyTorch, so the error names it exactly.
+  void check_known(bool condition, const std::string& what, const std::string& expected) {
+    TORCH_CHECK(condition, where_, " uses ", what, ", which this reader does not know; expected ",
+                expected);
   }
 
   std::string read_bytes(uint64_t n) {
@@ -149,7 +190,11 @@ class Unpickler {
   void step(unsigned char opcode) {
     using Kind = Object::Kind;
     switch (opcode) {
-      case 0x80: read_bytes(1); break;                    // PROTO
+      case 0x80: {                                        // PROTO
+        const auto protocol = read_unsigned(1);
+        check_known(protocol <= 5, c10::str("pickle protocol ", protocol), "protocol 2 to 5");
+        break;
+      }
       case 0x95: read_bytes(8); break;                    // FRAME
       case '(': marks_.push_back(stack_.size()); break;   // MARK
       case '0': pop(); break;                             // POP
@@ -252,60 +297,106 @@ class Unpickler {
       }
       case 'b': pop(); break; // BUILD: an OrderedDict's _metadata, not needed
       default:
-        check(false, "opcode 0x", c10::str(std::hex, static_cast<int>(opcode)), " at byte ",
-              position_ - 1, " (expected a state_dict of tensors saved with torch.save)");
+        check_known(false,
+                    c10::str("pickle opcode 0x", std::hex, static_cast<int>(opcode), std::dec,
+                             " at byte ", position_ - 1, " of data.pkl"),
+                    "the opcodes torch.save writes for a state_dict of tensors");
     }
   }
 
-  // The objects torch.save builds by calling a global.
+  // The objects torch.save builds by calling a global, by the global's name.
+  using Call = ObjectPtr (Unpickler::*)(const std::string& name,
+                                        const std::vector<ObjectPtr>& arguments);
+  static const std::map<std::string, Call>& calls() {
+    static const std::map<std::string, Call> table = {
+        {"collections.OrderedDict", &Unpickler::make_dict},
+        {"torch._utils._rebuild_tensor", &Unpickler::rebuild_tensor},
+        {"torch._utils._rebuild_tensor_v2", &Unpickler::rebuild_tensor},
+        {"torch._utils._rebuild_tensor_v3", &Unpickler::rebuild_tensor_of_dtype},
+        {"torch._utils._rebuild_parameter", &Unpickler::rebuild_parameter}};
+    return table;
+  }
+
   ObjectPtr call(const std::string& name, const std::vector<ObjectPtr>& arguments) {
+    const auto found = calls().find(name);
+    check_known(found != calls().end(), name, "a call of " + names_of(calls()));
+    return (this->*found->second)(name, arguments);
+  }
+
+  ObjectPtr make_dict(const std::string&, const std::vector<ObjectPtr>&) {
+    return Object::make(Object::Kind::dict);
+  }
+
+  // (storage, storage_offset, size, stride, ...), in the storage's dtype.
+  ObjectPtr rebuild_tensor(const std::string& name, const std::vector<ObjectPtr>& arguments) {
+    check(arguments.size() >= 4 && arguments[0]->kind == Object::Kind::storage, name,
+          " with unexpected arguments");
+    return view_storage(arguments[0]->tensor, name, arguments);
+  }
+
+  // (storage, storage_offset, size, stride, requires_grad, hooks, dtype, ...):
+  // the storage's bytes as elements of `dtype`, as Python's torch.load reads
+  // them whatever the storage's class.
+  ObjectPtr rebuild_tensor_of_dtype(const std::string& name,
+                                    const std::vector<ObjectPtr>& arguments) {
+    check(arguments.size() >= 7 && arguments[0]->kind == Object::Kind::storage &&
+              arguments[6]->kind == Object::Kind::global,
+          name, " with unexpected arguments");
+    const auto& dtype_name = arguments[6]->text;
+    const auto dtype = tensor_dtypes().find(dtype_name);
+    check_known(dtype != tensor_dtypes().end(), "dtype " + dtype_name, names_of(tensor_dtypes()));
+    const auto& storage = arguments[0]->tensor;
+    const auto bytes = storage.numel() * static_cast<int64_t>(storage.element_size());
+    const auto element_size = static_cast<int64_t>(c10::elementSize(dtype->second));
+    check(bytes % element_size == 0, "a storage of ", bytes, " bytes read as ", dtype_name,
+          " elements of ", element_size, " bytes");
+    return view_storage(storage.view(dtype->second), name, arguments);
+  }
+
+  ObjectPtr rebuild_parameter(const std::string& name, const std::vector<ObjectPtr>& arguments) {
+    // (tensor, requires_grad, hooks)
+    check(!arguments.empty() && arguments[0]->kind == Object::Kind::tensor, name,
+          " without a tensor");
+    return arguments[0];
+  }
+
+  // The tensor that `arguments`' offset, sizes and strides make of `storage`,
+  // after checking that it stays inside it.
+  ObjectPtr view_storage(const torch::Tensor& storage, const std::string& name,
+                         const std::vector<ObjectPtr>& arguments) {
     using Kind = Object::Kind;
-    if (name == "collections.OrderedDict") {
-      return Object::make(Kind::dict);
-    }
-    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor") {
-      // (storage, storage_offset, size, stride, ...)
-      check(arguments.size() >= 4 && arguments[0]->kind == Kind::tensor &&
-                arguments[1]->kind == Kind::integer && arguments[2]->kind == Kind::tuple &&
-                arguments[3]->kind == Kind::tuple,
-            name, " with unexpected arguments");
-      const auto ints = [&](const ObjectPtr& tuple) {
-        std::vector<int64_t> values;
-        for (const auto& item : tuple->items) {
-          check(item->kind == Kind::integer, "a tensor size or stride that is not an integer");
-          values.push_back(item->integer);
-        }
-        return values;
-      };
-      const auto& storage = arguments[0]->tensor;
-      const auto size = ints(arguments[2]), stride = ints(arguments[3]);
-      const auto offset = arguments[1]->integer;
-      check(size.size() == stride.size(), "a tensor with ", size.size(), " sizes and ",
-            stride.size(), " strides");
-      // The last element's index: sizes and strides are at most the
-      // storage's length, so for any storage that fits in memory the
-      // products stay far from int64's limit.
-      bool empty = false;
-      int64_t last = offset;
-      for (size_t d = 0; d < size.size(); ++d) {
-        check(size[d] >= 0 && stride[d] >= 0 && size[d] <= storage.numel() &&
-                  stride[d] <= storage.numel(),
-              "a tensor whose sizes or strides do not fit its storage");
-        empty = empty || size[d] == 0;
-        last += size[d] > 0 ? (size[d] - 1) * stride[d] : 0;
+    check(arguments[1]->kind == Kind::integer && arguments[2]->kind == Kind::tuple &&
+              arguments[3]->kind == Kind::tuple,
+          name, " with unexpected arguments");
+    const auto ints = [&](const ObjectPtr& tuple) {
+      std::vector<int64_t> values;
+      for (const auto& item : tuple->items) {
+        check(item->kind == Kind::integer, "a tensor size or stride that is not an integer");
+        values.push_back(item->integer);
       }
-      check(offset >= 0 && offset <= storage.numel() && (empty || last < storage.numel()),
-            "a tensor that reaches past its storage");
-      auto tensor = Object::make(Kind::tensor);
-      tensor->tensor = storage.as_strided(size, stride, offset);
-      return tensor;
+      return values;
+    };
+    const auto size = ints(arguments[2]), stride = ints(arguments[3]);
+    const auto offset = arguments[1]->integer;
+    check(size.size() == stride.size(), "a tensor with ", size.size(), " sizes and ",
+          stride.size(), " strides");
+    // The last element's index: sizes and strides are at most the
+    // storage's length, so for any storage that fits in memory the
+    // products stay far from int64's limit.
+    bool empty = false;
+    int64_t last = offset;
+    for (size_t d = 0; d < size.size(); ++d) {
+      check(size[d] >= 0 && stride[d] >= 0 && size[d] <= storage.numel() &&
+                stride[d] <= storage.numel(),
+            "a tensor whose sizes or strides do not fit its storage");
+      empty = empty || size[d] == 0;
+      last += size[d] > 0 ? (size[d] - 1) * stride[d] : 0;
     }
-    if (name == "torch._utils._rebuild_parameter") { // (tensor, requires_grad, hooks)
-      check(!arguments.empty() && arguments[0]->kind == Kind::tensor, name, " without a tensor");
-      return arguments[0];
-    }
-    check(false, "it calls ", name, " (expected a state_dict of tensors saved with torch.save)");
-    return nullptr;
+    check(offset >= 0 && offset <= storage.numel() && (empty || last < storage.numel()),
+          "a tensor that reaches past its storage");
+    auto tensor = Object::make(Kind::tensor);
+    tensor->tensor = storage.as_strided(size, stride, offset);
+    return tensor;
   }
 
   // A persistent id ('storage', type, key, location, numel) as a 1-D tensor
@@ -313,23 +404,24 @@ class Unpickler {
   ObjectPtr load_storage(const ObjectPtr& id) {
     using Kind = Object::Kind;
     const auto& items = id->items;
-    check(id->kind == Kind::tuple && items.size() >= 5 && items[0]->text == "storage" &&
-              items[1]->kind == Kind::global && items[2]->kind == Kind::string &&
-              items[4]->kind == Kind::integer,
+    check(id->kind == Kind::tuple && items.size() >= 5 && items[0]->kind == Kind::string &&
+              items[0]->text == "storage" && items[1]->kind == Kind::global &&
+              items[2]->kind == Kind::string && items[4]->kind == Kind::integer,
           "a persistent id that is not a storage");
     const auto& key = items[2]->text;
     if (const auto found = storages_.find(key); found != storages_.end()) {
       return found->second;
     }
     const auto dtype = storage_dtypes().find(items[1]->text);
-    check(dtype != storage_dtypes().end(), "a storage of type ", items[1]->text);
+    check_known(dtype != storage_dtypes().end(), "storage type " + items[1]->text,
+                names_of(storage_dtypes()));
     const auto numel = items[4]->integer;
     const auto element_size = static_cast<int64_t>(c10::elementSize(dtype->second));
     const auto [data, size] = archive_.getRecord("data/" + key);
     check(numel >= 0 && numel <= static_cast<int64_t>(size) / element_size &&
               static_cast<size_t>(numel * element_size) == size,
           "storage ", key, " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
-    auto storage = Object::make(Kind::tensor);
+    auto storage = Object::make(Kind::storage);
     storage->tensor = torch::empty({numel}, torch::TensorOptions(dtype->second));
     std::memcpy(storage->tensor.data_ptr(), data.get(), size);
     storages_[key] = storage;
@@ -346,6 +438,20 @@ class Unpickler {
   std::unordered_map<std::string, ObjectPtr> storages_;
 };
 
+// Storages are copied byte for byte, so they must be in the byte order of
+// the machines attn runs on (x86-64, AArch64): little-endian. PyTorch 2.x
+// records the order of the machine that saved the file; older files have no
+// record and are little-endian.
+void check_byte_order(caffe2::serialize::PyTorchStreamReader& archive, const std::string& where) {
+  if (!archive.hasRecord("byteorder")) {
+    return;
+  }
+  const auto [data, size] = archive.getRecord("byteorder");
+  const std::string order(static_cast<const char*>(data.get()), size);
+  TORCH_CHECK(order == "little", where, " holds storages in byte order '", order,
+              "' (its byteorder record); this reader expected 'little'");
+}
+
 } // namespace
 
 std::map<std::string, torch::Tensor> read_saved_tensor_dict(
@@ -360,6 +466,7 @@ std::map<std::string, torch::Tensor> read_saved_tensor_dict(
     TORCH_CHECK(false, where, " is not a file written by Python's torch.save (zip format, ",
                 "PyTorch >= 1.6): ", error.what_without_backtrace());
   }
+  check_byte_order(*archive, where);
   ObjectPtr root;
   try {
     root = Unpickler(*archive, where).run();

@@ -6,6 +6,14 @@
 // torch::pickle_load turns the OrderedDict of a state_dict into None, so
 // this reader interprets the pickle itself: the protocol-2 opcodes that
 // torch.save emits for dicts, tuples, lists, numbers, strings and tensors.
+//
+// PyTorch 1.6 to 2.x write the same pickle for a state_dict; 2.x adds
+// records that this reader needs not (.format_version, .storage_alignment,
+// .data/serialization_id: it finds records by name), one it checks
+// (byteorder), and writes tensors of dtypes without a storage class (float8,
+// uint16) with _rebuild_tensor_v3 over an UntypedStorage. Anything else
+// (an opcode, a called global, a storage class or a dtype it does not
+// know) is an error that names it: nothing is guessed.
 
 #include <torch/types.h>
 
@@ -16,7 +24,7 @@ namespace attn::detail {
 
 // The tensors of the dict saved in `path` (a state_dict), by name, on the
 // CPU. Non-tensor values are skipped. Errors are c10::Errors that start
-// with `caller` and name the file.
+// with `caller` and name the file; they come before anything is returned.
 std::map<std::string, torch::Tensor> read_saved_tensor_dict(
     const std::string& path, const char* caller);
 

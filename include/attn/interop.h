@@ -44,7 +44,7 @@ void copy_weights(
     torch::nn::MultiheadAttentionImpl& target);
 
 /// Loads into `target` the `state_dict` of a Python
-/// `torch.nn.MultiheadAttention` saved with `torch.save` (PyTorch >= 1.6),
+/// `torch.nn.MultiheadAttention` saved with `torch.save` (PyTorch 1.6 to 2.x),
 /// with packed `in_proj_weight` or separate `q/k/v_proj_weight`.
 ///
 /// `prefix` selects the attention inside a whole model's state_dict, e.g.
@@ -52,8 +52,10 @@ void copy_weights(
 /// it are ignored. Under
 /// it, every entry the target needs must be present with its shape and no
 /// other may be, or a `c10::Error` names the entry, the file and what was
-/// expected. `target` must be built with the Python module's options (and
-/// `batch_first` as the caller's tensors are laid out).
+/// expected. So does anything in the file that the reader does not know,
+/// such as a dtype or pickle opcode of a newer PyTorch. After an error
+/// `target` is unchanged. `target` must be built with the Python module's
+/// options (and `batch_first` as the caller's tensors are laid out).
 ///
 /// Example, after `torch.save(mha.state_dict(), "mha.pt")` in Python:
 /// ```
