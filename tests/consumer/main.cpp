@@ -1,6 +1,7 @@
 // A program that uses attn the way a project that depends on it would: one
-// include, one target to link. Built twice by ctest, against the installed
-// package (find_package) and against the source tree (add_subdirectory).
+// include, one target to link. Built three ways by ctest: against the
+// installed package (find_package), the source tree (add_subdirectory) and
+// a clone of the repository (FetchContent).
 //
 //   consumer <expected attn version>
 //
