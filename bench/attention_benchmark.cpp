@@ -29,8 +29,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -43,6 +45,9 @@ constexpr int64_t kHeadDim = kEmbed / kHeads;
 // Tensor memory accounting: wraps the CPU allocator to track live and peak
 // bytes.
 
+// The returned DataPtr's context is its data pointer, as LibTorch 2.x's
+// raw_allocate (used inside some of its kernels) requires; each block's
+// size and the inner allocator's DataPtr are kept in a table until freed.
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
@@ -54,11 +59,15 @@ class CountingAllocator final : public c10::Allocator {
     int64_t seen = peak_.load();
     while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
     }
-    auto* context = new Allocation{std::move(inner), bytes, this};
-    return {data, context, &release, c10::Device(c10::kCPU)};
+    if (data == nullptr) { // zero bytes: nothing to free
+      return {nullptr, nullptr, &release, c10::Device(c10::kCPU)};
+    }
+    const std::lock_guard<std::mutex> lock(mutex_);
+    blocks_.emplace(data, Block{std::move(inner), bytes});
+    return {data, data, &release, c10::Device(c10::kCPU)};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   // Required by LibTorch >= 2.3 (where it is pure virtual); plain method before.
   void copy_data(void* dest, const void* src, std::size_t count) const {
@@ -73,18 +82,16 @@ class CountingAllocator final : public c10::Allocator {
   int64_t peak() const { return peak_; }
 
  private:
-  struct Allocation {
+  struct Block {
     c10::DataPtr inner;
     size_t bytes;
-    const CountingAllocator* owner;
   };
-  static void release(void* context) {
-    auto* allocation = static_cast<Allocation*>(context);
-    allocation->owner->live_ -= static_cast<int64_t>(allocation->bytes);
-    delete allocation;
-  }
+
+  static void release(void* data);
 
   c10::Allocator* inner_;
+  mutable std::mutex mutex_;
+  mutable std::unordered_map<void*, Block> blocks_;
   mutable std::atomic<int64_t> live_{0};
   mutable std::atomic<int64_t> peak_{0};
 };
@@ -92,6 +99,21 @@ class CountingAllocator final : public c10::Allocator {
 CountingAllocator& counting_allocator() {
   static CountingAllocator allocator(c10::GetDefaultCPUAllocator());
   return allocator;
+}
+
+void CountingAllocator::release(void* data) {
+  if (data == nullptr) {
+    return;
+  }
+  auto& self = counting_allocator();
+  c10::DataPtr inner; // freed outside the lock
+  {
+    const std::lock_guard<std::mutex> lock(self.mutex_);
+    const auto block = self.blocks_.find(data);
+    self.live_ -= static_cast<int64_t>(block->second.bytes);
+    inner = std::move(block->second.inner);
+    self.blocks_.erase(block);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -126,7 +148,7 @@ double sgemm_gflops() {
 // ---------------------------------------------------------------------------
 // The implementations.
 
-enum class Impl { ours, ours_weights, builtin, builtin_weights, naive, aten_sdpa, ours_window };
+enum class Impl { ours, ours_weights, builtin, builtin_weights, naive, aten_sdpa, ours_window, attn_default };
 
 const char* impl_name(Impl impl) {
   switch (impl) {
@@ -137,6 +159,7 @@ const char* impl_name(Impl impl) {
     case Impl::naive: return "naive";
     case Impl::aten_sdpa: return "aten_sdpa";
     case Impl::ours_window: return "ours_window";
+    case Impl::attn_default: return "attn_default";
   }
   return "";
 }
@@ -237,34 +260,45 @@ void measure(benchmark::State& state, double flops, const Target& target, Step&&
 // ---------------------------------------------------------------------------
 // Benchmarks.
 
-void attention_core(benchmark::State& state, Impl impl, const Target& target) {
-  torch::NoGradGuard no_grad;
+// The attention core on (B, H, T, D) inputs; `backward` adds a backward
+// pass to every input. `ours` is attn's fused kernel (asked for by name),
+// `attn_default` whatever attn::select_backend picks.
+void attention_core(benchmark::State& state, Impl impl, bool backward, const Target& target) {
   const auto c = read_case(state);
-  const auto q = torch::randn({c.B, kHeads, c.T, kHeadDim}, target.options());
-  const auto k = torch::randn({c.B, kHeads, c.T, kHeadDim}, target.options());
-  const auto v = torch::randn({c.B, kHeads, c.T, kHeadDim}, target.options());
+  const auto input = [&] {
+    return torch::randn({c.B, kHeads, c.T, kHeadDim}, target.options()).requires_grad_(backward);
+  };
+  const auto q = input(), k = input(), v = input();
   const auto lower = c.causal
       ? torch::ones({c.T, c.T}, torch::TensorOptions(torch::kBool).device(target.device)).tril()
       : torch::Tensor();
-  if (impl == Impl::aten_sdpa &&
-      !attn::detail::native_attention(q, k, v, 0.0, c.causal, c10::nullopt)) {
+  if (impl == Impl::aten_sdpa && !attn::detail::kHasNativeAttention) {
     state.SkipWithError("at::scaled_dot_product_attention needs LibTorch >= 2.0");
     return;
   }
-  const bool windowed = impl == Impl::ours_window;
-  measure(state, windowed ? windowed_attention_flops(c) : attention_flops(c), target, [&] {
+  auto options = attn::SDPAOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights);
+  if (impl == Impl::ours_window) {
+    options.window(kWindow);
+  }
+  if ((impl == Impl::ours || impl == Impl::ours_window) && target.device.is_cpu()) {
+    options.backend(attn::AttentionBackend::fused_cpu);
+  }
+  const auto forward = [&]() -> torch::Tensor {
     if (impl == Impl::naive) {
-      benchmark::DoNotOptimize(naive_attention(q, k, v, lower));
-    } else if (impl == Impl::aten_sdpa) {
-      benchmark::DoNotOptimize(attn::detail::native_attention(q, k, v, 0.0, c.causal, c10::nullopt));
-    } else if (windowed) {
-      benchmark::DoNotOptimize(attn::scaled_dot_product_attention(
-          q, k, v, attn::SDPAOptions().is_causal(c.causal).window(kWindow).need_weights(false)));
-    } else {
-      benchmark::DoNotOptimize(attn::scaled_dot_product_attention(
-          q, k, v, attn::SDPAOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights)));
+      return naive_attention(q, k, v, lower);
     }
-  });
+    if (impl == Impl::aten_sdpa) {
+      return attn::detail::native_attention(q, k, v, 0.0, c.causal, c10::nullopt);
+    }
+    return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+  };
+  const double flops = impl == Impl::ours_window ? windowed_attention_flops(c) : attention_flops(c);
+  if (backward) {
+    measure(state, 3.0 * flops, target, [&] { forward().sum().backward(); });
+  } else {
+    torch::NoGradGuard no_grad;
+    measure(state, flops, target, [&] { benchmark::DoNotOptimize(forward()); });
+  }
 }
 
 // Self-attention through each module; `backward` adds a backward pass.
@@ -305,6 +339,7 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
         return naive.forward(x, lower);
       case Impl::aten_sdpa:
       case Impl::ours_window:
+      case Impl::attn_default:
         break; // attention cores, not modules
     }
     return {};
@@ -388,44 +423,65 @@ void cuda_shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"T", "B", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.2);
 }
 
+// The implementations of each group of a suite.
+struct Suite {
+  std::vector<Impl> core, core_backward, forward, backward;
+};
+
 // The core, the module forward and forward+backward, per implementation.
-void register_suite(const Target& target, const std::vector<Impl>& core_impls,
-                    const std::vector<Impl>& forward_impls, const std::vector<Impl>& backward_impls,
+void register_suite(const Target& target, const Suite& suite,
                     void (*apply_shapes)(benchmark::internal::Benchmark*)) {
   const auto name = [&](const char* group, Impl impl) {
     return target.prefix() + group + "/" + impl_name(impl);
   };
-  for (const Impl impl : core_impls) {
-    benchmark::RegisterBenchmark(name("core", impl).c_str(),
-                                 [impl, target](benchmark::State& s) { attention_core(s, impl, target); })
-        ->Apply(apply_shapes);
-  }
-  for (const Impl impl : forward_impls) {
-    benchmark::RegisterBenchmark(name("mha_forward", impl).c_str(),
-                                 [impl, target](benchmark::State& s) { multi_head(s, impl, false, target); })
-        ->Apply(apply_shapes);
-  }
-  for (const Impl impl : backward_impls) {
-    benchmark::RegisterBenchmark(name("mha_forward_backward", impl).c_str(),
-                                 [impl, target](benchmark::State& s) { multi_head(s, impl, true, target); })
-        ->Apply(apply_shapes);
+  for (const bool backward : {false, true}) {
+    for (const Impl impl : backward ? suite.core_backward : suite.core) {
+      benchmark::RegisterBenchmark(name(backward ? "core_forward_backward" : "core", impl).c_str(),
+                                   [impl, backward, target](benchmark::State& s) {
+                                     attention_core(s, impl, backward, target);
+                                   })
+          ->Apply(apply_shapes);
+    }
+    for (const Impl impl : backward ? suite.backward : suite.forward) {
+      benchmark::RegisterBenchmark(name(backward ? "mha_forward_backward" : "mha_forward", impl).c_str(),
+                                   [impl, backward, target](benchmark::State& s) {
+                                     multi_head(s, impl, backward, target);
+                                   })
+          ->Apply(apply_shapes);
+    }
   }
 }
 
 void register_cuda() {
   for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
-    register_suite({torch::kCUDA, dtype}, {Impl::ours, Impl::aten_sdpa, Impl::naive},
-                   {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights},
-                   {Impl::ours, Impl::builtin}, cuda_shapes);
+    register_suite({torch::kCUDA, dtype},
+                   {{Impl::ours, Impl::aten_sdpa, Impl::naive}, {},
+                    {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights},
+                    {Impl::ours, Impl::builtin}},
+                   cuda_shapes);
   }
 }
 
 void register_cpu() {
   const Target cpu{torch::kCPU, torch::kFloat};
   benchmark::RegisterBenchmark("sgemm", sgemm)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
-  register_suite(cpu, {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive},
-                 {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
-                 {Impl::ours, Impl::builtin, Impl::naive}, shapes);
+  Suite float32{{Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive},
+                {Impl::ours},
+                {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
+                {Impl::ours, Impl::builtin, Impl::naive}};
+  if (attn::detail::kHasNativeAttention) {
+    // LibTorch's own fused CPU attention beside attn's kernel and attn's
+    // default choice between the two; bfloat16 likewise.
+    float32.core.insert(float32.core.end(), {Impl::aten_sdpa, Impl::attn_default});
+    float32.core_backward.insert(float32.core_backward.end(), {Impl::aten_sdpa, Impl::attn_default});
+    register_suite({torch::kCPU, torch::kBFloat16},
+                   {{Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+                    {Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+                    {Impl::ours, Impl::builtin},
+                    {Impl::ours, Impl::builtin}},
+                   shapes);
+  }
+  register_suite(cpu, float32, shapes);
   for (const bool cached : {true, false}) {
     benchmark::RegisterBenchmark(cached ? "decode/ours_kv_cache" : "decode/ours_recompute",
                                  [cached](benchmark::State& s) { decode(s, cached); })

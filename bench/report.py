@@ -17,10 +17,10 @@ NAME = re.compile(r"^(?P<group>[a-z0-9_]+)/(?P<impl>[a-z_]+)/T:(?P<T>\d+)/B:(?P<
 
 
 IMPLS = ("ours", "ours_need_weights", "ours_window", "ours_kv_cache", "ours_recompute",
-         "builtin", "builtin_need_weights", "aten_sdpa", "naive")
+         "attn_default", "builtin", "builtin_need_weights", "aten_sdpa", "naive")
 # Speed-up columns: (slower, faster) pairs, shown where a group has both.
-RATIOS = (("builtin", "ours"), ("aten_sdpa", "ours"), ("ours", "ours_window"),
-          ("ours_recompute", "ours_kv_cache"))
+RATIOS = (("builtin", "ours"), ("aten_sdpa", "ours"), ("aten_sdpa", "attn_default"),
+          ("ours", "ours_window"), ("ours_recompute", "ours_kv_cache"))
 
 
 def load(path):
@@ -54,7 +54,7 @@ def table(context, rows):
     for group in groups:
         impls = [impl for impl in IMPLS
                  if any(impl in row for key, row in rows.items() if key[0] == group)]
-        header = ["T", "B", "causal"] + [f"{impl} ms (GFLOP/s)" for impl in impls]
+        header = ["T", "B", "causal"] + [f"{impl} ms (GFLOP/s; peak MiB)" for impl in impls]
         ratios = [(slow, fast) for slow, fast in RATIOS if slow in impls and fast in impls]
         header += [f"{fast} vs {slow}" for slow, fast in ratios]
         has_ours = "ours" in impls
@@ -66,7 +66,7 @@ def table(context, rows):
             cells = [str(key[1]), str(key[2]), "yes" if key[3] else "no"]
             for impl in impls:
                 r = row.get(impl)
-                cells.append(f"{r['ms']:.1f} ({r['gflops']:.1f})" if r else "—")
+                cells.append(f"{r['ms']:.1f} ({r['gflops']:.1f}; {r['peak_mib']:.0f})" if r else "—")
             for slow, fast in ratios:
                 a, b = row.get(slow), row.get(fast)
                 cells.append(f"{a['ms'] / b['ms']:.2f}× faster" if a and b else "—")
@@ -87,8 +87,13 @@ def plot(context, rows, path):
     groups = [g for g in sorted({key[0] for key in rows})
               if len({key[1] for key in rows if key[0] == g}) > 1]
     colours = dict(zip(IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
-    for ax, group in zip(axes[0], groups):
+    columns = min(4, len(groups))
+    rows_of_plots = (len(groups) + columns - 1) // columns
+    fig, axes = plt.subplots(rows_of_plots, columns, figsize=(6 * columns, 4.5 * rows_of_plots),
+                             squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, group in zip(axes.flat, groups):
         for causal, style in ((0, "-"), (1, "--")):
             series = collections.defaultdict(list)
             for key in sorted(k for k in rows if k[0] == group and k[2] == 1 and k[3] == causal):
@@ -102,7 +107,8 @@ def plot(context, rows, path):
         ax.axhline(float(context["sgemm_1024_GFLOP/s"]), color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("T (sequence length); B = 1, E = 512, H = 8, float32")
+        dtype = "bfloat16" if "bfloat16" in group else "float16" if "float16" in group else "float32"
+        ax.set_xlabel(f"T (sequence length); B = 1, E = 512, H = 8, {dtype}")
         ax.set_ylabel("GFLOP/s")
         ax.set_title(f"{group}, {context['threads']} threads (grey line: sgemm)")
         ax.legend(fontsize=7)

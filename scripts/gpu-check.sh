@@ -11,7 +11,7 @@
 #                                           # on the GPU machine
 #
 # LIBTORCH is a LibTorch prefix (the unzipped C++ archive, or Python's
-# `python3 -c 'import torch; print(torch.utils.cmake_prefix_path)'`).
+# `python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))'`, the torch package).
 # Dependencies come from DEPS when it exists (built there once, into
 # DEPS/install), else from the system. With CUDA present the CUDA variants
 # of the tests must run (ATTN_REQUIRE_CUDA=1 turns their skips into

@@ -18,12 +18,17 @@
 
 namespace attn::detail {
 
+// at::scaled_dot_product_attention arrived in LibTorch 2.0, its `scale`
+// argument in 2.1.
+constexpr bool kHasNativeAttention = TORCH_VERSION_MAJOR >= 2;
+constexpr bool kNativeAttentionTakesScale =
+    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1);
+
 // at::scaled_dot_product_attention without a mask, on (B, H, L, E) inputs,
-// returning the (B, H, L, Ev) output; c10::nullopt where this LibTorch cannot
-// run the request: the function arrived in 2.0 and its `scale` argument in
-// 2.1, so 2.0 runs only the default scale 1/sqrt(E) (an unset `scale`).
-// `dropout_p` applies unconditionally: the caller passes 0 outside training.
-inline c10::optional<torch::Tensor> native_attention(
+// returning the (B, H, L, Ev) output. Callers check kHasNativeAttention
+// (and kNativeAttentionTakesScale for a set `scale`) first. `dropout_p`
+// applies unconditionally: the caller passes 0 outside training.
+inline torch::Tensor native_attention(
     [[maybe_unused]] const torch::Tensor& query,
     [[maybe_unused]] const torch::Tensor& key,
     [[maybe_unused]] const torch::Tensor& value,
@@ -34,13 +39,12 @@ inline c10::optional<torch::Tensor> native_attention(
   return at::scaled_dot_product_attention(
       query, key, value, /*attn_mask=*/{}, dropout_p, is_causal, scale);
 #elif TORCH_VERSION_MAJOR == 2
-  if (scale.has_value()) {
-    return c10::nullopt;
-  }
+  TORCH_CHECK(!scale, "at::scaled_dot_product_attention takes a scale from LibTorch 2.1 on");
   return at::scaled_dot_product_attention(
       query, key, value, /*attn_mask=*/{}, dropout_p, is_causal);
 #else
-  return c10::nullopt;
+  TORCH_CHECK(false, "at::scaled_dot_product_attention needs LibTorch 2.0 or later");
+  return {};
 #endif
 }
 

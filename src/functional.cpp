@@ -1,9 +1,10 @@
 #include <attn/functional.h>
 
+#include "backend.h"
 #include "checks.h"
 #include "compat.h"
 #include "kernels/cpu_attention.h"
-#include "kernels/reference_attention.h"
+#include "kernels/math_attention.h"
 
 #include <torch/torch.h>
 
@@ -158,88 +159,42 @@ torch::Tensor as_4d(const torch::Tensor& t) {
   }
 }
 
-// The fused CPU kernels cover float and double without dropout, and a mask
-// that needs no gradient; with weights requested they serve inference only.
-bool fused_cpu_kernel_applies(
+// The request's dtype on a CPU that computes it in float32.
+bool computed_in_float32_on_cpu(const torch::Tensor& query) {
+  const auto dtype = query.scalar_type();
+  return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
+}
+
+// Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
+// weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
+// attn's CPU backends compute in float32 and round the results once.
+std::tuple<torch::Tensor, torch::Tensor> in_float32(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
-    const SDPAOptions& options) {
-  const auto dtype = query.scalar_type();
+    const SDPAOptions& options,
+    AttentionBackend backend) {
   const auto& mask = options.attn_mask();
-  const bool needs_grad = torch::GradMode::is_enabled() &&
-      (query.requires_grad() || key.requires_grad() || value.requires_grad());
-  return query.device().is_cpu() &&
-      (dtype == torch::kFloat || dtype == torch::kDouble) &&
-      !(options.training() && options.dropout_p() > 0.0) &&
-      !(mask.defined() && mask.requires_grad()) &&
-      !(options.need_weights() && needs_grad);
-}
-
-// On CUDA, LibTorch 2.x's own attention (flash or memory-efficient kernels)
-// computes what attn does when no weights are asked for and no query row can
-// have every key masked, where it gives NaN and attn gives zeros: that is,
-// without a mask (causal alone always leaves key 0) and with keys present.
-// Causal only when L == S and without a query offset: kernels have differed
-// on where a non-square causal mask is aligned, attn aligns it top-left.
-// No window, and grouped queries only in their trivial form. Dropout must leave
-// something to keep, as attn's p = 1 keeps nothing.
-bool native_cuda_kernel_applies(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options) {
-  return query.device().is_cuda() && !options.need_weights() &&
-      !options.attn_mask().defined() && query.numel() > 0 &&
-      key.numel() > 0 && value.numel() > 0 &&
-      (!options.is_causal() ||
-       (query.size(-2) == key.size(-2) && options.query_offset() == 0)) &&
-      !options.window() &&
-      (!options.enable_gqa() || query.size(-3) == key.size(-3)) &&
-      options.dropout_p() < 1.0;
-}
-
-} // namespace
-
-std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options) {
-  check_inputs(query, key, value, options);
-  const auto dtype = query.scalar_type();
-  if (query.device().is_cpu() &&
-      (dtype == torch::kHalf || dtype == torch::kBFloat16)) {
-    // Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
-    // weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
-    // compute in float32 (on the fused kernels) and round the results once.
-    const auto& mask = options.attn_mask();
-    auto float_options = options;
-    if (mask.defined() && mask.scalar_type() != torch::kBool) {
-      float_options.attn_mask(mask.to(torch::kFloat));
-    }
-    const auto [output, weights] = scaled_dot_product_attention(
-        query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
-        float_options);
-    return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
+  auto float_options = SDPAOptions(options).backend(backend);
+  if (mask.defined() && mask.scalar_type() != torch::kBool) {
+    float_options.attn_mask(mask.to(torch::kFloat));
   }
+  const auto [output, weights] = scaled_dot_product_attention(
+      query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
+      float_options);
+  const auto dtype = query.scalar_type();
+  return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options,
+    double scale,
+    bool with_weights) {
   auto output_shape = query.sizes().vec();
   output_shape.back() = value.size(-1); // (..., L, Ev)
-  if (native_cuda_kernel_applies(query, key, value, options)) {
-    const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-    if (const auto output = detail::native_attention(
-            as_4d(query), as_4d(key), as_4d(value), dropout_p,
-            options.is_causal(), options.scale())) {
-      return {output->reshape(output_shape), torch::Tensor()};
-    }
-  }
-
-  const double scale = options.scale().value_or(
-      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
-  if (!fused_cpu_kernel_applies(query, key, value, options)) {
-    return detail::reference_attention(query, key, value, options, scale);
-  }
-
   auto weights_shape = query.sizes().vec();
   weights_shape.back() = key.size(-2);  // (..., L, S)
   const auto& mask = options.attn_mask();
@@ -248,12 +203,70 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
       scale, options.is_causal(), options.query_offset(),
       std::min(options.window().value_or(0), kUnboundedWindow)};
   const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
-  if (options.need_weights()) {
-    const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);
-    return {output.reshape(output_shape), weights.reshape(weights_shape)};
+  if (!with_weights) {
+    return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape),
+            torch::Tensor()};
   }
-  return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape),
-          torch::Tensor()};
+  const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);
+  return {output.reshape(output_shape),
+          options.need_weights() ? weights.reshape(weights_shape) : torch::Tensor()};
+}
+
+torch::Tensor run_libtorch(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  auto output_shape = query.sizes().vec();
+  output_shape.back() = value.size(-1); // (..., L, Ev)
+  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
+  return detail::native_attention(as_4d(query), as_4d(key), as_4d(value), dropout_p,
+                                  options.is_causal(), options.scale())
+      .reshape(output_shape);
+}
+
+} // namespace
+
+AttentionBackend select_backend(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  check_inputs(query, key, value, options);
+  const auto& requested = options.backend();
+  if (!requested) {
+    return detail::choose_backend(query, key, value, options);
+  }
+  const auto reason = detail::unsupported_reason(*requested, query, key, value, options);
+  TORCH_CHECK(reason.empty(), kCaller, ": backend ", *requested, " was requested, but it ",
+              reason);
+  return *requested;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const auto backend = select_backend(query, key, value, options);
+  if (backend == AttentionBackend::libtorch) {
+    return {run_libtorch(query, key, value, options), torch::Tensor()};
+  }
+  if (computed_in_float32_on_cpu(query)) {
+    return in_float32(query, key, value, options, backend);
+  }
+  const double scale = options.scale().value_or(
+      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  switch (backend) {
+    case AttentionBackend::fused_cpu:
+    case AttentionBackend::fused_cpu_weights:
+      return run_fused_cpu(query, key, value, options, scale,
+                           backend == AttentionBackend::fused_cpu_weights);
+    case AttentionBackend::libtorch:
+    case AttentionBackend::math:
+      break;
+  }
+  return detail::math_attention(query, key, value, options, scale);
 }
 
 } // namespace attn

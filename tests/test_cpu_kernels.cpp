@@ -5,7 +5,7 @@
 #include "test_support.h"
 
 #include "kernels/cpu_attention.h"
-#include "kernels/reference_attention.h"
+#include "kernels/math_attention.h"
 #include "kernels/row_ops.h"
 
 #include <ATen/Parallel.h>
@@ -154,7 +154,7 @@ TEST_P(FusedKernel, MatchesTheReferencePathInOutputWeightsAndGradients) {
   if (c.window > 0) {
     options.window(c.window);
   }
-  const auto [ref_out, ref_w] = attn::detail::reference_attention(q, k, v, options, scale);
+  const auto [ref_out, ref_w] = attn::detail::math_attention(q, k, v, options, scale);
   const auto out = attn::detail::cpu_flash_attention(q, k, v, config);
   torch::Tensor weights_out, weights;
   {
@@ -206,7 +206,7 @@ TEST(FusedKernel, ReadsStridedHeadsAndWritesInterleavedOutput) {
   const auto x = torch::randn({2, 9, 3, 16});
   const auto q = x.transpose(1, 2);
   const auto out = attn::detail::cpu_flash_attention(q, q, q, {{}, 0.25, true});
-  const auto [ref, w] = attn::detail::reference_attention(
+  const auto [ref, w] = attn::detail::math_attention(
       q.contiguous(), q.contiguous(), q.contiguous(), attn::SDPAOptions().is_causal(true), 0.25);
   EXPECT_LE(max_abs_diff(out, ref), 1e-6);
   EXPECT_TRUE(out.transpose(1, 2).is_contiguous());

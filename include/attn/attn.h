@@ -3,6 +3,7 @@
 /// \file
 /// The whole attn API: `#include <attn/attn.h>`.
 
+#include <attn/backend.h>
 #include <attn/device.h>
 #include <attn/functional.h>
 #include <attn/interop.h>

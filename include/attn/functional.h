@@ -32,4 +32,28 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& value,
     const SDPAOptions& options = {});
 
+/// The backend that `attn::scaled_dot_product_attention(query, key, value,
+/// options)` runs, under the current grad mode. Throws the `c10::Error` that
+/// call would throw for invalid arguments, including a requested
+/// `options.backend()` that cannot run the request. The rules, in order:
+///
+/// 1. `options.backend()` when set.
+/// 2. On the CPU, without dropout and without a mask that needs a gradient:
+///    `fused_cpu_weights` when weights are asked for and no gradient is
+///    needed; otherwise, without weights, `libtorch` for float32 where it is
+///    measured faster than attn's kernel (LibTorch 2.x; see
+///    docs/BENCHMARKS.md), else `fused_cpu`.
+/// 3. On CUDA: `libtorch` where it applies.
+/// 4. `math` for everything else.
+///
+/// Example:
+/// ```
+/// std::cout << attn::select_backend(q, k, v, attn::SDPAOptions().need_weights(false));
+/// ```
+AttentionBackend select_backend(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options = {});
+
 } // namespace attn

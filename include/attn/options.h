@@ -4,6 +4,8 @@
 /// Option structs for attn's functions and modules, in the style of
 /// `torch::nn`: every field is a chainable `TORCH_ARG` with a default.
 
+#include <attn/backend.h>
+
 #include <torch/arg.h>
 #include <torch/types.h>
 
@@ -51,6 +53,9 @@ struct SDPAOptions {
   TORCH_ARG(bool, training) = true;
   /// When false the returned weights tensor is undefined.
   TORCH_ARG(bool, need_weights) = true;
+  /// The implementation to run, or unset to let `attn::select_backend`
+  /// choose. A backend that cannot run the request is an error naming why.
+  TORCH_ARG(c10::optional<AttentionBackend>, backend) = c10::nullopt;
 };
 
 /// Options for the `attn::ScaledDotProductAttention` module.

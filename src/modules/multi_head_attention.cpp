@@ -3,7 +3,7 @@
 #include <attn/functional.h>
 
 #include "../checks.h"
-#include "../kernels/reference_attention.h"
+#include "../kernels/math_attention.h"
 
 #include <torch/torch.h>
 

@@ -1,6 +1,7 @@
 #pragma once
 
-// The reference path of scaled dot-product attention, written as the
+// The math path of scaled dot-product attention (PyTorch calls its
+// composite implementation the same), written as the
 // formula reads: scores = (Q·scale)·Kᵀ, masked, softmax, dropout, times V.
 // Every step is an ATen op, so it runs on any device and dtype, autograd
 // differentiates it with respect to everything (the mask included), and it
@@ -26,7 +27,7 @@ torch::Tensor visible_band(
     torch::Device device);
 
 // Inputs already checked; `scale` already resolved from the options.
-std::tuple<torch::Tensor, torch::Tensor> reference_attention(
+std::tuple<torch::Tensor, torch::Tensor> math_attention(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,

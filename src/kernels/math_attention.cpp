@@ -1,4 +1,4 @@
-#include "reference_attention.h"
+#include "math_attention.h"
 
 #include <torch/torch.h>
 
@@ -50,7 +50,7 @@ torch::Tensor visible_band(
   return visible;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> reference_attention(
+std::tuple<torch::Tensor, torch::Tensor> math_attention(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,

@@ -1,0 +1,48 @@
+#pragma once
+
+/// \file
+/// The implementations behind `attn::scaled_dot_product_attention`;
+/// `attn::select_backend` (in functional.h) chooses between them.
+
+#include <ostream>
+
+namespace attn {
+
+/// An implementation of scaled dot-product attention. Every backend computes
+/// what `attn::scaled_dot_product_attention` documents; they differ in speed,
+/// memory and what they support. `attn::select_backend` says which one a call
+/// takes; `SDPAOptions::backend` asks for one.
+///
+/// Example:
+/// ```
+/// if (attn::select_backend(q, k, v) == attn::AttentionBackend::fused_cpu) { ... }
+/// ```
+enum class AttentionBackend {
+  /// attn's fused CPU kernel (FlashAttention style: query tiles against key
+  /// blocks, online softmax, no `L×S` tensor) and its fused backward. CPU
+  /// only; returns no weights; no dropout; a mask must not need a gradient.
+  /// bfloat16 and float16 are computed in float32.
+  fused_cpu,
+  /// attn's CPU kernel that writes the weights as it goes. CPU only, for
+  /// inference: no gradients, no dropout.
+  fused_cpu_weights,
+  /// LibTorch's own `at::scaled_dot_product_attention` (LibTorch 2.0 and
+  /// later; a custom `scale` needs 2.1): flash and memory-efficient kernels
+  /// on CUDA, a fused kernel on the CPU. Only for requests where it computes
+  /// exactly what attn does: no weights, no `attn_mask`, no `window`, causal
+  /// only with `L == S` and no `query_offset`, grouped queries only with as
+  /// many key/value heads as query heads.
+  libtorch,
+  /// ATen operations written as the formula reads; any device and dtype,
+  /// dropout, and gradients for everything, the mask included. Materialises
+  /// the `(..., L, S)` scores.
+  math,
+};
+
+/// The backend's name as the docs write it, such as `"fused_cpu"`.
+const char* backend_name(AttentionBackend backend);
+
+/// Writes `backend_name(backend)`.
+std::ostream& operator<<(std::ostream& stream, AttentionBackend backend);
+
+} // namespace attn

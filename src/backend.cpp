@@ -1,0 +1,184 @@
+#include "backend.h"
+
+#include "compat.h"
+
+#include <torch/torch.h>
+
+#include <sstream>
+
+namespace attn {
+
+const char* backend_name(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::fused_cpu:
+      return "fused_cpu";
+    case AttentionBackend::fused_cpu_weights:
+      return "fused_cpu_weights";
+    case AttentionBackend::libtorch:
+      return "libtorch";
+    case AttentionBackend::math:
+      return "math";
+  }
+  return "unknown";
+}
+
+std::ostream& operator<<(std::ostream& stream, AttentionBackend backend) {
+  return stream << backend_name(backend);
+}
+
+namespace detail {
+namespace {
+
+bool dropout_active(const SDPAOptions& options) {
+  return options.training() && options.dropout_p() > 0.0;
+}
+
+bool inputs_need_grad(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
+  return torch::GradMode::is_enabled() &&
+      (query.requires_grad() || key.requires_grad() || value.requires_grad());
+}
+
+std::string fused_cpu_reason(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options,
+    bool with_weights) {
+  const auto& mask = options.attn_mask();
+  std::ostringstream reason;
+  if (!query.device().is_cpu()) {
+    reason << "runs on the CPU only, and the inputs are on " << query.device();
+  } else if (dropout_active(options)) {
+    reason << "has no dropout, and dropout_p is " << options.dropout_p() << " while training";
+  } else if (mask.defined() && mask.requires_grad() && torch::GradMode::is_enabled()) {
+    reason << "gives the attn_mask no gradient, and it requires one";
+  } else if (with_weights && inputs_need_grad(query, key, value)) {
+    reason << "is not differentiable, and the inputs require grad";
+  } else if (!with_weights && options.need_weights()) {
+    reason << "returns no weights: set need_weights(false)";
+  }
+  return reason.str();
+}
+
+std::string libtorch_reason(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  std::ostringstream reason;
+  if (!kHasNativeAttention) {
+    reason << "needs LibTorch 2.0 or later, and this is " << TORCH_VERSION;
+  } else if (options.scale() && !kNativeAttentionTakesScale) {
+    reason << "takes a custom scale from LibTorch 2.1 on, and this is " << TORCH_VERSION;
+  } else if (options.need_weights()) {
+    reason << "returns no weights: set need_weights(false)";
+  } else if (options.attn_mask().defined()) {
+    // A row with every key masked gives NaN there and zeros in attn.
+    reason << "takes no attn_mask (rows with every key masked would be NaN)";
+  } else if (query.numel() == 0 || key.numel() == 0 || value.numel() == 0) {
+    reason << "needs non-empty query, key and value";
+  } else if (options.is_causal() &&
+             (query.size(-2) != key.size(-2) || options.query_offset() != 0)) {
+    // LibTorch's kernels have differed on where a non-square causal mask
+    // sits; attn puts it at the top left, or where query_offset says.
+    reason << "takes causal masks only with L == S and no query_offset, got L = "
+           << query.size(-2) << ", S = " << key.size(-2)
+           << ", query_offset = " << options.query_offset();
+  } else if (options.window()) {
+    reason << "has no sliding window";
+  } else if (options.enable_gqa() && query.size(-3) != key.size(-3)) {
+    reason << "needs as many key/value heads as query heads, got " << query.size(-3)
+           << " and " << key.size(-3);
+  } else if (options.training() && options.dropout_p() >= 1.0) {
+    // attn's dropout_p = 1 keeps nothing: a zero output.
+    reason << "cannot drop every weight (dropout_p = 1)";
+  }
+  return reason.str();
+}
+
+// Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, which the
+// CPUs with AMX also have), as LibTorch's bfloat16 kernels then do.
+bool cpu_multiplies_bfloat16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+// Where LibTorch's fused CPU kernel outruns attn's, for a request both can
+// run. Measured with LibTorch 2.15 on 2 cores (docs/BENCHMARKS.md, "attn
+// and LibTorch 2.x's own attention"): in float32 LibTorch's forward is
+// 1.1-1.4x faster except for causal requests of 512 keys, where attn's
+// block skipping makes its own 1.1-1.35x faster, forward and backward; in
+// bfloat16, on a CPU with bfloat16 dot products, LibTorch multiplies in
+// bfloat16 and is 2-5x faster, except that training on 128 keys runs 1.6x
+// faster through attn's float32 kernels; without them it was not measured,
+// and attn keeps it. float64 and float16: attn.
+bool libtorch_faster_on_cpu(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const int64_t S = key.size(-2);
+  switch (query.scalar_type()) {
+    case torch::kFloat:
+      return !(options.is_causal() && S >= 384 && S <= 768);
+    case torch::kBFloat16:
+      return cpu_multiplies_bfloat16() && !(inputs_need_grad(query, key, value) && S <= 256);
+    default:
+      return false;
+  }
+}
+
+} // namespace
+
+std::string unsupported_reason(
+    AttentionBackend backend,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  switch (backend) {
+    case AttentionBackend::fused_cpu:
+      return fused_cpu_reason(query, key, value, options, /*with_weights=*/false);
+    case AttentionBackend::fused_cpu_weights:
+      return fused_cpu_reason(query, key, value, options, /*with_weights=*/true);
+    case AttentionBackend::libtorch:
+      return libtorch_reason(query, key, value, options);
+    case AttentionBackend::math:
+      return {};
+  }
+  return "is not a backend";
+}
+
+AttentionBackend choose_backend(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const auto runs = [&](AttentionBackend backend) {
+    return unsupported_reason(backend, query, key, value, options).empty();
+  };
+  if (query.device().is_cpu()) {
+    if (runs(AttentionBackend::fused_cpu_weights) && options.need_weights()) {
+      return AttentionBackend::fused_cpu_weights;
+    }
+    if (runs(AttentionBackend::fused_cpu)) {
+      return runs(AttentionBackend::libtorch) &&
+              libtorch_faster_on_cpu(query, key, value, options)
+          ? AttentionBackend::libtorch
+          : AttentionBackend::fused_cpu;
+    }
+  } else if (query.device().is_cuda() && runs(AttentionBackend::libtorch)) {
+    return AttentionBackend::libtorch;
+  }
+  return AttentionBackend::math;
+}
+
+} // namespace detail
+} // namespace attn

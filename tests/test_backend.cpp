@@ -1,0 +1,261 @@
+// attn::select_backend: which backend each request takes, that a requested
+// backend runs or says why it cannot, and that every backend computes the
+// float64 oracle's output and gradients.
+
+#include "test_support.h"
+
+#include <attn/attn.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <limits>
+#include <sstream>
+#include <string>
+
+namespace {
+
+using attn::AttentionBackend;
+using attn::SDPAOptions;
+using attn::select_backend;
+using attn::testing::max_abs_diff;
+
+constexpr bool kLibTorch2 = TORCH_VERSION_MAJOR >= 2;
+
+bool cpu_multiplies_bfloat16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+struct Inputs {
+  torch::Tensor q, k, v;
+};
+
+// (B, H, L, D) = (2, 3, 40, 16) query against 40 keys, float32.
+Inputs make_inputs(bool requires_grad = false, torch::ScalarType dtype = torch::kFloat) {
+  const auto make = [&](int64_t length) {
+    return torch::randn({2, 3, length, 16}).to(dtype).requires_grad_(requires_grad);
+  };
+  return {make(40), make(40), make(40)};
+}
+
+TEST(Backend, NamesPrintAsTheDocsWriteThem) {
+  std::ostringstream printed;
+  printed << AttentionBackend::fused_cpu << ' ' << AttentionBackend::fused_cpu_weights << ' '
+          << AttentionBackend::libtorch << ' ' << AttentionBackend::math;
+  EXPECT_EQ(printed.str(), "fused_cpu fused_cpu_weights libtorch math");
+}
+
+TEST(BackendSelection, WeightsForInferenceTakeTheWeightsKernel) {
+  const auto in = make_inputs();
+  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::fused_cpu_weights);
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().is_causal(true).window(5)),
+            AttentionBackend::fused_cpu_weights);
+}
+
+TEST(BackendSelection, WeightsWithGradientsTakeTheMathPath) {
+  const auto in = make_inputs(/*requires_grad=*/true);
+  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::math);
+  // Without grad mode nothing needs a gradient.
+  torch::NoGradGuard no_grad;
+  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::fused_cpu_weights);
+}
+
+TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
+  const auto in = make_inputs(/*requires_grad=*/true);
+  const auto no_weights = SDPAOptions().need_weights(false);
+  // Masks, windows and offsets are attn's alone, whatever the version.
+  const auto mask = torch::ones({40, 40}, torch::kBool).tril();
+  for (const auto& options :
+       {SDPAOptions(no_weights).attn_mask(mask), SDPAOptions(no_weights).window(8),
+        SDPAOptions(no_weights).is_causal(true).query_offset(3)}) {
+    EXPECT_EQ(select_backend(in.q, in.k, in.v, options), AttentionBackend::fused_cpu);
+  }
+  // float64 is never LibTorch's here: its kernel is measured for float32.
+  const auto d = make_inputs(true, torch::kDouble);
+  EXPECT_EQ(select_backend(d.q, d.k, d.v, no_weights), AttentionBackend::fused_cpu);
+}
+
+// The measured rule of docs/BENCHMARKS.md: LibTorch's kernel where it is
+// faster, on LibTorch 2.x only.
+TEST(BackendSelection, OnLibTorch2TheFasterFusedKernelRuns) {
+  const auto no_weights = SDPAOptions().need_weights(false);
+  const auto lengths = [](int64_t L, int64_t S, torch::ScalarType dtype, bool grad) {
+    return Inputs{torch::randn({1, 2, L, 8}, dtype).requires_grad_(grad),
+                  torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad),
+                  torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad)};
+  };
+  const auto expect = [&](const Inputs& in, const SDPAOptions& options, AttentionBackend on_2x) {
+    EXPECT_EQ(select_backend(in.q, in.k, in.v, options),
+              kLibTorch2 ? on_2x : AttentionBackend::fused_cpu)
+        << "L=" << in.q.size(2) << " S=" << in.k.size(2) << " " << in.q.scalar_type()
+        << (in.q.requires_grad() ? " grad" : "") << (options.is_causal() ? " causal" : "");
+  };
+  const auto causal = SDPAOptions(no_weights).is_causal(true);
+  expect(lengths(128, 128, torch::kFloat, false), no_weights, AttentionBackend::libtorch);
+  expect(lengths(2048, 2048, torch::kFloat, true), no_weights, AttentionBackend::libtorch);
+  expect(lengths(1024, 1024, torch::kFloat, false), causal, AttentionBackend::libtorch);
+  expect(lengths(512, 512, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
+  expect(lengths(512, 512, torch::kFloat, true), causal, AttentionBackend::fused_cpu);
+  // bfloat16 goes to LibTorch only where the CPU multiplies it natively.
+  const auto bf16 = cpu_multiplies_bfloat16() ? AttentionBackend::libtorch
+                                               : AttentionBackend::fused_cpu;
+  expect(lengths(512, 512, torch::kBFloat16, true), causal, bf16);
+  expect(lengths(128, 128, torch::kBFloat16, false), no_weights, bf16);
+  expect(lengths(128, 128, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
+  expect(lengths(128, 128, torch::kHalf, false), no_weights, AttentionBackend::fused_cpu);
+}
+
+TEST(BackendSelection, DropoutWhileTrainingTakesTheMathPath) {
+  const auto in = make_inputs();
+  const auto dropout = SDPAOptions().dropout_p(0.1).need_weights(false);
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, dropout), AttentionBackend::math);
+  EXPECT_NE(select_backend(in.q, in.k, in.v, SDPAOptions(dropout).training(false)),
+            AttentionBackend::math);
+}
+
+TEST(BackendSelection, AMaskThatNeedsAGradientTakesTheMathPath) {
+  const auto in = make_inputs();
+  const auto bias = torch::zeros({40, 40}).requires_grad_();
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().attn_mask(bias).need_weights(false)),
+            AttentionBackend::math);
+}
+
+TEST(BackendSelection, HalfPrecisionOnTheCpuChoosesAsFloat32Does) {
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const auto low = make_inputs(false, dtype);
+    const auto in = make_inputs();
+    for (const auto& options : {SDPAOptions(), SDPAOptions().need_weights(false).window(4)}) {
+      EXPECT_EQ(select_backend(low.q, low.k, low.v, options),
+                select_backend(in.q, in.k, in.v, options));
+    }
+  }
+}
+
+TEST(BackendSelection, InvalidInputsGetTheFunctionsErrors) {
+  const auto in = make_inputs();
+  EXPECT_ATTN_ERROR(select_backend(in.q, in.k.narrow(-1, 0, 8), in.v),
+                    "key must be (..., S, E) with E == 16");
+}
+
+// ---------------------------------------------------------------------------
+// Requested backends.
+
+TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
+  const auto in = make_inputs();
+  const auto ask = [](AttentionBackend backend) { return SDPAOptions().backend(backend); };
+  EXPECT_ATTN_ERROR(
+      attn::scaled_dot_product_attention(in.q, in.k, in.v, ask(AttentionBackend::fused_cpu)),
+      "scaled_dot_product_attention: backend fused_cpu was requested, but it returns no "
+      "weights: set need_weights(false)");
+  EXPECT_ATTN_ERROR(
+      attn::scaled_dot_product_attention(
+          in.q, in.k, in.v, ask(AttentionBackend::fused_cpu).need_weights(false).dropout_p(0.5)),
+      "backend fused_cpu was requested, but it has no dropout, and dropout_p is 0.5 while training");
+  const auto grad = make_inputs(/*requires_grad=*/true);
+  EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(grad.q, grad.k, grad.v,
+                                                       ask(AttentionBackend::fused_cpu_weights)),
+                    "backend fused_cpu_weights was requested, but it is not differentiable, and "
+                    "the inputs require grad");
+  const auto libtorch = ask(AttentionBackend::libtorch).need_weights(false);
+  if (kLibTorch2) {
+    EXPECT_ATTN_ERROR(
+        attn::scaled_dot_product_attention(in.q, in.k, in.v, SDPAOptions(libtorch).window(3)),
+        "backend libtorch was requested, but it has no sliding window");
+    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(
+                          in.q, in.k.narrow(2, 0, 30), in.v.narrow(2, 0, 30),
+                          SDPAOptions(libtorch).is_causal(true)),
+                      "takes causal masks only with L == S and no query_offset, got L = 40, "
+                      "S = 30, query_offset = 0");
+    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(
+                          in.q, in.k, in.v,
+                          SDPAOptions(libtorch).attn_mask(torch::ones({40, 40}, torch::kBool))),
+                      "takes no attn_mask (rows with every key masked would be NaN)");
+  } else {
+    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(in.q, in.k, in.v, libtorch),
+                      std::string("backend libtorch was requested, but it needs LibTorch 2.0 or "
+                                  "later, and this is ") + TORCH_VERSION);
+  }
+}
+
+// Output and input gradients of `backend` against the float64 oracle.
+void expect_matches_oracle(AttentionBackend backend, bool causal, torch::ScalarType dtype,
+                           double tolerance) {
+  SCOPED_TRACE(std::string(attn::backend_name(backend)) + (causal ? " causal " : " ") +
+               c10::toString(dtype));
+  torch::manual_seed(3);
+  const bool differentiable = backend != AttentionBackend::fused_cpu_weights;
+  const auto in = make_inputs(differentiable, dtype);
+  const auto options = SDPAOptions()
+                           .is_causal(causal)
+                           .need_weights(backend == AttentionBackend::fused_cpu_weights ||
+                                         backend == AttentionBackend::math)
+                           .backend(backend);
+  ASSERT_EQ(select_backend(in.q, in.k, in.v, options), backend);
+  const auto [out, weights] = attn::scaled_dot_product_attention(in.q, in.k, in.v, options);
+  ASSERT_EQ(out.scalar_type(), dtype);
+
+  const auto flat = [](const torch::Tensor& t) { return t.detach().flatten(0, 1); };
+  const auto bias = causal ? torch::zeros({40, 40}, torch::kDouble)
+                                 .masked_fill(attn::testing::band_mask(40, 40, 0, true, 0).logical_not(),
+                                              -std::numeric_limits<double>::infinity())
+                                 .expand({6, 40, 40})
+                           : torch::Tensor();
+  const double scale = 0.25; // 1/sqrt(16)
+  const auto [expected, expected_weights] =
+      attn::testing::reference_attention(flat(in.q), flat(in.k), flat(in.v), bias, scale);
+  EXPECT_LE(max_abs_diff(out.flatten(0, 1), expected), tolerance);
+  if (weights.defined()) {
+    EXPECT_LE(max_abs_diff(weights.flatten(0, 1), expected_weights), tolerance);
+  }
+  if (!differentiable) {
+    return;
+  }
+  const auto upstream = torch::randn_like(out);
+  out.backward(upstream);
+  const auto expected_grads = attn::testing::reference_attention_gradients(
+      flat(in.q), flat(in.k), flat(in.v), bias, scale, flat(upstream));
+  const torch::Tensor grads[] = {in.q.grad(), in.k.grad(), in.v.grad()};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_LE(max_abs_diff(grads[i].flatten(0, 1), expected_grads[i]), tolerance) << "input " << i;
+  }
+}
+
+// float32 within 1e-5: sums of 40 terms of order 1, each off by float32
+// rounding (6e-8); float64 within 1e-12 likewise.
+TEST(RequestedBackend, EveryBackendMatchesTheFloat64Oracle) {
+  std::vector<AttentionBackend> backends = {AttentionBackend::fused_cpu,
+                                            AttentionBackend::fused_cpu_weights,
+                                            AttentionBackend::math};
+  if (kLibTorch2) {
+    backends.push_back(AttentionBackend::libtorch);
+  }
+  for (const auto backend : backends) {
+    for (const bool causal : {false, true}) {
+      expect_matches_oracle(backend, causal, torch::kFloat, 1e-5);
+      expect_matches_oracle(backend, causal, torch::kDouble, 1e-12);
+    }
+  }
+}
+
+TEST(RequestedBackend, LibTorchIsRefusedBelow2OrRunsBFloat16As2Does) {
+  const auto in = make_inputs(false, torch::kBFloat16);
+  const auto options = SDPAOptions().need_weights(false).backend(AttentionBackend::libtorch);
+  if (!kLibTorch2) {
+    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(in.q, in.k, in.v, options),
+                      "needs LibTorch 2.0 or later");
+    return;
+  }
+  const auto [out, w] = attn::scaled_dot_product_attention(in.q, in.k, in.v, options);
+  const auto [ours, w_ours] = attn::scaled_dot_product_attention(
+      in.q, in.k, in.v, SDPAOptions(options).backend(AttentionBackend::fused_cpu));
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  // Outputs below 3 in magnitude: a few bfloat16 ulps (2^-7 each) apart.
+  EXPECT_LE(max_abs_diff(out, ours), 0.05);
+}
+
+} // namespace
