@@ -110,6 +110,7 @@ void CountingAllocator::release(void* data) {
   {
     const std::lock_guard<std::mutex> lock(self.mutex_);
     const auto block = self.blocks_.find(data);
+    TORCH_INTERNAL_ASSERT(block != self.blocks_.end(), "freeing memory this allocator did not give");
     self.live_ -= static_cast<int64_t>(block->second.bytes);
     inner = std::move(block->second.inner);
     self.blocks_.erase(block);

@@ -39,6 +39,8 @@ endfunction()
 #   system's: there the apps use those headers, header-only, because the
 #   system's libfmt would not match them. Elsewhere, the installed fmt.
 function(attn_find_fmt)
+  # Looked up afresh each configure: the LibTorch may have changed.
+  unset(ATTN_TORCH_FMT_DIR CACHE)
   find_path(ATTN_TORCH_FMT_DIR fmt/format.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
   add_library(attn_fmt INTERFACE)
   if(ATTN_TORCH_FMT_DIR AND NOT ATTN_TORCH_FMT_DIR STREQUAL "/usr/include")
@@ -57,7 +59,8 @@ endfunction()
 #   RPATH first, and that names the CUDA toolkit's folder, whose older NCCL
 #   then fails the link. Pointing -rpath-link at the wheels' folders first
 #   keeps link time and run time on the same libraries; consumers of
-#   <target> inherit the option. Other LibTorch layouts need nothing.
+#   <target> inherit the option (an installed attn names the folders of
+#   the wheel it was built with). Other LibTorch layouts need nothing.
 function(attn_link_torch_wheel_libraries target)
   file(GLOB wheel_library_dirs LIST_DIRECTORIES true "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
   foreach(dir IN LISTS wheel_library_dirs)

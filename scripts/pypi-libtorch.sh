@@ -5,6 +5,10 @@
 #   scripts/pypi-libtorch.sh          # prints the torch package folder,
 #                                     # the CMAKE_PREFIX_PATH to build with
 #   scripts/pypi-libtorch.sh python   # prints the environment's Python
+#   scripts/pypi-libtorch.sh installed
+#                                     # prints the environment's Python if it
+#                                     # is installed, else nothing; installs
+#                                     # nothing
 #
 # The environment lives in .deps/pytorch-<version> (ignored by git) and is
 # reused while it imports. Progress goes to stderr, the answer to stdout.
@@ -38,9 +42,16 @@ imports() {
   "$python" -c 'import torch' >/dev/null 2>&1
 }
 
+if [ "${1:-}" = installed ]; then
+  if imports; then echo "$python"; fi
+  exit 0
+fi
+
 if ! imports; then
   echo "Installing PyPI torch ${TORCH_VERSION} into $venv" >&2
-  if ! python3 -m venv --help >/dev/null 2>&1; then
+  # venv itself is in Python's standard library; the pip it installs comes
+  # with ensurepip, which Debian packages separately.
+  if ! python3 -c 'import ensurepip' >/dev/null 2>&1; then
     as_root=()
     [ "$(id -u)" -eq 0 ] || as_root=(sudo)
     "${as_root[@]}" apt-get update -qq
@@ -58,7 +69,7 @@ if ! imports; then
 fi
 
 case "${1:-prefix}" in
-  prefix) "$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null ;;
+  prefix) "$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' ;;
   python) echo "$python" ;;
-  *) echo "usage: scripts/pypi-libtorch.sh [prefix|python]" >&2; exit 2 ;;
+  *) echo "usage: scripts/pypi-libtorch.sh [prefix|python|installed]" >&2; exit 2 ;;
 esac

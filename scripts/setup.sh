@@ -59,8 +59,9 @@ else
 fi
 # State_dicts written by PyTorch 2.x's Python, for the interop tests, where
 # the wheel's environment is installed (always on the pypi leg).
-if [ "$libtorch" = pypi ] || [ -x .deps/pytorch-*/bin/python ]; then
-  configure+=("-DATTN_TEST_PYTHON=$(scripts/pypi-libtorch.sh python)")
+test_python="$(scripts/pypi-libtorch.sh installed)"
+if [ -n "$test_python" ]; then
+  configure+=("-DATTN_TEST_PYTHON=$test_python")
 fi
 
 cmake -S . -B "build$suffix" "${configure[@]}"

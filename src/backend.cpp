@@ -73,6 +73,9 @@ std::string libtorch_reason(
     reason << "needs LibTorch 2.0 or later, and this is " << TORCH_VERSION;
   } else if (options.scale() && !kNativeAttentionTakesScale) {
     reason << "takes a custom scale from LibTorch 2.1 on, and this is " << TORCH_VERSION;
+  } else if (options.scale() && *options.scale() <= 0.0) {
+    // Some 2.x versions scale query and key by sqrt(scale) each.
+    reason << "takes only a positive scale, got " << *options.scale();
   } else if (options.need_weights()) {
     reason << "returns no weights: set need_weights(false)";
   } else if (options.attn_mask().defined()) {
@@ -99,37 +102,61 @@ std::string libtorch_reason(
   return reason.str();
 }
 
-// Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16, which the
-// CPUs with AMX also have), as LibTorch's bfloat16 kernels then do.
-bool cpu_multiplies_bfloat16() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool supported = __builtin_cpu_supports("avx512bf16");
-  return supported;
-#else
-  return false;
+// The CPU features of the machine the rule below was measured on: AVX-512
+// (LibTorch's float32 kernel) and AMX (its bfloat16 products). Elsewhere the
+// rule was not measured, and attn keeps its own kernel. GCC names AMX in
+// __builtin_cpu_supports; other compilers keep attn's kernel too.
+struct MeasuredCpu {
+  bool avx512 = false;
+  bool amx_bfloat16 = false;
+};
+
+const MeasuredCpu& measured_cpu_features() {
+  static const MeasuredCpu features = [] {
+    MeasuredCpu cpu;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    cpu.avx512 = __builtin_cpu_supports("avx512f");
+    cpu.amx_bfloat16 = __builtin_cpu_supports("amx-bf16");
 #endif
+    return cpu;
+  }();
+  return features;
+}
+
+// LibTorch's fused CPU kernel takes query, key and value of one feature
+// size with unit stride in it; other requests fall back to its math path,
+// which holds the L×S scores.
+bool libtorch_fused_cpu_kernel_applies(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
+  return value.size(-1) == query.size(-1) && query.stride(-1) == 1 && key.stride(-1) == 1 &&
+      value.stride(-1) == 1;
 }
 
 // Where LibTorch's fused CPU kernel outruns attn's, for a request both can
-// run. Measured with LibTorch 2.15 on 2 cores (docs/BENCHMARKS.md, "attn
-// and LibTorch 2.x's own attention"): in float32 LibTorch's forward is
-// 1.1-1.4x faster except for causal requests of 512 keys, where attn's
-// block skipping makes its own 1.1-1.35x faster, forward and backward; in
-// bfloat16, on a CPU with bfloat16 dot products, LibTorch multiplies in
-// bfloat16 and is 2-5x faster, except that training on 128 keys runs 1.6x
-// faster through attn's float32 kernels; without them it was not measured,
-// and attn keeps it. float64 and float16: attn.
+// run. Measured with LibTorch 2.15 on 2 cores of a Xeon with AVX-512 and
+// AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
+// LibTorch's forward is 1.1-1.4x faster except for causal requests of 512
+// keys, where attn's block skipping makes its own 1.15-1.25x faster,
+// forward and backward; in bfloat16 LibTorch multiplies on the AMX units
+// and is 2-5x faster, except that training on 128 keys runs 1.5-1.7x faster
+// through attn's float32 kernels. Other versions, CPUs and dtypes: attn.
 bool libtorch_faster_on_cpu(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
+  if (!kLibTorchCpuRuleMeasured || !libtorch_fused_cpu_kernel_applies(query, key, value)) {
+    return false;
+  }
   const int64_t S = key.size(-2);
+  const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
     case torch::kFloat:
-      return !(options.is_causal() && S >= 384 && S <= 768);
+      return cpu.avx512 && !(options.is_causal() && S >= 384 && S <= 768);
     case torch::kBFloat16:
-      return cpu_multiplies_bfloat16() && !(inputs_need_grad(query, key, value) && S <= 256);
+      return cpu.amx_bfloat16 && !(inputs_need_grad(query, key, value) && S <= 256);
     default:
       return false;
   }

@@ -10,9 +10,11 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -23,20 +25,30 @@ using attn::testing::max_abs_diff;
 
 constexpr bool kLibTorch2 = TORCH_VERSION_MAJOR >= 2;
 
-bool cpu_multiplies_bfloat16() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return __builtin_cpu_supports("avx512bf16");
+// The CPU features under which docs/BENCHMARKS.md measured LibTorch's
+// kernel faster; GCC names them (the library's rule keeps attn's kernel
+// elsewhere).
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  const std::string name = feature;
+  return name == "avx512f" ? __builtin_cpu_supports("avx512f") : __builtin_cpu_supports("amx-bf16");
 #else
+  (void)feature;
   return false;
 #endif
 }
+
+constexpr bool kRuleMeasured =
+    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 
 struct Inputs {
   torch::Tensor q, k, v;
 };
 
-// (B, H, L, D) = (2, 3, 40, 16) query against 40 keys, float32.
+// (B, H, L, D) = (2, 3, 40, 16) query against 40 keys, float32, from a
+// fixed seed.
 Inputs make_inputs(bool requires_grad = false, torch::ScalarType dtype = torch::kFloat) {
+  torch::manual_seed(7);
   const auto make = [&](int64_t length) {
     return torch::randn({2, 3, length, 16}).to(dtype).requires_grad_(requires_grad);
   };
@@ -80,30 +92,33 @@ TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
   EXPECT_EQ(select_backend(d.q, d.k, d.v, no_weights), AttentionBackend::fused_cpu);
 }
 
-// The measured rule of docs/BENCHMARKS.md: LibTorch's kernel where it is
-// faster, on LibTorch 2.x only.
-TEST(BackendSelection, OnLibTorch2TheFasterFusedKernelRuns) {
+// The measured rule of docs/BENCHMARKS.md: LibTorch's kernel where it was
+// measured faster (LibTorch 2.15 on, AVX-512 or AMX CPUs), attn's elsewhere.
+TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const auto no_weights = SDPAOptions().need_weights(false);
   const auto lengths = [](int64_t L, int64_t S, torch::ScalarType dtype, bool grad) {
     return Inputs{torch::randn({1, 2, L, 8}, dtype).requires_grad_(grad),
                   torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad),
                   torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad)};
   };
-  const auto expect = [&](const Inputs& in, const SDPAOptions& options, AttentionBackend on_2x) {
+  const auto expect = [&](const Inputs& in, const SDPAOptions& options, AttentionBackend measured) {
     EXPECT_EQ(select_backend(in.q, in.k, in.v, options),
-              kLibTorch2 ? on_2x : AttentionBackend::fused_cpu)
+              kRuleMeasured ? measured : AttentionBackend::fused_cpu)
         << "L=" << in.q.size(2) << " S=" << in.k.size(2) << " " << in.q.scalar_type()
         << (in.q.requires_grad() ? " grad" : "") << (options.is_causal() ? " causal" : "");
   };
   const auto causal = SDPAOptions(no_weights).is_causal(true);
-  expect(lengths(128, 128, torch::kFloat, false), no_weights, AttentionBackend::libtorch);
-  expect(lengths(2048, 2048, torch::kFloat, true), no_weights, AttentionBackend::libtorch);
-  expect(lengths(1024, 1024, torch::kFloat, false), causal, AttentionBackend::libtorch);
+  const auto float32 = cpu_has("avx512f") ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
+  expect(lengths(128, 128, torch::kFloat, false), no_weights, float32);
+  expect(lengths(2048, 2048, torch::kFloat, true), no_weights, float32);
+  expect(lengths(1024, 1024, torch::kFloat, false), causal, float32);
   expect(lengths(512, 512, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
   expect(lengths(512, 512, torch::kFloat, true), causal, AttentionBackend::fused_cpu);
-  // bfloat16 goes to LibTorch only where the CPU multiplies it natively.
-  const auto bf16 = cpu_multiplies_bfloat16() ? AttentionBackend::libtorch
-                                               : AttentionBackend::fused_cpu;
+  // A value width other than the query's: LibTorch would hold the scores.
+  const auto wide_value = Inputs{torch::randn({1, 2, 64, 8}), torch::randn({1, 2, 64, 8}),
+                                 torch::randn({1, 2, 64, 12})};
+  expect(wide_value, no_weights, AttentionBackend::fused_cpu);
+  const auto bf16 = cpu_has("amx-bf16") ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
   expect(lengths(512, 512, torch::kBFloat16, true), causal, bf16);
   expect(lengths(128, 128, torch::kBFloat16, false), no_weights, bf16);
   expect(lengths(128, 128, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
@@ -125,7 +140,9 @@ TEST(BackendSelection, AMaskThatNeedsAGradientTakesTheMathPath) {
             AttentionBackend::math);
 }
 
-TEST(BackendSelection, HalfPrecisionOnTheCpuChoosesAsFloat32Does) {
+// Requests that only attn's backends run: half precision takes the one
+// float32 takes.
+TEST(BackendSelection, HalfPrecisionOnAttnsBackendsChoosesAsFloat32Does) {
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     const auto low = make_inputs(false, dtype);
     const auto in = make_inputs();
@@ -166,6 +183,9 @@ TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
     EXPECT_ATTN_ERROR(
         attn::scaled_dot_product_attention(in.q, in.k, in.v, SDPAOptions(libtorch).window(3)),
         "backend libtorch was requested, but it has no sliding window");
+    EXPECT_ATTN_ERROR(
+        attn::scaled_dot_product_attention(in.q, in.k, in.v, SDPAOptions(libtorch).scale(-0.5)),
+        "backend libtorch was requested, but it takes only a positive scale, got -0.5");
     EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(
                           in.q, in.k.narrow(2, 0, 30), in.v.narrow(2, 0, 30),
                           SDPAOptions(libtorch).is_causal(true)),
@@ -239,6 +259,65 @@ TEST(RequestedBackend, EveryBackendMatchesTheFloat64Oracle) {
       expect_matches_oracle(backend, causal, torch::kFloat, 1e-5);
       expect_matches_oracle(backend, causal, torch::kDouble, 1e-12);
     }
+  }
+}
+
+// LibTorch's kernel behind attn's function on the shapes and options the
+// function accepts: 2-d and 5-d inputs, a value width other than the
+// query's, a custom scale, strided inputs, grouped queries in their trivial
+// form; outputs and gradients against the float64 oracle.
+TEST(RequestedBackend, LibTorchMatchesTheOracleOnEveryShapeItTakes) {
+  if (!kLibTorch2) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no at::scaled_dot_product_attention";
+  }
+  torch::manual_seed(11);
+  struct Case {
+    const char* name;
+    torch::Tensor q, k, v;
+    SDPAOptions options;
+  };
+  const auto rand = [](std::vector<int64_t> shape) {
+    return torch::randn(shape, torch::kDouble);
+  };
+  const auto libtorch = SDPAOptions().need_weights(false).backend(AttentionBackend::libtorch);
+  const Case cases[] = {
+      {"2-d", rand({9, 8}), rand({11, 8}), rand({11, 8}), libtorch},
+      {"5-d causal", rand({2, 2, 3, 10, 8}), rand({2, 2, 3, 10, 8}), rand({2, 2, 3, 10, 8}),
+       SDPAOptions(libtorch).is_causal(true)},
+      {"value width 5", rand({2, 7, 8}), rand({2, 9, 8}), rand({2, 9, 5}), libtorch},
+      {"scale 0.3", rand({2, 7, 8}), rand({2, 9, 8}), rand({2, 9, 8}), SDPAOptions(libtorch).scale(0.3)},
+      {"transposed", rand({2, 8, 7}).transpose(1, 2), rand({2, 8, 9}).transpose(1, 2),
+       rand({2, 6, 9}).transpose(1, 2), libtorch},
+      {"enable_gqa, equal heads", rand({1, 3, 6, 8}), rand({1, 3, 6, 8}), rand({1, 3, 6, 8}),
+       SDPAOptions(libtorch).enable_gqa(true)},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto q = c.q.clone().requires_grad_(), k = c.k.clone().requires_grad_(),
+               v = c.v.clone().requires_grad_();
+    const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, c.options);
+    const auto flat = [](const torch::Tensor& t) {
+      return t.detach().reshape({-1, t.size(-2), t.size(-1)});
+    };
+    const int64_t L = q.size(-2), S = k.size(-2);
+    const auto bias = c.options.is_causal()
+        ? torch::zeros({L, S}, torch::kDouble)
+              .masked_fill(attn::testing::band_mask(L, S, 0, true, 0).logical_not(),
+                           -std::numeric_limits<double>::infinity())
+              .expand({flat(q).size(0), L, S})
+        : torch::Tensor();
+    const double scale = c.options.scale().value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+    const auto [expected, expected_weights] =
+        attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, scale);
+    EXPECT_EQ(out.sizes().back(), v.size(-1));
+    EXPECT_LE(max_abs_diff(flat(out), expected), 1e-12);
+    const auto upstream = torch::randn_like(out);
+    out.backward(upstream);
+    const auto grads = attn::testing::reference_attention_gradients(
+        flat(q), flat(k), flat(v), bias, scale, flat(upstream));
+    EXPECT_LE(max_abs_diff(flat(q.grad()), grads[0]), 1e-12);
+    EXPECT_LE(max_abs_diff(flat(k.grad()), grads[1]), 1e-12);
+    EXPECT_LE(max_abs_diff(flat(v.grad()), grads[2]), 1e-12);
   }
 }
 

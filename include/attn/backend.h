@@ -27,11 +27,13 @@ enum class AttentionBackend {
   /// inference: no gradients, no dropout.
   fused_cpu_weights,
   /// LibTorch's own `at::scaled_dot_product_attention` (LibTorch 2.0 and
-  /// later; a custom `scale` needs 2.1): flash and memory-efficient kernels
-  /// on CUDA, a fused kernel on the CPU. Only for requests where it computes
-  /// exactly what attn does: no weights, no `attn_mask`, no `window`, causal
-  /// only with `L == S` and no `query_offset`, grouped queries only with as
-  /// many key/value heads as query heads.
+  /// later; a custom `scale` needs 2.1 and must be positive): flash and
+  /// memory-efficient kernels on CUDA, a fused kernel on the CPU. Only for
+  /// requests whose result attn defines the same way: no weights, no
+  /// `attn_mask`, no `window`, causal only with `L == S` and no
+  /// `query_offset`, grouped queries only with as many key/value heads as
+  /// query heads. Half precision is computed as LibTorch computes it
+  /// (bfloat16 products, float32 sums), not in float32 throughout.
   libtorch,
   /// ATen operations written as the formula reads; any device and dtype,
   /// dropout, and gradients for everything, the mask included. Materialises

@@ -40,9 +40,10 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
 /// 1. `options.backend()` when set.
 /// 2. On the CPU, without dropout and without a mask that needs a gradient:
 ///    `fused_cpu_weights` when weights are asked for and no gradient is
-///    needed; otherwise, without weights, `libtorch` for float32 where it is
-///    measured faster than attn's kernel (LibTorch 2.x; see
-///    docs/BENCHMARKS.md), else `fused_cpu`.
+///    needed; otherwise, without weights, `libtorch` where it applies and
+///    was measured faster than attn's kernel (float32 and bfloat16, from
+///    LibTorch 2.15 on, on CPUs like the one measured; see
+///    docs/BENCHMARKS.md, "Choosing the CPU backend"), else `fused_cpu`.
 /// 3. On CUDA: `libtorch` where it applies.
 /// 4. `math` for everything else.
 ///
