@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <vector>
 
 namespace attn {
 namespace detail {
@@ -159,31 +160,11 @@ torch::Tensor as_4d(const torch::Tensor& t) {
   }
 }
 
-// The request's dtype on a CPU that computes it in float32.
-bool computed_in_float32_on_cpu(const torch::Tensor& query) {
-  const auto dtype = query.scalar_type();
-  return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
-}
-
-// Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
-// weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
-// attn's CPU backends compute in float32 and round the results once.
-std::tuple<torch::Tensor, torch::Tensor> in_float32(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options,
-    AttentionBackend backend) {
-  const auto& mask = options.attn_mask();
-  auto float_options = SDPAOptions(options).backend(backend);
-  if (mask.defined() && mask.scalar_type() != torch::kBool) {
-    float_options.attn_mask(mask.to(torch::kFloat));
-  }
-  const auto [output, weights] = scaled_dot_product_attention(
-      query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
-      float_options);
-  const auto dtype = query.scalar_type();
-  return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
+// query's shape with its last dim replaced: (..., L, last).
+std::vector<int64_t> with_last_dim(const torch::Tensor& query, int64_t last) {
+  auto shape = query.sizes().vec();
+  shape.back() = last;
+  return shape;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
@@ -193,10 +174,8 @@ std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
     const SDPAOptions& options,
     double scale,
     bool with_weights) {
-  auto output_shape = query.sizes().vec();
-  output_shape.back() = value.size(-1); // (..., L, Ev)
-  auto weights_shape = query.sizes().vec();
-  weights_shape.back() = key.size(-2);  // (..., L, S)
+  const auto output_shape = with_last_dim(query, value.size(-1));  // (..., L, Ev)
+  const auto weights_shape = with_last_dim(query, key.size(-2));   // (..., L, S)
   const auto& mask = options.attn_mask();
   const detail::CpuAttentionConfig config{
       mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(),
@@ -217,12 +196,59 @@ torch::Tensor run_libtorch(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  auto output_shape = query.sizes().vec();
-  output_shape.back() = value.size(-1); // (..., L, Ev)
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
   return detail::native_attention(as_4d(query), as_4d(key), as_4d(value), dropout_p,
                                   options.is_causal(), options.scale())
-      .reshape(output_shape);
+      .reshape(with_last_dim(query, value.size(-1)));
+}
+
+// Runs `backend`, already chosen for this checked request.
+std::tuple<torch::Tensor, torch::Tensor> run_backend(
+    AttentionBackend backend,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const double scale = options.scale().value_or(
+      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  switch (backend) {
+    case AttentionBackend::fused_cpu:
+    case AttentionBackend::fused_cpu_weights:
+      return run_fused_cpu(query, key, value, options, scale,
+                           backend == AttentionBackend::fused_cpu_weights);
+    case AttentionBackend::libtorch:
+      return {run_libtorch(query, key, value, options), torch::Tensor()};
+    case AttentionBackend::math:
+      break;
+  }
+  return detail::math_attention(query, key, value, options, scale);
+}
+
+// The request's dtype on a CPU that computes it in float32.
+bool computed_in_float32_on_cpu(const torch::Tensor& query) {
+  const auto dtype = query.scalar_type();
+  return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
+}
+
+// Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
+// weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
+// attn's CPU backends compute in float32 and round the results once.
+std::tuple<torch::Tensor, torch::Tensor> run_in_float32(
+    AttentionBackend backend,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const auto& mask = options.attn_mask();
+  auto float_options = options;
+  if (mask.defined() && mask.scalar_type() != torch::kBool) {
+    float_options.attn_mask(mask.to(torch::kFloat));
+  }
+  const auto [output, weights] = run_backend(
+      backend, query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
+      float_options);
+  const auto dtype = query.scalar_type();
+  return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
 }
 
 } // namespace
@@ -249,24 +275,11 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   const auto backend = select_backend(query, key, value, options);
-  if (backend == AttentionBackend::libtorch) {
-    return {run_libtorch(query, key, value, options), torch::Tensor()};
+  // LibTorch's kernel computes half precision its own way.
+  if (backend != AttentionBackend::libtorch && computed_in_float32_on_cpu(query)) {
+    return run_in_float32(backend, query, key, value, options);
   }
-  if (computed_in_float32_on_cpu(query)) {
-    return in_float32(query, key, value, options, backend);
-  }
-  const double scale = options.scale().value_or(
-      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
-  switch (backend) {
-    case AttentionBackend::fused_cpu:
-    case AttentionBackend::fused_cpu_weights:
-      return run_fused_cpu(query, key, value, options, scale,
-                           backend == AttentionBackend::fused_cpu_weights);
-    case AttentionBackend::libtorch:
-    case AttentionBackend::math:
-      break;
-  }
-  return detail::math_attention(query, key, value, options, scale);
+  return run_backend(backend, query, key, value, options);
 }
 
 } // namespace attn
