@@ -2,8 +2,8 @@
 
 #include <attn/functional.h>
 
-#include "../checks.h"
-#include "../kernels/math_attention.h"
+#include "checks.h"
+#include "kernels/math_attention.h"
 
 #include <torch/torch.h>
 
