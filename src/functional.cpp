@@ -1,10 +1,10 @@
 #include <attn/functional.h>
 
 #include "backend.h"
-#include "checks.h"
 #include "compat.h"
 #include "kernels/cpu_attention.h"
 #include "kernels/math_attention.h"
+#include "masks.h"
 
 #include <torch/torch.h>
 
@@ -14,37 +14,12 @@
 #include <vector>
 
 namespace attn {
-namespace detail {
-
-void check_mask_dtype_and_device(
-    const char* caller,
-    const char* name,
-    const torch::Tensor& mask,
-    const torch::Tensor& query) {
-  TORCH_CHECK(
-      mask.scalar_type() == torch::kBool ||
-          mask.scalar_type() == query.scalar_type(),
-      caller, ": ", name, " must be bool or have the query's dtype ",
-      query.scalar_type(), ", got ", mask.scalar_type());
-  TORCH_CHECK(
-      mask.device() == query.device(), caller, ": ", name,
-      " must be on the query's device ", query.device(), ", got ",
-      mask.device());
-}
-
-} // namespace detail
-
 namespace {
 
 constexpr const char* kCaller = "scaled_dot_product_attention";
 
-// Query offsets are bounded by 2^60 (no tensor is that long), so every
-// query-key distance is below 2^61 and a window of 2^62 reaches them all:
-// with both bounds the kernels' position arithmetic stays in int64.
-constexpr int64_t kMaxPosition = int64_t{1} << 60;
-constexpr int64_t kUnboundedWindow = int64_t{1} << 62;
-
-void check_inputs(
+// The leading dims: equal, or with enable_gqa, fewer key/value heads.
+void check_leading_dims(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
@@ -90,6 +65,13 @@ void check_inputs(
         "query ", query.sizes(), ", key ", key.sizes(), ", value ",
         value.sizes(), " (enable_gqa allows fewer key/value heads)");
   }
+}
+
+// Feature sizes, lengths, dtypes and devices.
+void check_features_dtypes_and_devices(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
   const auto E = query.size(-1);
   TORCH_CHECK(
       E > 0, kCaller, ": query must have a feature size E > 0, got ",
@@ -116,8 +98,12 @@ void check_inputs(
       kCaller, ": key and value must be on the query's device ",
       query.device(), ", got key on ", key.device(), " and value on ",
       value.device());
+}
 
-  const auto& mask = options.attn_mask();
+void check_attn_mask(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& mask) {
   if (mask.defined()) {
     detail::check_mask_dtype_and_device(kCaller, "attn_mask", mask, query);
     auto scores_shape = query.sizes().vec();
@@ -132,6 +118,9 @@ void check_inputs(
         ": attn_mask must be broadcastable to the scores' shape (..., L, S) = ",
         torch::IntArrayRef(scores_shape), ", got ", mask.sizes());
   }
+}
+
+void check_option_values(const SDPAOptions& options) {
   TORCH_CHECK(
       options.dropout_p() >= 0.0 && options.dropout_p() <= 1.0, kCaller,
       ": dropout_p must be in [0, 1], got ", options.dropout_p());
@@ -142,8 +131,19 @@ void check_inputs(
       !options.window() || *options.window() > 0, kCaller,
       ": window must be a positive number of keys, got ", *options.window());
   TORCH_CHECK(
-      std::abs(options.query_offset()) <= kMaxPosition, kCaller,
+      std::abs(options.query_offset()) <= detail::kMaxQueryOffset, kCaller,
       ": query_offset must be within ±2^60, got ", options.query_offset());
+}
+
+void check_inputs(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  check_leading_dims(query, key, value, options);
+  check_features_dtypes_and_devices(query, key, value);
+  check_attn_mask(query, key, options.attn_mask());
+  check_option_values(options);
 }
 
 // (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
@@ -180,7 +180,7 @@ std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
   const detail::CpuAttentionConfig config{
       mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(),
       scale, options.is_causal(), options.query_offset(),
-      std::min(options.window().value_or(0), kUnboundedWindow)};
+      std::min(options.window().value_or(0), detail::kUnboundedWindow)};
   const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
   if (!with_weights) {
     return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape),

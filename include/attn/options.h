@@ -15,7 +15,11 @@ namespace attn {
 
 class KVCache;
 
-/// Options for `attn::scaled_dot_product_attention`.
+/// Per-call options of the function `attn::scaled_dot_product_attention`
+/// (SDPA): everything one call can vary, masks included. Not to be confused
+/// with `ScaledDotProductAttentionOptions`, the construction options of the
+/// module `attn::ScaledDotProductAttention`, which holds only what stays
+/// fixed across calls (dropout, scale).
 ///
 /// Example:
 /// ```
@@ -58,7 +62,11 @@ struct SDPAOptions {
   TORCH_ARG(c10::optional<AttentionBackend>, backend) = c10::nullopt;
 };
 
-/// Options for the `attn::ScaledDotProductAttention` module.
+/// Construction options of the module `attn::ScaledDotProductAttention`:
+/// what stays fixed across its calls. Each call's masks and causality are
+/// arguments of its `forward`; the function
+/// `attn::scaled_dot_product_attention` takes all of it per call, in
+/// `SDPAOptions`.
 ///
 /// Example:
 /// ```

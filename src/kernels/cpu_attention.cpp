@@ -40,17 +40,41 @@ int64_t parallel_grain(double flops_per_unit) {
   return static_cast<int64_t>(std::ceil(kMinParallelFlops / std::max(flops_per_unit, 1.0)));
 }
 
-// The kernels' parallel loop: BLAS on one thread inside the tasks when they
-// run in parallel (two pools on the same cores would contend), inline with
-// the BLAS as it is set otherwise.
-template <typename Body>
-void parallel_units(int64_t units, double flops_per_unit, const Body& body) {
-  const int64_t grain = parallel_grain(flops_per_unit);
+// One task's share of the work: query rows [i0, i0 + rows) of head (b, h).
+struct QueryTile {
+  int64_t b = 0, h = 0, i0 = 0, rows = 0;
+};
+
+// The kernels' parallel loop: `body(scratch, tile)` for every tile of
+// `tile_rows` queries of every (b, h) head of a (B, H, L) grid, with one
+// `make_scratch()` per task. BLAS runs on one thread inside the tasks when
+// they run in parallel (two pools on the same cores would contend), and as
+// it is set when the loop runs inline.
+template <typename MakeScratch, typename Body>
+void parallel_query_tiles(
+    int64_t B,
+    int64_t H,
+    int64_t L,
+    int64_t tile_rows,
+    double flops_per_tile,
+    const MakeScratch& make_scratch,
+    const Body& body) {
+  const int64_t tiles = L > 0 ? ceil_div(L, tile_rows) : 0;
+  const int64_t grain = parallel_grain(flops_per_tile);
   c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
-  if (units > grain) {
+  if (B * H * tiles > grain) {
     one_blas_thread_per_task.emplace();
   }
-  at::parallel_for(0, units, grain, body);
+  at::parallel_for(0, B * H * tiles, grain, [&](int64_t begin, int64_t end) {
+    // Grad mode is thread-local: worker threads start with it on.
+    const torch::NoGradGuard no_grad;
+    auto scratch = make_scratch();
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t i0 = unit % tiles * tile_rows;
+      body(scratch, QueryTile{unit / (H * tiles), unit / tiles % H, i0,
+                              std::min(tile_rows, L - i0)});
+    }
+  });
 }
 
 // (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
@@ -61,19 +85,16 @@ torch::Tensor empty_heads_interleaved(
 }
 
 // Element access to the (B, H, L, S) mask through its (possibly zero,
-// broadcast) strides, plus the band that `causal` and `window` leave
-// visible: keys [key_begin(i), key_end(i)) for query i.
+// broadcast) strides, plus the band of keys that `causal` and `window`
+// leave visible.
 template <typename scalar_t>
 struct MaskView {
   const bool* allowed = nullptr;  // bool mask: true = may attend
   const scalar_t* bias = nullptr; // additive mask
   int64_t stride_b = 0, stride_h = 0, stride_l = 0, stride_s = 0;
-  bool causal = false;
-  int64_t query_offset = 0, window = 0, S = 0;
+  KeyBand band;
 
-  MaskView(const CpuAttentionConfig& config, int64_t S)
-      : causal(config.causal), query_offset(config.query_offset),
-        window(config.window), S(S) {
+  MaskView(const CpuAttentionConfig& config, int64_t S) : band(config.key_band(S)) {
     const auto& mask = config.mask;
     if (!mask.defined()) {
       return;
@@ -89,17 +110,10 @@ struct MaskView {
     }
   }
 
-  // First key query i may see; nondecreasing in i.
-  int64_t key_begin(int64_t i) const {
-    return window > 0 ? std::clamp<int64_t>(i + query_offset - window + 1, 0, S) : 0;
-  }
-
-  // One past the last key query i may see; nondecreasing in i.
-  int64_t key_end(int64_t i) const {
-    if (causal) {
-      return std::clamp<int64_t>(i + query_offset + 1, 0, S);
-    }
-    return window > 0 ? std::clamp<int64_t>(i + query_offset + window, 0, S) : S;
+  // The keys [key_begin, key_end) that some query of `tile` sees.
+  int64_t tile_key_begin(const QueryTile& tile) const { return band.begin(tile.i0); }
+  int64_t tile_key_end(const QueryTile& tile) const {
+    return std::max(tile_key_begin(tile), band.end(tile.i0 + tile.rows - 1));
   }
 
   // Applies the masks to the scores of query i against keys j0 .. j0+n-1.
@@ -117,8 +131,8 @@ struct MaskView {
         scores[j] += bias[base + j * stride_s];
       }
     }
-    const int64_t visible_begin = std::clamp<int64_t>(key_begin(i) - j0, 0, n);
-    const int64_t visible_end = std::clamp<int64_t>(key_end(i) - j0, visible_begin, n);
+    const int64_t visible_begin = std::clamp<int64_t>(band.begin(i) - j0, 0, n);
+    const int64_t visible_end = std::clamp<int64_t>(band.end(i) - j0, visible_begin, n);
     std::fill(scores, scores + visible_begin, kNegativeInfinity<scalar_t>);
     std::fill(scores + visible_end, scores + n, kNegativeInfinity<scalar_t>);
   }
@@ -143,6 +157,34 @@ void scale_row(scalar_t* row, int64_t n, scalar_t factor) {
   }
 }
 
+// A forward task's working memory: one tile's scores and its rows' running
+// maximum and sum (online softmax).
+template <typename scalar_t>
+struct ForwardScratch {
+  torch::Tensor scores; // (kQueryTile, key_block)
+  std::vector<scalar_t> running_max, running_sum;
+};
+
+// Folds one block of scores (row r of `scores`, already masked) into row
+// r's running maximum and sum, turning the scores into exp(score - max) and
+// rescaling the output row accumulated under the previous maximum.
+template <typename scalar_t>
+void online_softmax_row(ForwardScratch<scalar_t>& scratch, int64_t r, scalar_t* row,
+                        int64_t cols, scalar_t* out_row, int64_t Dv) {
+  scalar_t& running_max = scratch.running_max[r];
+  const scalar_t new_max = std::max(running_max, row_max(row, cols));
+  if (new_max == kNegativeInfinity<scalar_t>) {
+    std::fill(row, row + cols, scalar_t(0)); // nothing visible yet
+    return;
+  }
+  const scalar_t correction = std::exp(running_max - new_max);
+  scratch.running_sum[r] = scratch.running_sum[r] * correction + exp_shifted_sum(row, cols, new_max);
+  running_max = new_max;
+  if (correction != scalar_t(1)) {
+    scale_row(out_row, Dv, correction);
+  }
+}
+
 // Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L).
 template <typename scalar_t>
 void flash_forward(
@@ -154,63 +196,53 @@ void flash_forward(
     const torch::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   const int64_t Dv = v.size(3), group = kv_group(q, k);
-  const int64_t tiles = ceil_div(L, kQueryTile);
   const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
   const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
 
-  const int64_t tile_rows = std::min(kQueryTile, L);
-  parallel_units(B * H * tiles, 2.0 * tile_rows * S * (q.size(3) + Dv), [&](int64_t begin, int64_t end) {
-    // Grad mode is thread-local: worker threads start with it on.
-    const torch::NoGradGuard no_grad;
-    auto scores = torch::empty({tile_rows, key_block}, q.options());
-    std::vector<scalar_t> running_max(kQueryTile), running_sum(kQueryTile);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit / (H * tiles), h = unit / tiles % H;
-      const int64_t i0 = unit % tiles * kQueryTile;
-      const int64_t rows = std::min(kQueryTile, L - i0);
-      const auto q_tile = q[b][h].narrow(0, i0, rows);   // (rows, D)
-      auto out_tile = out[b][h].narrow(0, i0, rows);     // (rows, Dv)
-      out_tile.zero_();
-      std::fill(running_max.begin(), running_max.end(), kNegativeInfinity<scalar_t>);
-      std::fill(running_sum.begin(), running_sum.end(), scalar_t(0));
+  const auto make_scratch = [&] {
+    return ForwardScratch<scalar_t>{torch::empty({std::min(kQueryTile, L), key_block}, q.options()),
+                                    std::vector<scalar_t>(kQueryTile),
+                                    std::vector<scalar_t>(kQueryTile)};
+  };
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, L) * S * (q.size(3) + Dv);
+  parallel_query_tiles(B, H, L, kQueryTile, flops_per_tile, make_scratch,
+                       [&](ForwardScratch<scalar_t>& scratch, const QueryTile& tile) {
+    const auto [b, h, i0, rows] = tile;
+    const auto q_tile = q[b][h].narrow(0, i0, rows); // (rows, D)
+    auto out_tile = out[b][h].narrow(0, i0, rows);   // (rows, Dv)
+    out_tile.zero_();
+    std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
+    std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
 
-      const auto k_head = k[b][h / group], v_head = v[b][h / group];
-      const int64_t key_end = mask.key_end(i0 + rows - 1);
-      for (int64_t j0 = mask.key_begin(i0); j0 < key_end; j0 += key_block) {
-        const int64_t cols = std::min(key_block, key_end - j0);
-        auto block = scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
-        at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, scale);
-        for (int64_t r = 0; r < rows; ++r) {
-          scalar_t* row = scores.data_ptr<scalar_t>() + r * key_block;
-          mask.apply(row, cols, b, h, i0 + r, j0);
-          const scalar_t new_max = std::max(running_max[r], row_max(row, cols));
-          if (new_max == kNegativeInfinity<scalar_t>) {
-            std::fill(row, row + cols, scalar_t(0)); // nothing visible yet
-            continue;
-          }
-          // Rescale what was accumulated under the previous maximum.
-          const scalar_t correction = std::exp(running_max[r] - new_max);
-          running_sum[r] = running_sum[r] * correction + exp_shifted_sum(row, cols, new_max);
-          running_max[r] = new_max;
-          if (correction != scalar_t(1)) {
-            scale_row(row_ptr<scalar_t>(out, b, h, i0 + r), Dv, correction);
-          }
-        }
-        at::addmm_out(out_tile, out_tile, block, v_head.narrow(0, j0, cols));
-      }
-
-      scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
+    const auto k_head = k[b][h / group], v_head = v[b][h / group];
+    const int64_t key_end = mask.tile_key_end(tile);
+    for (int64_t j0 = mask.tile_key_begin(tile); j0 < key_end; j0 += key_block) {
+      const int64_t cols = std::min(key_block, key_end - j0);
+      auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
+      at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, scale);
       for (int64_t r = 0; r < rows; ++r) {
-        const bool any_visible = running_sum[r] > 0;
-        scale_row(row_ptr<scalar_t>(out, b, h, i0 + r), Dv,
-                  any_visible ? scalar_t(1) / running_sum[r] : scalar_t(0));
-        lse_row[r] = any_visible ? running_max[r] + std::log(running_sum[r])
-                                 : kNegativeInfinity<scalar_t>;
+        scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * key_block;
+        mask.apply(row, cols, b, h, i0 + r, j0);
+        online_softmax_row(scratch, r, row, cols, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
       }
+      at::addmm_out(out_tile, out_tile, block, v_head.narrow(0, j0, cols));
+    }
+
+    scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t sum = scratch.running_sum[r];
+      scale_row(row_ptr<scalar_t>(out, b, h, i0 + r), Dv, sum > 0 ? scalar_t(1) / sum : scalar_t(0));
+      lse_row[r] = sum > 0 ? scratch.running_max[r] + std::log(sum) : kNegativeInfinity<scalar_t>;
     }
   });
 }
+
+// A backward task's working memory: one tile's probabilities and their
+// gradients.
+struct BackwardScratch {
+  torch::Tensor probs, grad_scores; // (kQueryTile, key_block)
+};
 
 // Backward: accumulates dq, dk, dv (zero-initialised, (B, H, ·, ·): one
 // key/value gradient per query head, which grouped-query callers sum). One
@@ -236,57 +268,56 @@ void flash_backward(
   // row term, computed once instead of once per key block.
   const auto delta = (grad_out * out).sum(-1).contiguous(); // (B, H, L)
 
-  const int64_t tile_rows = std::min(kQueryTile, L);
-  // Five GEMMs of L·S·D per (b, h).
-  parallel_units(B * H, 10.0 * L * S * q.size(3), [&](int64_t begin, int64_t end) {
-    // Grad mode is thread-local: worker threads start with it on.
-    const torch::NoGradGuard no_grad;
-    auto probs = torch::empty({tile_rows, key_block}, q.options());
-    auto grad_scores = torch::empty({tile_rows, key_block}, q.options());
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit / H, h = unit % H;
-      const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
-      const scalar_t* delta_bh = delta[b][h].data_ptr<scalar_t>();
-      for (int64_t i0 = 0; i0 < L; i0 += kQueryTile) {
-        const int64_t rows = std::min(kQueryTile, L - i0);
-        const auto q_tile = q[b][h].narrow(0, i0, rows);
-        const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
-        auto dq_tile = dq[b][h].narrow(0, i0, rows);
-        const int64_t key_end = mask.key_end(i0 + rows - 1);
-        for (int64_t j0 = mask.key_begin(i0); j0 < key_end; j0 += key_block) {
-          const int64_t cols = std::min(key_block, key_end - j0);
-          const auto k_block = k[b][h / group].narrow(0, j0, cols);
-          const auto v_block = v[b][h / group].narrow(0, j0, cols);
-          auto dk_block = dk[b][h].narrow(0, j0, cols);
-          auto dv_block = dv[b][h].narrow(0, j0, cols);
-          auto p = probs.narrow(0, 0, rows).narrow(1, 0, cols);
-          auto ds = grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
+  const auto make_scratch = [&] {
+    const auto tile = torch::empty({std::min(kQueryTile, L), key_block}, q.options());
+    return BackwardScratch{tile, torch::empty_like(tile)};
+  };
+  // A whole head per task, in query tiles: five GEMMs of L·S·D.
+  parallel_query_tiles(B, H, L, std::max<int64_t>(L, 1), 10.0 * L * S * q.size(3), make_scratch,
+                       [&](BackwardScratch& scratch, const QueryTile& head) {
+    const int64_t b = head.b, h = head.h;
+    const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
+    const scalar_t* delta_bh = delta[b][h].data_ptr<scalar_t>();
+    for (int64_t i0 = 0; i0 < L; i0 += kQueryTile) {
+      const QueryTile tile{b, h, i0, std::min(kQueryTile, L - i0)};
+      const int64_t rows = tile.rows;
+      const auto q_tile = q[b][h].narrow(0, i0, rows);
+      const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
+      auto dq_tile = dq[b][h].narrow(0, i0, rows);
+      const int64_t key_end = mask.tile_key_end(tile);
+      for (int64_t j0 = mask.tile_key_begin(tile); j0 < key_end; j0 += key_block) {
+        const int64_t cols = std::min(key_block, key_end - j0);
+        const auto k_block = k[b][h / group].narrow(0, j0, cols);
+        const auto v_block = v[b][h / group].narrow(0, j0, cols);
+        auto dk_block = dk[b][h].narrow(0, j0, cols);
+        auto dv_block = dv[b][h].narrow(0, j0, cols);
+        auto p = scratch.probs.narrow(0, 0, rows).narrow(1, 0, cols);
+        auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
 
-          // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
-          at::addmm_out(p, p, q_tile, k_block.t(), 0, scale);
-          for (int64_t r = 0; r < rows; ++r) {
-            scalar_t* row = probs.data_ptr<scalar_t>() + r * key_block;
-            mask.apply(row, cols, b, h, i0 + r, j0);
-            if (lse_bh[i0 + r] == kNegativeInfinity<scalar_t>) {
-              std::fill(row, row + cols, scalar_t(0)); // fully masked row
-            } else {
-              exp_shifted_sum(row, cols, lse_bh[i0 + r]);
-            }
+        // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
+        at::addmm_out(p, p, q_tile, k_block.t(), 0, scale);
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * key_block;
+          mask.apply(row, cols, b, h, i0 + r, j0);
+          if (lse_bh[i0 + r] == kNegativeInfinity<scalar_t>) {
+            std::fill(row, row + cols, scalar_t(0)); // fully masked row
+          } else {
+            exp_shifted_sum(row, cols, lse_bh[i0 + r]);
           }
-          at::addmm_out(dv_block, dv_block, p.t(), go_tile);            // dV += Pᵀ dO
-          at::addmm_out(ds, ds, go_tile, v_block.t(), 0, 1);             // dP = dO Vᵀ
-          for (int64_t r = 0; r < rows; ++r) {
-            const scalar_t* p_row = probs.data_ptr<scalar_t>() + r * key_block;
-            scalar_t* ds_row = grad_scores.data_ptr<scalar_t>() + r * key_block;
-            const scalar_t d = delta_bh[i0 + r];
-#pragma omp simd
-            for (int64_t j = 0; j < cols; ++j) {
-              ds_row[j] = p_row[j] * (ds_row[j] - d);                    // dS
-            }
-          }
-          at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, scale);        // dQ += s·dS K
-          at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, scale);   // dK += s·dSᵀ Q
         }
+        at::addmm_out(dv_block, dv_block, p.t(), go_tile);            // dV += Pᵀ dO
+        at::addmm_out(ds, ds, go_tile, v_block.t(), 0, 1);             // dP = dO Vᵀ
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * key_block;
+          scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * key_block;
+          const scalar_t d = delta_bh[i0 + r];
+#pragma omp simd
+          for (int64_t j = 0; j < cols; ++j) {
+            ds_row[j] = p_row[j] * (ds_row[j] - d);                    // dS
+          }
+        }
+        at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, scale);        // dQ += s·dS K
+        at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, scale);   // dK += s·dSᵀ Q
       }
     }
   });
@@ -304,46 +335,40 @@ void forward_with_weights(
     const torch::Tensor& weights) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   const int64_t group = kv_group(q, k);
-  const int64_t tiles = ceil_div(L, kQueryTile);
   const MaskView<scalar_t> mask(config, S);
   const auto scale = static_cast<scalar_t>(config.scale);
 
-  parallel_units(B * H * tiles, 2.0 * std::min(kQueryTile, L) * S * (q.size(3) + v.size(3)),
-                 [&](int64_t begin, int64_t end) {
-    // Grad mode is thread-local: worker threads start with it on.
-    const torch::NoGradGuard no_grad;
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit / (H * tiles), h = unit / tiles % H;
-      const int64_t i0 = unit % tiles * kQueryTile;
-      const int64_t rows = std::min(kQueryTile, L - i0);
-      auto out_tile = out[b][h].narrow(0, i0, rows);
-      auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
-      // Keys outside [key_begin, key_end) are invisible to every row.
-      const int64_t key_begin = mask.key_begin(i0);
-      const int64_t key_end = std::max(key_begin, mask.key_end(i0 + rows - 1));
-      const int64_t cols = key_end - key_begin;
-      w_tile.narrow(1, 0, key_begin).zero_();
-      w_tile.narrow(1, key_end, S - key_end).zero_();
-      if (cols == 0) {
-        out_tile.zero_();
+  const auto no_scratch = [] { return 0; };
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, L) * S * (q.size(3) + v.size(3));
+  parallel_query_tiles(B, H, L, kQueryTile, flops_per_tile, no_scratch,
+                       [&](int /*scratch*/, const QueryTile& tile) {
+    const auto [b, h, i0, rows] = tile;
+    auto out_tile = out[b][h].narrow(0, i0, rows);
+    auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
+    // Keys outside [key_begin, key_end) are invisible to every row.
+    const int64_t key_begin = mask.tile_key_begin(tile);
+    const int64_t key_end = mask.tile_key_end(tile);
+    const int64_t cols = key_end - key_begin;
+    w_tile.narrow(1, 0, key_begin).zero_();
+    w_tile.narrow(1, key_end, S - key_end).zero_();
+    if (cols == 0) {
+      out_tile.zero_();
+      return;
+    }
+    auto visible = w_tile.narrow(1, key_begin, cols);
+    at::addmm_out(visible, visible, q[b][h].narrow(0, i0, rows),
+                  k[b][h / group].narrow(0, key_begin, cols).t(), 0, scale);
+    for (int64_t r = 0; r < rows; ++r) {
+      scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
+      mask.apply(row, cols, b, h, i0 + r, key_begin);
+      const scalar_t largest = row_max(row, cols);
+      if (largest == kNegativeInfinity<scalar_t>) {
+        std::fill(row, row + cols, scalar_t(0));
         continue;
       }
-      auto visible = w_tile.narrow(1, key_begin, cols);
-      at::addmm_out(visible, visible, q[b][h].narrow(0, i0, rows),
-                    k[b][h / group].narrow(0, key_begin, cols).t(), 0, scale);
-      for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
-        mask.apply(row, cols, b, h, i0 + r, key_begin);
-        const scalar_t largest = row_max(row, cols);
-        if (largest == kNegativeInfinity<scalar_t>) {
-          std::fill(row, row + cols, scalar_t(0));
-          continue;
-        }
-        scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
-      }
-      at::addmm_out(out_tile, out_tile, visible,
-                    v[b][h / group].narrow(0, key_begin, cols), 0, 1);
+      scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
     }
+    at::addmm_out(out_tile, out_tile, visible, v[b][h / group].narrow(0, key_begin, cols), 0, 1);
   });
 }
 
@@ -366,11 +391,7 @@ class FlashAttentionFunction
       flash_forward<scalar_t>(q, k, v, config, out.permute({0, 2, 1, 3}), lse);
     });
     ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["mask"] = config.mask;
-    ctx->saved_data["scale"] = config.scale;
-    ctx->saved_data["causal"] = config.causal;
-    ctx->saved_data["query_offset"] = config.query_offset;
-    ctx->saved_data["window"] = config.window;
+    config.save_to(*ctx);
     return out;
   }
 
@@ -380,10 +401,7 @@ class FlashAttentionFunction
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse = saved[4];
     const auto out = saved[3].permute({0, 2, 1, 3}); // (B, H, L, Dv)
-    const CpuAttentionConfig config{
-        ctx->saved_data["mask"].toTensor(), ctx->saved_data["scale"].toDouble(),
-        ctx->saved_data["causal"].toBool(), ctx->saved_data["query_offset"].toInt(),
-        ctx->saved_data["window"].toInt()};
+    const auto config = CpuAttentionConfig::restore_from(*ctx);
     const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3}).contiguous();
     // Gradients of the contiguous inputs, accumulated tile by tile; with
     // grouped queries, one key/value gradient per query head, summed below.
@@ -405,6 +423,20 @@ class FlashAttentionFunction
 };
 
 } // namespace
+
+void CpuAttentionConfig::save_to(torch::autograd::AutogradContext& ctx) const {
+  ctx.saved_data["mask"] = mask;
+  ctx.saved_data["scale"] = scale;
+  ctx.saved_data["causal"] = causal;
+  ctx.saved_data["query_offset"] = query_offset;
+  ctx.saved_data["window"] = window;
+}
+
+CpuAttentionConfig CpuAttentionConfig::restore_from(torch::autograd::AutogradContext& ctx) {
+  return {ctx.saved_data.at("mask").toTensor(), ctx.saved_data.at("scale").toDouble(),
+          ctx.saved_data.at("causal").toBool(), ctx.saved_data.at("query_offset").toInt(),
+          ctx.saved_data.at("window").toInt()};
+}
 
 torch::Tensor cpu_flash_attention(
     const torch::Tensor& q,

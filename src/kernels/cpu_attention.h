@@ -8,24 +8,38 @@
 //
 // Below the API boundary: inputs are already checked. q (B, H, L, D),
 // k (B, Hkv, S, D), v (B, Hkv, S, Dv) with Hkv dividing H (query head h
-// reads key/value head h / (H / Hkv)), float or double, any strides; `mask` is undefined or expanded to (B, H, L, S), bool
-// (true = may attend) or of the inputs' dtype (added).
+// reads key/value head h / (H / Hkv)), float or double, any strides;
+// `mask` is undefined or expanded to (B, H, L, S), bool (true = may attend)
+// or of the inputs' dtype (added).
+
+#include "masks.h"
 
 #include <torch/types.h>
 
 #include <tuple>
 
+namespace torch::autograd {
+struct AutogradContext;
+} // namespace torch::autograd
+
 namespace attn::detail {
 
-// Query i stands at key position i + query_offset; `causal` hides keys
-// after that position and a positive `window` hides keys at a distance of
-// `window` or more from it (SDPAOptions' rules, applied per tile).
+// What the kernels need beyond the tensors. Query i stands at key position
+// i + query_offset; `causal` and a positive `window` limit the keys it sees
+// as SDPAOptions describes (KeyBand in masks.h, applied per tile).
 struct CpuAttentionConfig {
   torch::Tensor mask;
   double scale = 1.0;
   bool causal = false;
   int64_t query_offset = 0;
-  int64_t window = 0; // 0: none
+  int64_t window = 0; // 0: none; at most kUnboundedWindow
+
+  KeyBand key_band(int64_t S) const { return {causal, query_offset, window, S}; }
+
+  // Keeps the config in an autograd context between forward and backward,
+  // and reads it back.
+  void save_to(torch::autograd::AutogradContext& ctx) const;
+  static CpuAttentionConfig restore_from(torch::autograd::AutogradContext& ctx);
 };
 
 // Output (B, H, L, Dv) — a view of (B, L, H, Dv) memory, so that merging

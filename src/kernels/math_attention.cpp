@@ -1,8 +1,9 @@
 #include "math_attention.h"
 
+#include "masks.h"
+
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <limits>
 
 namespace attn::detail {
@@ -23,32 +24,6 @@ torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
 }
 
 } // namespace
-
-torch::Tensor visible_band(
-    int64_t L,
-    int64_t S,
-    int64_t query_offset,
-    bool causal,
-    const c10::optional<int64_t>& window,
-    torch::Device device) {
-  // Query positions (L, 1) against key positions (1, S): each comparison
-  // broadcasts straight to an (L, S) bool tensor.
-  const auto positions = torch::TensorOptions(torch::kLong).device(device);
-  const auto query = (torch::arange(L, positions) + query_offset).unsqueeze(1);
-  const auto key = torch::arange(S, positions).unsqueeze(0);
-  auto visible = torch::ones({L, S}, positions.dtype(torch::kBool));
-  if (causal) {
-    visible.logical_and_(key <= query);
-  }
-  if (window) {
-    // |query - key| < window. Distances stay below 2^61 (offsets are
-    // bounded by 2^60), so a window of 2^62 reaches every key and keeps the
-    // subtractions from overflowing.
-    const auto reach = std::min(*window, int64_t{1} << 62);
-    visible.logical_and_(key > query - reach).logical_and_(key - reach < query);
-  }
-  return visible;
-}
 
 std::tuple<torch::Tensor, torch::Tensor> math_attention(
     const torch::Tensor& query,

@@ -16,16 +16,6 @@
 
 namespace attn::detail {
 
-// (L, S) bool, true where query i (at position i + query_offset) may see
-// key j under SDPAOptions' `is_causal` and `window` rules.
-torch::Tensor visible_band(
-    int64_t L,
-    int64_t S,
-    int64_t query_offset,
-    bool causal,
-    const c10::optional<int64_t>& window,
-    torch::Device device);
-
 // Inputs already checked; `scale` already resolved from the options.
 std::tuple<torch::Tensor, torch::Tensor> math_attention(
     const torch::Tensor& query,

@@ -1,0 +1,296 @@
+#include "modules/multi_head_attention_forward.h"
+
+#include <attn/functional.h>
+#include <attn/kv_cache.h>
+
+#include "masks.h"
+
+#include <torch/torch.h>
+
+namespace attn::detail {
+namespace {
+
+constexpr const char* kCaller = "MultiHeadAttention";
+
+// The call's inputs seen batch-first: (B, L, E), (B, S, kdim), (B, S, vdim).
+struct BatchFirstInputs {
+  torch::Tensor query, key, value;
+  int64_t B = 0, L = 0;
+};
+
+// Checks the inputs' shapes against the options; returns them batch-first.
+BatchFirstInputs batch_first_inputs(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const MultiHeadAttentionOptions& options) {
+  const bool batch_first = options.batch_first();
+  TORCH_CHECK(
+      query.defined() && key.defined() && value.defined(), kCaller,
+      ": query, key and value must be defined tensors");
+  TORCH_CHECK(
+      query.dim() == 3 && query.size(2) == options.embed_dim(), kCaller, ": query must be ",
+      batch_first ? "(B, L, E)" : "(L, B, E)", " with E == ", options.embed_dim(), ", got ",
+      query.sizes());
+  TORCH_CHECK(
+      key.dim() == 3 && key.size(2) == options.kdim(), kCaller, ": key must be ",
+      batch_first ? "(B, S, kdim)" : "(S, B, kdim)", " with kdim == ", options.kdim(), ", got ",
+      key.sizes());
+  TORCH_CHECK(
+      value.dim() == 3 && value.size(2) == options.vdim(), kCaller, ": value must be ",
+      batch_first ? "(B, S, vdim)" : "(S, B, vdim)", " with vdim == ", options.vdim(), ", got ",
+      value.sizes());
+
+  BatchFirstInputs inputs{
+      batch_first ? query : query.transpose(0, 1), batch_first ? key : key.transpose(0, 1),
+      batch_first ? value : value.transpose(0, 1)};
+  inputs.B = inputs.query.size(0);
+  inputs.L = inputs.query.size(1);
+  TORCH_CHECK(
+      inputs.key.size(0) == inputs.B && inputs.value.size(0) == inputs.B, kCaller,
+      ": query, key and value must have the same batch size B, got query ", query.sizes(),
+      ", key ", key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(
+      inputs.value.size(1) == inputs.key.size(1), kCaller,
+      ": key and value must have the same length S, got key ", key.sizes(), ", value ",
+      value.sizes());
+  return inputs;
+}
+
+// The inputs must have the parameters' device and dtype.
+void check_device_and_dtype(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const torch::Tensor& weight) {
+  for (const auto* input : {&query, &key, &value}) {
+    TORCH_CHECK(
+        input->device() == weight.device(), kCaller, ": inputs must be on the module's device ",
+        weight.device(), ", got query on ", query.device(), ", key on ", key.device(),
+        ", value on ", value.device(), " (move one with .to())");
+    TORCH_CHECK(
+        input->scalar_type() == weight.scalar_type(), kCaller,
+        ": inputs must have the module's dtype ", weight.scalar_type(), ", got query ",
+        query.scalar_type(), ", key ", key.scalar_type(), ", value ", value.scalar_type(),
+        " (convert one with .to())");
+  }
+}
+
+// Keys appended after the call's: one for each of add_bias_kv and add_zero_attn.
+int64_t extra_keys(const MultiHeadAttentionOptions& options) {
+  return int64_t{options.add_bias_kv()} + int64_t{options.add_zero_attn()};
+}
+
+void check_window_and_cache(
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadAttentionForwardOptions& forward_options) {
+  const auto& window = forward_options.window();
+  TORCH_CHECK(
+      !window || *window > 0, kCaller, ": window must be a positive number of keys, got ",
+      *window);
+  TORCH_CHECK(
+      forward_options.kv_cache() == nullptr || extra_keys(options) == 0, kCaller,
+      ": a kv_cache cannot be combined with add_bias_kv or add_zero_attn ",
+      "(their extra key would be cached at every step)");
+}
+
+// The sizes a call's masks must match: S counts the `past` cached keys
+// and the call's keys.
+struct MaskShape {
+  int64_t B = 0, H = 0, L = 0, S = 0, past = 0;
+};
+
+void check_masks(
+    const MultiHeadAttentionForwardOptions& forward_options,
+    const torch::Tensor& query,
+    const MaskShape& shape) {
+  const auto [B, H, L, S, past] = shape;
+  const auto& padding = forward_options.key_padding_mask();
+  if (padding.defined()) {
+    check_mask_dtype_and_device(kCaller, "key_padding_mask", padding, query);
+    TORCH_CHECK(
+        padding.dim() == 2 && padding.size(0) == B && padding.size(1) == S, kCaller,
+        ": key_padding_mask must be (B, S) = ", torch::IntArrayRef({B, S}),
+        past > 0 ? " (S counting the cached keys)" : "", ", got ", padding.sizes());
+  }
+  const auto& attn_mask = forward_options.attn_mask();
+  if (attn_mask.defined()) {
+    check_mask_dtype_and_device(kCaller, "attn_mask", attn_mask, query);
+    const auto sizes = attn_mask.sizes();
+    const bool valid = (sizes == torch::IntArrayRef({L, S})) ||
+        (sizes == torch::IntArrayRef({B * H, L, S})) ||
+        (attn_mask.dim() == 4 && (sizes[0] == B || sizes[0] == 1) &&
+         (sizes[1] == H || sizes[1] == 1) && sizes[2] == L && sizes[3] == S);
+    TORCH_CHECK(
+        valid, kCaller, ": attn_mask must be (L, S) = ", torch::IntArrayRef({L, S}),
+        ", (B·H, L, S) = ", torch::IntArrayRef({B * H, L, S}), " or (B, H, L, S) = ",
+        torch::IntArrayRef({B, H, L, S}), " (B and H may be 1)",
+        past > 0 ? ", S counting the cached keys" : "", ", got ", sizes);
+  }
+}
+
+// Queries, keys and values split into heads: (B, H, L, D), (B, H_kv, S, D).
+struct Heads {
+  torch::Tensor q, k, v;
+};
+
+// The projections (B, ·, H·D) into heads, by strides.
+Heads split_heads(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const MultiHeadParameters& parameters) {
+  const int64_t H = parameters.num_heads, H_kv = parameters.num_kv_heads;
+  const int64_t B = q.size(0), D = parameters.head_dim;
+  return {q.view({B, q.size(1), H, D}).transpose(1, 2),
+          k.view({B, k.size(1), H_kv, D}).transpose(1, 2),
+          v.view({B, v.size(1), H_kv, D}).transpose(1, 2)};
+}
+
+Heads project_heads(
+    const BatchFirstInputs& inputs,
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadParameters& p) {
+  namespace F = torch::nn::functional;
+  const bool self_attention = inputs.query.is_same(inputs.key) &&
+      inputs.key.is_same(inputs.value) && options.kdim() == options.embed_dim() &&
+      options.vdim() == options.embed_dim();
+  // Self-attention: one GEMM against the stacked weights. Stacking copies
+  // the weights on every call, which only pays off once the inputs are at
+  // least as large: a decoding step projects separately.
+  if (!self_attention || inputs.B * inputs.L < options.embed_dim()) {
+    return split_heads(F::linear(inputs.query, p.q_weight, p.q_bias),
+                       F::linear(inputs.key, p.k_weight, p.k_bias),
+                       F::linear(inputs.value, p.v_weight, p.v_bias), p);
+  }
+  const auto weight = torch::cat({p.q_weight, p.k_weight, p.v_weight});
+  const auto bias =
+      p.q_bias.defined() ? torch::cat({p.q_bias, p.k_bias, p.v_bias}) : torch::Tensor();
+  const auto qkv = F::linear(inputs.query, weight, bias);
+  const int64_t q_features = p.q_weight.size(0), kv_features = p.k_weight.size(0);
+  return split_heads(qkv.narrow(2, 0, q_features), qkv.narrow(2, q_features, kv_features),
+                     qkv.narrow(2, q_features + kv_features, kv_features), p);
+}
+
+// Rotary positions start after the `past` cached tokens.
+Heads rotate(Heads heads, const MultiHeadParameters& parameters, int64_t past) {
+  if (parameters.rotary) {
+    auto rotary = parameters.rotary; // the module caches its tables: not const
+    heads.q = rotary(heads.q, past);
+    heads.k = rotary(heads.k, past);
+  }
+  return heads;
+}
+
+// Keys and values after the call's own: the cache's before them, the bias
+// key and the zero key after them.
+Heads append_keys(
+    Heads heads,
+    KVCache* cache,
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadParameters& parameters) {
+  if (cache != nullptr) {
+    std::tie(heads.k, heads.v) = cache->append(heads.k, heads.v);
+  }
+  const int64_t B = heads.k.size(0), H_kv = parameters.num_kv_heads, D = parameters.head_dim;
+  if (options.add_bias_kv()) {
+    const auto per_head = [&](const torch::Tensor& bias) {
+      return bias.view({1, H_kv, 1, D}).expand({B, H_kv, 1, D});
+    };
+    heads.k = torch::cat({heads.k, per_head(parameters.bias_k)}, 2);
+    heads.v = torch::cat({heads.v, per_head(parameters.bias_v)}, 2);
+  }
+  if (options.add_zero_attn()) {
+    heads.k = torch::cat({heads.k, torch::zeros({B, H_kv, 1, D}, heads.k.options())}, 2);
+    heads.v = torch::cat({heads.v, torch::zeros({B, H_kv, 1, D}, heads.v.options())}, 2);
+  }
+  return heads;
+}
+
+// The module's masks as one SDPA mask over (B, H, L, S + extra keys), and
+// the options of the attention call. The appended keys are visible to
+// every query, whatever the causal and window rules say of their
+// positions: with them, those rules become part of the mask.
+SDPAOptions attention_options(
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadAttentionForwardOptions& forward_options,
+    const torch::Tensor& query,
+    const MaskShape& shape,
+    bool training) {
+  const auto [B, H, L, S, past] = shape;
+  const auto& attn_mask = forward_options.attn_mask();
+  const auto& padding = forward_options.key_padding_mask();
+  const auto per_pair = attn_mask.defined() && attn_mask.dim() == 3
+      ? attn_mask.reshape({B, H, L, S})
+      : attn_mask;
+  // key_padding_mask marks padding with true; SDPA masks mark allowed pairs.
+  const auto per_key = !padding.defined() ? torch::Tensor()
+      : padding.scalar_type() == torch::kBool ? padding.logical_not().reshape({B, 1, 1, S})
+                                              : padding.reshape({B, 1, 1, S});
+  auto sdpa_options = SDPAOptions()
+                          .is_causal(forward_options.is_causal())
+                          .window(forward_options.window())
+                          .query_offset(past)
+                          .enable_gqa(true)
+                          .dropout_p(options.dropout())
+                          .training(training)
+                          .need_weights(forward_options.need_weights());
+  const int64_t extra = extra_keys(options);
+  if (extra == 0) {
+    return sdpa_options.attn_mask(intersect_masks({per_pair, per_key}, query.scalar_type()));
+  }
+  const bool banded = forward_options.is_causal() || forward_options.window();
+  const auto band = banded ? visible_band(L, S, past, forward_options.is_causal(),
+                                          forward_options.window(), query.device())
+                           : torch::Tensor();
+  auto mask = intersect_masks({per_pair, per_key, band}, query.scalar_type());
+  return sdpa_options.is_causal(false).window(c10::nullopt).attn_mask(
+      mask.defined() ? allow_extra_keys(mask, extra) : mask);
+}
+
+// (B, H, L, D) heads merged straight into the caller's layout, so that the
+// output is contiguous either way: (B, L, H·D) or (L, B, H·D).
+torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first) {
+  const int64_t B = heads.size(0), H = heads.size(1), L = heads.size(2);
+  const int64_t features = H * heads.size(3);
+  return batch_first ? heads.transpose(1, 2).reshape({B, L, features})
+                     : heads.permute({2, 0, 1, 3}).reshape({L, B, features});
+}
+
+} // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadParameters& parameters,
+    const MultiHeadAttentionForwardOptions& forward_options,
+    bool training) {
+  const auto inputs = batch_first_inputs(query, key, value, options);
+  check_device_and_dtype(query, key, value, parameters.q_weight);
+  check_window_and_cache(options, forward_options);
+  // Everything is checked before the cache changes. Cached tokens stand
+  // before the call's: queries start at position `past`, and the masks
+  // cover S keys, the cached ones and the call's.
+  KVCache* cache = forward_options.kv_cache();
+  const int64_t past = cache != nullptr ? cache->length() : 0;
+  const MaskShape mask_shape{
+      inputs.B, parameters.num_heads, inputs.L, past + inputs.key.size(1), past};
+  check_masks(forward_options, query, mask_shape);
+
+  auto heads = project_heads(inputs, options, parameters);
+  heads = append_keys(rotate(std::move(heads), parameters, past), cache, options, parameters);
+  auto [attended, weights] = scaled_dot_product_attention(
+      heads.q, heads.k, heads.v,
+      attention_options(options, forward_options, query, mask_shape, training));
+
+  auto output = torch::nn::functional::linear(
+      merge_heads(attended, options.batch_first()), parameters.out_weight, parameters.out_bias);
+  if (weights.defined() && forward_options.average_attn_weights()) {
+    weights = weights.mean(1); // (B, L, S')
+  }
+  return {output, weights};
+}
+
+} // namespace attn::detail
