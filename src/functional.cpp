@@ -135,17 +135,6 @@ void check_option_values(const SDPAOptions& options) {
       ": query_offset must be within ±2^60, got ", options.query_offset());
 }
 
-void check_inputs(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options) {
-  check_leading_dims(query, key, value, options);
-  check_features_dtypes_and_devices(query, key, value);
-  check_attn_mask(query, key, options.attn_mask());
-  check_option_values(options);
-}
-
 // (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
 torch::Tensor as_4d(const torch::Tensor& t) {
   switch (t.dim()) {
@@ -202,6 +191,21 @@ torch::Tensor run_libtorch(
       .reshape(with_last_dim(query, value.size(-1)));
 }
 
+// The request's dtype on a CPU that computes it in float32.
+bool computed_in_float32_on_cpu(const torch::Tensor& query) {
+  const auto dtype = query.scalar_type();
+  return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
+}
+
+// The options with a floating mask in float32.
+SDPAOptions with_float32_mask(SDPAOptions options) {
+  const auto& mask = options.attn_mask();
+  if (mask.defined() && mask.scalar_type() != torch::kBool) {
+    options.attn_mask(mask.to(torch::kFloat));
+  }
+  return options;
+}
+
 // Runs `backend`, already chosen for this checked request.
 std::tuple<torch::Tensor, torch::Tensor> run_backend(
     AttentionBackend backend,
@@ -209,8 +213,19 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  const double scale = options.scale().value_or(
-      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  // Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
+  // weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
+  // attn's CPU backends compute in float32 and round the results once.
+  // LibTorch's kernel computes half precision its own way.
+  if (backend != AttentionBackend::libtorch && computed_in_float32_on_cpu(query)) {
+    const auto [output, weights] =
+        run_backend(backend, query.to(torch::kFloat), key.to(torch::kFloat),
+                    value.to(torch::kFloat), with_float32_mask(options));
+    const auto dtype = query.scalar_type();
+    return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
+  }
+  const double scale =
+      options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
   switch (backend) {
     case AttentionBackend::fused_cpu:
     case AttentionBackend::fused_cpu_weights:
@@ -224,33 +239,6 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
   return detail::math_attention(query, key, value, options, scale);
 }
 
-// The request's dtype on a CPU that computes it in float32.
-bool computed_in_float32_on_cpu(const torch::Tensor& query) {
-  const auto dtype = query.scalar_type();
-  return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
-}
-
-// Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
-// weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
-// attn's CPU backends compute in float32 and round the results once.
-std::tuple<torch::Tensor, torch::Tensor> run_in_float32(
-    AttentionBackend backend,
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options) {
-  const auto& mask = options.attn_mask();
-  auto float_options = options;
-  if (mask.defined() && mask.scalar_type() != torch::kBool) {
-    float_options.attn_mask(mask.to(torch::kFloat));
-  }
-  const auto [output, weights] = run_backend(
-      backend, query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
-      float_options);
-  const auto dtype = query.scalar_type();
-  return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
-}
-
 } // namespace
 
 AttentionBackend select_backend(
@@ -258,7 +246,11 @@ AttentionBackend select_backend(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  check_inputs(query, key, value, options);
+  // Every check of the arguments, once, at the API boundary.
+  check_leading_dims(query, key, value, options);
+  check_features_dtypes_and_devices(query, key, value);
+  check_attn_mask(query, key, options.attn_mask());
+  check_option_values(options);
   const auto& requested = options.backend();
   if (!requested) {
     return detail::choose_backend(query, key, value, options);
@@ -274,12 +266,7 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  const auto backend = select_backend(query, key, value, options);
-  // LibTorch's kernel computes half precision its own way.
-  if (backend != AttentionBackend::libtorch && computed_in_float32_on_cpu(query)) {
-    return run_in_float32(backend, query, key, value, options);
-  }
-  return run_backend(backend, query, key, value, options);
+  return run_backend(select_backend(query, key, value, options), query, key, value, options);
 }
 
 } // namespace attn

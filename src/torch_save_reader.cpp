@@ -41,34 +41,55 @@ struct Object {
   }
 };
 
-// The storage classes of a tensor's persistent id, by the dtype of their
-// elements. torch.storage.UntypedStorage holds bytes: PyTorch 2.x writes it
-// for dtypes that have no storage class (float8, uint16), and the tensor
-// rebuilt from it by _rebuild_tensor_v3 names its dtype.
-const std::map<std::string, torch::ScalarType>& storage_dtypes() {
-  static const std::map<std::string, torch::ScalarType> dtypes = {
-      {"torch.FloatStorage", torch::kFloat},     {"torch.DoubleStorage", torch::kDouble},
-      {"torch.HalfStorage", torch::kHalf},       {"torch.BFloat16Storage", torch::kBFloat16},
-      {"torch.LongStorage", torch::kLong},       {"torch.IntStorage", torch::kInt},
-      {"torch.ShortStorage", torch::kShort},     {"torch.CharStorage", torch::kChar},
-      {"torch.ByteStorage", torch::kByte},       {"torch.BoolStorage", torch::kBool},
-      {"torch.ComplexFloatStorage", torch::kComplexFloat},
-      {"torch.ComplexDoubleStorage", torch::kComplexDouble},
-      {"torch.storage.UntypedStorage", torch::kByte}};
-  return dtypes;
+// Each dtype a state_dict may hold, with the names Python pickles for it:
+// its storage class, named by a tensor's persistent id, and the dtype
+// itself, named by _rebuild_tensor_v3. LibTorch 1.13's dtypes, so that a
+// file loads alike on every LibTorch attn builds with.
+struct PickledDtype {
+  torch::ScalarType dtype;
+  const char* storage_class;
+  const char* name;
+};
+
+constexpr PickledDtype kPickledDtypes[] = {
+    {torch::kFloat, "torch.FloatStorage", "torch.float32"},
+    {torch::kDouble, "torch.DoubleStorage", "torch.float64"},
+    {torch::kHalf, "torch.HalfStorage", "torch.float16"},
+    {torch::kBFloat16, "torch.BFloat16Storage", "torch.bfloat16"},
+    {torch::kLong, "torch.LongStorage", "torch.int64"},
+    {torch::kInt, "torch.IntStorage", "torch.int32"},
+    {torch::kShort, "torch.ShortStorage", "torch.int16"},
+    {torch::kChar, "torch.CharStorage", "torch.int8"},
+    {torch::kByte, "torch.ByteStorage", "torch.uint8"},
+    {torch::kBool, "torch.BoolStorage", "torch.bool"},
+    {torch::kComplexFloat, "torch.ComplexFloatStorage", "torch.complex64"},
+    {torch::kComplexDouble, "torch.ComplexDoubleStorage", "torch.complex128"}};
+
+using DtypeTable = std::map<std::string, torch::ScalarType>;
+
+DtypeTable dtypes_by(const char* PickledDtype::*name) {
+  DtypeTable table;
+  for (const auto& pickled : kPickledDtypes) {
+    table.emplace(pickled.*name, pickled.dtype);
+  }
+  return table;
 }
 
-// The dtypes _rebuild_tensor_v3 names, as Python pickles them: LibTorch
-// 1.13's, so that a file loads alike on every LibTorch attn builds with.
-const std::map<std::string, torch::ScalarType>& tensor_dtypes() {
-  static const std::map<std::string, torch::ScalarType> dtypes = {
-      {"torch.float32", torch::kFloat},        {"torch.float64", torch::kDouble},
-      {"torch.float16", torch::kHalf},         {"torch.bfloat16", torch::kBFloat16},
-      {"torch.int64", torch::kLong},           {"torch.int32", torch::kInt},
-      {"torch.int16", torch::kShort},          {"torch.int8", torch::kChar},
-      {"torch.uint8", torch::kByte},           {"torch.bool", torch::kBool},
-      {"torch.complex64", torch::kComplexFloat}, {"torch.complex128", torch::kComplexDouble}};
-  return dtypes;
+// torch.storage.UntypedStorage holds bytes: PyTorch 2.x writes it for
+// dtypes that have no storage class (float8, uint16), and the tensor
+// rebuilt from it by _rebuild_tensor_v3 names its dtype.
+const DtypeTable& storage_dtypes() {
+  static const DtypeTable table = [] {
+    auto by_storage_class = dtypes_by(&PickledDtype::storage_class);
+    by_storage_class.emplace("torch.storage.UntypedStorage", torch::kByte);
+    return by_storage_class;
+  }();
+  return table;
+}
+
+const DtypeTable& tensor_dtypes() {
+  static const DtypeTable table = dtypes_by(&PickledDtype::name);
+  return table;
 }
 
 // "a, b or c", for the errors that list what a table holds.

@@ -157,6 +157,29 @@ void scale_row(scalar_t* row, int64_t n, scalar_t factor) {
   }
 }
 
+// What every kernel reads: the inputs (B, H, L, D), (B, Hkv, S, D),
+// (B, Hkv, S, Dv), their sizes, the masks and the scale.
+template <typename scalar_t>
+struct KernelInputs {
+  KernelInputs(
+      const torch::Tensor& q,
+      const torch::Tensor& k,
+      const torch::Tensor& v,
+      const CpuAttentionConfig& config)
+      : q(q), k(k), v(v), B(q.size(0)), H(q.size(1)), L(q.size(2)), S(k.size(2)),
+        group(kv_group(q, k)), key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
+        mask(config, S), scale(static_cast<scalar_t>(config.scale)) {}
+
+  const torch::Tensor& q;
+  const torch::Tensor& k;
+  const torch::Tensor& v;
+  int64_t B, H, L, S;
+  int64_t group;     // query heads per key/value head
+  int64_t key_block; // keys scored per GEMM
+  MaskView<scalar_t> mask;
+  scalar_t scale;
+};
+
 // A forward task's working memory: one tile's scores and its rows' running
 // maximum and sum (online softmax).
 template <typename scalar_t>
@@ -187,43 +210,33 @@ void online_softmax_row(ForwardScratch<scalar_t>& scratch, int64_t r, scalar_t* 
 
 // Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L).
 template <typename scalar_t>
-void flash_forward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config,
-    const torch::Tensor& out,
-    const torch::Tensor& lse) {
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t Dv = v.size(3), group = kv_group(q, k);
-  const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
-  const MaskView<scalar_t> mask(config, S);
-  const auto scale = static_cast<scalar_t>(config.scale);
+void flash_forward(const KernelInputs<scalar_t>& in, const torch::Tensor& out, const torch::Tensor& lse) {
+  const int64_t Dv = in.v.size(3);
 
   const auto make_scratch = [&] {
-    return ForwardScratch<scalar_t>{torch::empty({std::min(kQueryTile, L), key_block}, q.options()),
+    return ForwardScratch<scalar_t>{torch::empty({std::min(kQueryTile, in.L), in.key_block}, in.q.options()),
                                     std::vector<scalar_t>(kQueryTile),
                                     std::vector<scalar_t>(kQueryTile)};
   };
-  const double flops_per_tile = 2.0 * std::min(kQueryTile, L) * S * (q.size(3) + Dv);
-  parallel_query_tiles(B, H, L, kQueryTile, flops_per_tile, make_scratch,
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
+  parallel_query_tiles(in.B, in.H, in.L, kQueryTile, flops_per_tile, make_scratch,
                        [&](ForwardScratch<scalar_t>& scratch, const QueryTile& tile) {
     const auto [b, h, i0, rows] = tile;
-    const auto q_tile = q[b][h].narrow(0, i0, rows); // (rows, D)
+    const auto q_tile = in.q[b][h].narrow(0, i0, rows); // (rows, D)
     auto out_tile = out[b][h].narrow(0, i0, rows);   // (rows, Dv)
     out_tile.zero_();
     std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
     std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
 
-    const auto k_head = k[b][h / group], v_head = v[b][h / group];
-    const int64_t key_end = mask.tile_key_end(tile);
-    for (int64_t j0 = mask.tile_key_begin(tile); j0 < key_end; j0 += key_block) {
-      const int64_t cols = std::min(key_block, key_end - j0);
+    const auto k_head = in.k[b][h / in.group], v_head = in.v[b][h / in.group];
+    const int64_t key_end = in.mask.tile_key_end(tile);
+    for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
+      const int64_t cols = std::min(in.key_block, key_end - j0);
       auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
-      at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, scale);
+      at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, in.scale);
       for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * key_block;
-        mask.apply(row, cols, b, h, i0 + r, j0);
+        scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * in.key_block;
+        in.mask.apply(row, cols, b, h, i0 + r, j0);
         online_softmax_row(scratch, r, row, cols, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
       }
       at::addmm_out(out_tile, out_tile, block, v_head.narrow(0, j0, cols));
@@ -249,56 +262,49 @@ struct BackwardScratch {
 // (b, h) per task, so the accumulations never race.
 template <typename scalar_t>
 void flash_backward(
-    const torch::Tensor& grad_out,
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
+    const KernelInputs<scalar_t>& in,
     const torch::Tensor& out,
     const torch::Tensor& lse,
-    const CpuAttentionConfig& config,
+    const torch::Tensor& grad_out,
     const torch::Tensor& dq,
     const torch::Tensor& dk,
     const torch::Tensor& dv) {
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t group = kv_group(q, k);
-  const int64_t key_block = std::clamp<int64_t>(S, 1, kKeyBlock);
-  const MaskView<scalar_t> mask(config, S);
-  const auto scale = static_cast<scalar_t>(config.scale);
   // delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij: the softmax backward's
   // row term, computed once instead of once per key block.
   const auto delta = (grad_out * out).sum(-1).contiguous(); // (B, H, L)
 
   const auto make_scratch = [&] {
-    const auto tile = torch::empty({std::min(kQueryTile, L), key_block}, q.options());
+    const auto tile = torch::empty({std::min(kQueryTile, in.L), in.key_block}, in.q.options());
     return BackwardScratch{tile, torch::empty_like(tile)};
   };
   // A whole head per task, in query tiles: five GEMMs of L·S·D.
-  parallel_query_tiles(B, H, L, std::max<int64_t>(L, 1), 10.0 * L * S * q.size(3), make_scratch,
+  const double flops_per_head = 10.0 * in.L * in.S * in.q.size(3);
+  parallel_query_tiles(in.B, in.H, in.L, std::max<int64_t>(in.L, 1), flops_per_head, make_scratch,
                        [&](BackwardScratch& scratch, const QueryTile& head) {
     const int64_t b = head.b, h = head.h;
     const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
     const scalar_t* delta_bh = delta[b][h].data_ptr<scalar_t>();
-    for (int64_t i0 = 0; i0 < L; i0 += kQueryTile) {
-      const QueryTile tile{b, h, i0, std::min(kQueryTile, L - i0)};
+    for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
+      const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
       const int64_t rows = tile.rows;
-      const auto q_tile = q[b][h].narrow(0, i0, rows);
+      const auto q_tile = in.q[b][h].narrow(0, i0, rows);
       const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
       auto dq_tile = dq[b][h].narrow(0, i0, rows);
-      const int64_t key_end = mask.tile_key_end(tile);
-      for (int64_t j0 = mask.tile_key_begin(tile); j0 < key_end; j0 += key_block) {
-        const int64_t cols = std::min(key_block, key_end - j0);
-        const auto k_block = k[b][h / group].narrow(0, j0, cols);
-        const auto v_block = v[b][h / group].narrow(0, j0, cols);
+      const int64_t key_end = in.mask.tile_key_end(tile);
+      for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
+        const int64_t cols = std::min(in.key_block, key_end - j0);
+        const auto k_block = in.k[b][h / in.group].narrow(0, j0, cols);
+        const auto v_block = in.v[b][h / in.group].narrow(0, j0, cols);
         auto dk_block = dk[b][h].narrow(0, j0, cols);
         auto dv_block = dv[b][h].narrow(0, j0, cols);
         auto p = scratch.probs.narrow(0, 0, rows).narrow(1, 0, cols);
         auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
 
         // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
-        at::addmm_out(p, p, q_tile, k_block.t(), 0, scale);
+        at::addmm_out(p, p, q_tile, k_block.t(), 0, in.scale);
         for (int64_t r = 0; r < rows; ++r) {
-          scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * key_block;
-          mask.apply(row, cols, b, h, i0 + r, j0);
+          scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
+          in.mask.apply(row, cols, b, h, i0 + r, j0);
           if (lse_bh[i0 + r] == kNegativeInfinity<scalar_t>) {
             std::fill(row, row + cols, scalar_t(0)); // fully masked row
           } else {
@@ -308,16 +314,16 @@ void flash_backward(
         at::addmm_out(dv_block, dv_block, p.t(), go_tile);            // dV += Pᵀ dO
         at::addmm_out(ds, ds, go_tile, v_block.t(), 0, 1);             // dP = dO Vᵀ
         for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * key_block;
-          scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * key_block;
+          const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
+          scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
           const scalar_t d = delta_bh[i0 + r];
 #pragma omp simd
           for (int64_t j = 0; j < cols; ++j) {
             ds_row[j] = p_row[j] * (ds_row[j] - d);                    // dS
           }
         }
-        at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, scale);        // dQ += s·dS K
-        at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, scale);   // dK += s·dSᵀ Q
+        at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, in.scale);        // dQ += s·dS K
+        at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, in.scale);   // dK += s·dSᵀ Q
       }
     }
   });
@@ -327,40 +333,33 @@ void flash_backward(
 // straight into the output, normalised in place and multiplied into V.
 template <typename scalar_t>
 void forward_with_weights(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config,
+    const KernelInputs<scalar_t>& in,
     const torch::Tensor& out,
     const torch::Tensor& weights) {
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t group = kv_group(q, k);
-  const MaskView<scalar_t> mask(config, S);
-  const auto scale = static_cast<scalar_t>(config.scale);
 
   const auto no_scratch = [] { return 0; };
-  const double flops_per_tile = 2.0 * std::min(kQueryTile, L) * S * (q.size(3) + v.size(3));
-  parallel_query_tiles(B, H, L, kQueryTile, flops_per_tile, no_scratch,
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + in.v.size(3));
+  parallel_query_tiles(in.B, in.H, in.L, kQueryTile, flops_per_tile, no_scratch,
                        [&](int /*scratch*/, const QueryTile& tile) {
     const auto [b, h, i0, rows] = tile;
     auto out_tile = out[b][h].narrow(0, i0, rows);
     auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
     // Keys outside [key_begin, key_end) are invisible to every row.
-    const int64_t key_begin = mask.tile_key_begin(tile);
-    const int64_t key_end = mask.tile_key_end(tile);
+    const int64_t key_begin = in.mask.tile_key_begin(tile);
+    const int64_t key_end = in.mask.tile_key_end(tile);
     const int64_t cols = key_end - key_begin;
     w_tile.narrow(1, 0, key_begin).zero_();
-    w_tile.narrow(1, key_end, S - key_end).zero_();
+    w_tile.narrow(1, key_end, in.S - key_end).zero_();
     if (cols == 0) {
       out_tile.zero_();
       return;
     }
     auto visible = w_tile.narrow(1, key_begin, cols);
-    at::addmm_out(visible, visible, q[b][h].narrow(0, i0, rows),
-                  k[b][h / group].narrow(0, key_begin, cols).t(), 0, scale);
+    at::addmm_out(visible, visible, in.q[b][h].narrow(0, i0, rows),
+                  in.k[b][h / in.group].narrow(0, key_begin, cols).t(), 0, in.scale);
     for (int64_t r = 0; r < rows; ++r) {
       scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
-      mask.apply(row, cols, b, h, i0 + r, key_begin);
+      in.mask.apply(row, cols, b, h, i0 + r, key_begin);
       const scalar_t largest = row_max(row, cols);
       if (largest == kNegativeInfinity<scalar_t>) {
         std::fill(row, row + cols, scalar_t(0));
@@ -368,7 +367,7 @@ void forward_with_weights(
       }
       scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
     }
-    at::addmm_out(out_tile, out_tile, visible, v[b][h / group].narrow(0, key_begin, cols), 0, 1);
+    at::addmm_out(out_tile, out_tile, visible, in.v[b][h / in.group].narrow(0, key_begin, cols), 0, 1);
   });
 }
 
@@ -388,7 +387,7 @@ class FlashAttentionFunction
     auto out = torch::empty({B, L, H, v.size(3)}, q.options());
     const auto lse = torch::empty({B, H, L}, q.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention", [&] {
-      flash_forward<scalar_t>(q, k, v, config, out.permute({0, 2, 1, 3}), lse);
+      flash_forward<scalar_t>({q, k, v, config}, out.permute({0, 2, 1, 3}), lse);
     });
     ctx->save_for_backward({q, k, v, out, lse});
     config.save_to(*ctx);
@@ -410,7 +409,7 @@ class FlashAttentionFunction
     const auto dk = torch::zeros({B, H, S, k.size(3)}, k.options());
     const auto dv = torch::zeros({B, H, S, v.size(3)}, v.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention_backward", [&] {
-      flash_backward<scalar_t>(grad_out, q, k, v, out, lse, config, dq, dk, dv);
+      flash_backward<scalar_t>({q, k, v, config}, out, lse, grad_out, dq, dk, dv);
     });
     if (Hkv == H) {
       return {dq, dk, dv, torch::Tensor()}; // nothing for the config
@@ -459,9 +458,8 @@ std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(
   const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
   const auto weights = torch::empty({B, H, L, S}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_attention_with_weights", [&] {
-    forward_with_weights<scalar_t>(
-        q.contiguous(), k.contiguous(), v.contiguous(),
-        config, out, weights);
+    forward_with_weights<scalar_t>({q.contiguous(), k.contiguous(), v.contiguous(), config}, out,
+                                   weights);
   });
   return {out, weights};
 }
