@@ -1,6 +1,6 @@
-// attn::select_backend: which backend each request takes, that a requested
+// attn::select_backend (src/backend.cpp): which backend each request takes, that a requested
 // backend runs or says why it cannot, and that every backend computes the
-// float64 oracle's output and gradients.
+// float64 reference's output and gradients.
 
 #include "test_support.h"
 
@@ -11,7 +11,6 @@
 #include <torch/version.h>
 
 #include <cmath>
-#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -21,7 +20,8 @@ namespace {
 using attn::AttentionBackend;
 using attn::SDPAOptions;
 using attn::select_backend;
-using attn::testing::max_abs_diff;
+using attn::testing::Tolerance;
+using attn::testing::tolerance_for;
 
 constexpr bool kLibTorch2 = TORCH_VERSION_MAJOR >= 2;
 
@@ -202,9 +202,18 @@ TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
   }
 }
 
-// Output and input gradients of `backend` against the float64 oracle.
-void expect_matches_oracle(AttentionBackend backend, bool causal, torch::ScalarType dtype,
-                           double tolerance) {
+// The reference's bias for N (L, S) score matrices: the causal mask, or
+// none.
+torch::Tensor reference_bias(bool causal, int64_t N, int64_t L, int64_t S) {
+  if (!causal) {
+    return {};
+  }
+  return attn::testing::additive_bias(attn::testing::band_mask(L, S, 0, /*causal=*/true, 0))
+      .expand({N, L, S});
+}
+
+// Output and input gradients of `backend` against the float64 reference.
+void expect_matches_reference(AttentionBackend backend, bool causal, torch::ScalarType dtype) {
   SCOPED_TRACE(std::string(attn::backend_name(backend)) + (causal ? " causal " : " ") +
                c10::toString(dtype));
   torch::manual_seed(3);
@@ -220,17 +229,14 @@ void expect_matches_oracle(AttentionBackend backend, bool causal, torch::ScalarT
   ASSERT_EQ(out.scalar_type(), dtype);
 
   const auto flat = [](const torch::Tensor& t) { return t.detach().flatten(0, 1); };
-  const auto bias = causal ? torch::zeros({40, 40}, torch::kDouble)
-                                 .masked_fill(attn::testing::band_mask(40, 40, 0, true, 0).logical_not(),
-                                              -std::numeric_limits<double>::infinity())
-                                 .expand({6, 40, 40})
-                           : torch::Tensor();
+  const auto bias = reference_bias(causal, 6, 40, 40);
   const double scale = 0.25; // 1/sqrt(16)
   const auto [expected, expected_weights] =
       attn::testing::reference_attention(flat(in.q), flat(in.k), flat(in.v), bias, scale);
-  EXPECT_LE(max_abs_diff(out.flatten(0, 1), expected), tolerance);
+  const auto tolerance = tolerance_for(dtype);
+  EXPECT_CLOSE(out.flatten(0, 1), expected, tolerance);
   if (weights.defined()) {
-    EXPECT_LE(max_abs_diff(weights.flatten(0, 1), expected_weights), tolerance);
+    EXPECT_CLOSE(weights.flatten(0, 1), expected_weights, tolerance);
   }
   if (!differentiable) {
     return;
@@ -241,13 +247,13 @@ void expect_matches_oracle(AttentionBackend backend, bool causal, torch::ScalarT
       flat(in.q), flat(in.k), flat(in.v), bias, scale, flat(upstream));
   const torch::Tensor grads[] = {in.q.grad(), in.k.grad(), in.v.grad()};
   for (int i = 0; i < 3; ++i) {
-    EXPECT_LE(max_abs_diff(grads[i].flatten(0, 1), expected_grads[i]), tolerance) << "input " << i;
+    EXPECT_CLOSE(grads[i].flatten(0, 1), expected_grads[i], tolerance) << "input " << i;
   }
 }
 
 // float32 within 1e-5: sums of 40 terms of order 1, each off by float32
 // rounding (6e-8); float64 within 1e-12 likewise.
-TEST(RequestedBackend, EveryBackendMatchesTheFloat64Oracle) {
+TEST(RequestedBackend, EveryBackendMatchesTheFloat64Reference) {
   std::vector<AttentionBackend> backends = {AttentionBackend::fused_cpu,
                                             AttentionBackend::fused_cpu_weights,
                                             AttentionBackend::math};
@@ -256,8 +262,8 @@ TEST(RequestedBackend, EveryBackendMatchesTheFloat64Oracle) {
   }
   for (const auto backend : backends) {
     for (const bool causal : {false, true}) {
-      expect_matches_oracle(backend, causal, torch::kFloat, 1e-5);
-      expect_matches_oracle(backend, causal, torch::kDouble, 1e-12);
+      expect_matches_reference(backend, causal, torch::kFloat);
+      expect_matches_reference(backend, causal, torch::kDouble);
     }
   }
 }
@@ -265,8 +271,8 @@ TEST(RequestedBackend, EveryBackendMatchesTheFloat64Oracle) {
 // LibTorch's kernel behind attn's function on the shapes and options the
 // function accepts: 2-d and 5-d inputs, a value width other than the
 // query's, a custom scale, strided inputs, grouped queries in their trivial
-// form; outputs and gradients against the float64 oracle.
-TEST(RequestedBackend, LibTorchMatchesTheOracleOnEveryShapeItTakes) {
+// form; outputs and gradients against the float64 reference.
+TEST(RequestedBackend, LibTorchMatchesTheReferenceOnEveryShapeItTakes) {
   if (!kLibTorch2) {
     GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no at::scaled_dot_product_attention";
   }
@@ -299,25 +305,19 @@ TEST(RequestedBackend, LibTorchMatchesTheOracleOnEveryShapeItTakes) {
     const auto flat = [](const torch::Tensor& t) {
       return t.detach().reshape({-1, t.size(-2), t.size(-1)});
     };
-    const int64_t L = q.size(-2), S = k.size(-2);
-    const auto bias = c.options.is_causal()
-        ? torch::zeros({L, S}, torch::kDouble)
-              .masked_fill(attn::testing::band_mask(L, S, 0, true, 0).logical_not(),
-                           -std::numeric_limits<double>::infinity())
-              .expand({flat(q).size(0), L, S})
-        : torch::Tensor();
+    const auto bias = reference_bias(c.options.is_causal(), flat(q).size(0), q.size(-2), k.size(-2));
     const double scale = c.options.scale().value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
     const auto [expected, expected_weights] =
         attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, scale);
     EXPECT_EQ(out.sizes().back(), v.size(-1));
-    EXPECT_LE(max_abs_diff(flat(out), expected), 1e-12);
+    EXPECT_CLOSE(flat(out), expected, attn::testing::kFloat64Tolerance);
     const auto upstream = torch::randn_like(out);
     out.backward(upstream);
     const auto grads = attn::testing::reference_attention_gradients(
         flat(q), flat(k), flat(v), bias, scale, flat(upstream));
-    EXPECT_LE(max_abs_diff(flat(q.grad()), grads[0]), 1e-12);
-    EXPECT_LE(max_abs_diff(flat(k.grad()), grads[1]), 1e-12);
-    EXPECT_LE(max_abs_diff(flat(v.grad()), grads[2]), 1e-12);
+    EXPECT_CLOSE(flat(q.grad()), grads[0], attn::testing::kFloat64Tolerance);
+    EXPECT_CLOSE(flat(k.grad()), grads[1], attn::testing::kFloat64Tolerance);
+    EXPECT_CLOSE(flat(v.grad()), grads[2], attn::testing::kFloat64Tolerance);
   }
 }
 
@@ -334,7 +334,7 @@ TEST(RequestedBackend, LibTorchIsRefusedBelow2OrRunsBFloat16As2Does) {
       in.q, in.k, in.v, SDPAOptions(options).backend(AttentionBackend::fused_cpu));
   EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
   // Outputs below 3 in magnitude: a few bfloat16 ulps (2^-7 each) apart.
-  EXPECT_LE(max_abs_diff(out, ours), 0.05);
+  EXPECT_CLOSE(out, ours, Tolerance{0.05});
 }
 
 } // namespace

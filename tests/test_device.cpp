@@ -1,5 +1,7 @@
-// attn::select_device: the accepted requests and the errors for the rest.
+// attn::select_device (src/device.cpp): the accepted requests and the
+// errors for the rest.
 
+#include "bad_input_catalogue.h"
 #include "test_support.h"
 
 #include <attn/device.h>
@@ -17,20 +19,14 @@ TEST(SelectDevice, AutoPicksCudaExactlyWhenAvailable) {
 }
 
 TEST(SelectDevice, UnknownRequestsNameTheAcceptedValues) {
-  for (const char* request : {"", "gpu", "CPU", "cuda:", "cuda:x", "cuda:-1", "cuda:1:2", "mps"}) {
-    SCOPED_TRACE(request);
-    EXPECT_ATTN_ERROR(
-        attn::select_device(request),
-        std::string("unknown device '") + request + "': expected auto, cpu, cuda or cuda:N");
-  }
+  attn::testing::expect_catalogued_outcomes(attn::testing::unknown_device_cases());
 }
 
 TEST(SelectDevice, CudaWithoutCudaIsAClearError) {
   if (torch::cuda::is_available()) {
     GTEST_SKIP() << "CUDA is available here, so asking for it is not an error";
   }
-  EXPECT_ATTN_ERROR(attn::select_device("cuda"), "device 'cuda' requested but CUDA is not available");
-  EXPECT_ATTN_ERROR(attn::select_device("cuda:0"), "device 'cuda:0' requested but CUDA is not available");
+  attn::testing::expect_catalogued_outcomes(attn::testing::unavailable_cuda_cases());
 }
 
 TEST(SelectDevice, CudaIndicesAreCheckedAgainstTheVisibleGpus) {

@@ -1,26 +1,32 @@
-// attn::MultiHeadAttention's own behaviour: shapes, layouts, masks, dropout,
-// devices, printing and errors. Parity with the built-in is in
-// test_parity.cpp.
+// attn::MultiHeadAttention (src/modules/multi_head_attention.cpp): shapes,
+// layouts, masks, dropout, devices, printing and errors, and its features
+// beyond the built-in (grouped-query attention, rotary embeddings, sliding
+// windows), each against a plainer computation of the same thing. Parity
+// with the built-in is in test_parity.cpp, decoding with a KV cache in
+// test_kv_cache.cpp.
 
+#include "bad_input_catalogue.h"
 #include "test_support.h"
 
+#include <attn/kv_cache.h>
 #include <attn/modules/multi_head_attention.h>
 
 #include <cmath>
-#include <limits>
 #include <sstream>
 
 namespace {
 
+using attn::KVCache;
 using attn::MultiHeadAttention;
 using attn::MultiHeadAttentionForwardOptions;
 using attn::MultiHeadAttentionOptions;
-using attn::testing::max_abs_diff;
-using attn::testing::reference_attention;
+using attn::RotaryEmbeddingOptions;
+using attn::testing::additive_bias;
+using attn::testing::band_mask;
+using attn::testing::kFloat64Tolerance;
+using attn::testing::Tolerance;
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
-TEST(MultiHeadAttention, ReproducesTheReferenceDemoShapes) {
+TEST(MultiHeadAttention, GivesTheShapesOfTheDemoConfiguration) {
   // batch 4, 20 tokens, d_model 512, 8 heads, self-attention.
   MultiHeadAttention mha(MultiHeadAttentionOptions(512, 8));
   torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(512, 8));
@@ -60,13 +66,14 @@ TEST(MultiHeadAttention, MatchesAPlainFloat64CompositionWithDistinctKdimAndVdim)
   const auto Q = project(q, mha->q_proj), K = project(k, mha->k_proj), V = project(v, mha->v_proj);
   std::vector<torch::Tensor> head_outputs, head_weights;
   for (int64_t h = 0; h < H; ++h) {
-    const auto [o, hw] = reference_attention(heads(Q, L, h), heads(K, S, h), heads(V, S, h), {}, 1.0 / std::sqrt(D));
+    const auto [o, hw] = attn::testing::reference_attention(
+        heads(Q, L, h), heads(K, S, h), heads(V, S, h), {}, 1.0 / std::sqrt(D));
     head_outputs.push_back(o);
     head_weights.push_back(hw);
   }
   const auto expected = project(torch::cat(head_outputs, -1), mha->out_proj);
-  EXPECT_LE(max_abs_diff(out, expected), 1e-12);
-  EXPECT_LE(max_abs_diff(w, torch::stack(head_weights, 1)), 1e-12);
+  EXPECT_CLOSE(out, expected, kFloat64Tolerance);
+  EXPECT_CLOSE(w, torch::stack(head_weights, 1), kFloat64Tolerance);
 }
 
 TEST(MultiHeadAttention, SequenceFirstLayoutIsTheTransposeOfBatchFirst) {
@@ -80,8 +87,8 @@ TEST(MultiHeadAttention, SequenceFirstLayoutIsTheTransposeOfBatchFirst) {
   const auto [out_sf, w_sf] = seq_first(q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1));
   EXPECT_EQ(out_sf.sizes(), torch::IntArrayRef({5, 3, 16}));
   EXPECT_TRUE(out_sf.is_contiguous());
-  EXPECT_LE(max_abs_diff(out_sf.transpose(0, 1), out_bf), 1e-6);
-  EXPECT_LE(max_abs_diff(w_sf, w_bf), 1e-6);
+  EXPECT_CLOSE(out_sf.transpose(0, 1), out_bf, Tolerance{1e-6});
+  EXPECT_CLOSE(w_sf, w_bf, Tolerance{1e-6});
 }
 
 TEST(MultiHeadAttention, AveragedWeightsAreTheMeanOverHeads) {
@@ -94,7 +101,7 @@ TEST(MultiHeadAttention, AveragedWeightsAreTheMeanOverHeads) {
   EXPECT_EQ(per_head.sizes(), torch::IntArrayRef({2, 4, 5, 5}));
   EXPECT_EQ(averaged.sizes(), torch::IntArrayRef({2, 5, 5}));
   EXPECT_TRUE(torch::equal(out, out_avg));
-  EXPECT_LE(max_abs_diff(averaged, per_head.mean(1)), 1e-7);
+  EXPECT_CLOSE(averaged, per_head.mean(1), Tolerance{1e-7});
 }
 
 TEST(MultiHeadAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOutput) {
@@ -104,7 +111,7 @@ TEST(MultiHeadAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOutput) {
   const auto [out, w] = mha(x, x, x);
   const auto [out_only, no_w] = mha(x, x, x, MultiHeadAttentionForwardOptions().need_weights(false));
   EXPECT_FALSE(no_w.defined());
-  EXPECT_LE(max_abs_diff(out, out_only), 1e-6); // fused vs materialised kernel
+  EXPECT_CLOSE(out, out_only, Tolerance{1e-6}); // fused vs materialised kernel
 }
 
 TEST(MultiHeadAttention, FullyMaskedQueriesGetZeroAttentionAndFiniteGradients) {
@@ -125,8 +132,8 @@ TEST(MultiHeadAttention, FullyMaskedQueriesGetZeroAttentionAndFiniteGradients) {
   const auto [out, w] = mha(x, x, x,
       MultiHeadAttentionForwardOptions().key_padding_mask(padding).attn_mask(allowed));
   const auto bias = mha->out_proj->bias.expand({5, 16});
-  EXPECT_LE(max_abs_diff(out[1], bias), 1e-7);
-  EXPECT_LE(max_abs_diff(out[0][2], mha->out_proj->bias), 1e-7);
+  EXPECT_CLOSE(out[1], bias, Tolerance{1e-7});
+  EXPECT_CLOSE(out[0][2], mha->out_proj->bias, Tolerance{1e-7});
   EXPECT_EQ(w[1].abs().max().item<float>(), 0.0f);
   EXPECT_EQ(w[0].select(1, 2).abs().max().item<float>(), 0.0f);
   EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
@@ -146,8 +153,8 @@ TEST(MultiHeadAttention, BoolAndFloatMasksAgree) {
   auto padding = torch::rand({3, 6}) > 0.7;
   padding.select(1, 0).fill_(false);
   const auto allowed = torch::rand({4, 6}) > 0.3;
-  const auto padding_float = torch::zeros({3, 6}).masked_fill(padding, -kInf);
-  const auto allowed_float = torch::zeros({4, 6}).masked_fill(~allowed, -kInf);
+  const auto padding_float = additive_bias(padding.logical_not()).to(torch::kFloat);
+  const auto allowed_float = additive_bias(allowed).to(torch::kFloat);
 
   const auto run = [&](const torch::Tensor& pad, const torch::Tensor& mask) {
     return mha(q, kv, kv, MultiHeadAttentionForwardOptions().key_padding_mask(pad).attn_mask(mask));
@@ -156,8 +163,8 @@ TEST(MultiHeadAttention, BoolAndFloatMasksAgree) {
   for (const auto& [pad, mask] : {std::pair{padding_float, allowed}, std::pair{padding, allowed_float},
                                   std::pair{padding_float, allowed_float}}) {
     const auto [out2, w2] = run(pad, mask);
-    EXPECT_LE(max_abs_diff(out2, out), 1e-7);
-    EXPECT_LE(max_abs_diff(w2, w), 1e-7);
+    EXPECT_CLOSE(out2, out, Tolerance{1e-7});
+    EXPECT_CLOSE(w2, w, Tolerance{1e-7});
   }
   // Padding keys get no weight from any query.
   EXPECT_EQ(w.masked_select(padding.view({3, 1, 1, 6}).expand_as(w)).abs().max().item<float>(), 0.0f);
@@ -174,9 +181,9 @@ TEST(MultiHeadAttention, AttnMaskShapesAreEquivalent) {
     return std::get<0>(mha(q, kv, kv, MultiHeadAttentionForwardOptions().attn_mask(m)));
   };
   const auto expected = run(mask);
-  EXPECT_LE(max_abs_diff(run(mask.expand({B * H, L, S})), expected), 1e-7);
-  EXPECT_LE(max_abs_diff(run(mask.expand({B, H, L, S})), expected), 1e-7);
-  EXPECT_LE(max_abs_diff(run(mask.view({1, 1, L, S})), expected), 1e-7);
+  EXPECT_CLOSE(run(mask.expand({B * H, L, S})), expected, Tolerance{1e-7});
+  EXPECT_CLOSE(run(mask.expand({B, H, L, S})), expected, Tolerance{1e-7});
+  EXPECT_CLOSE(run(mask.view({1, 1, L, S})), expected, Tolerance{1e-7});
 
   // (B·H, L, S) is batch-major: entry b·H + h belongs to batch b, head h.
   auto per_head = torch::zeros({B, H, L, S}, torch::kBool).logical_not();
@@ -271,48 +278,176 @@ TEST(MultiHeadAttention, PrettyPrintsLikeATorchModule) {
       ")");
 }
 
+TEST(MultiHeadAttention, PrettyPrintsTheModernOptions) {
+  std::ostringstream printed;
+  printed << *MultiHeadAttention(MultiHeadAttentionOptions(64, 8)
+                                     .num_kv_heads(2)
+                                     .rotary(RotaryEmbeddingOptions(8))
+                                     .add_bias_kv(true)
+                                     .add_zero_attn(true));
+  EXPECT_EQ(printed.str(),
+            "attn::MultiHeadAttention(embed_dim=64, num_heads=8, num_kv_heads=2, dropout=0, bias=true, "
+            "kdim=64, vdim=64, batch_first=true, rotary_dim=8, add_bias_kv=true, add_zero_attn=true)(\n"
+            "  (q_proj): torch::nn::Linear(in_features=64, out_features=64, bias=true)\n"
+            "  (k_proj): torch::nn::Linear(in_features=64, out_features=16, bias=true)\n"
+            "  (v_proj): torch::nn::Linear(in_features=64, out_features=16, bias=true)\n"
+            "  (out_proj): torch::nn::Linear(in_features=64, out_features=64, bias=true)\n"
+            "  (rotary): attn::RotaryEmbedding(dim=8, base=10000, interleaved=false)\n"
+            ")");
+}
+
+// `grouped`'s K/V projections with every kv head's rows repeated for the
+// query heads that share it: the ordinary multi-head module it equals.
+MultiHeadAttention with_repeated_kv_heads(const attn::MultiHeadAttentionImpl& grouped) {
+  const auto& o = grouped.options;
+  const int64_t D = o.embed_dim() / o.num_heads();
+  const int64_t kv_heads = o.num_kv_heads().value_or(o.num_heads());
+  const int64_t group = o.num_heads() / kv_heads;
+  MultiHeadAttention full(MultiHeadAttentionOptions(o.embed_dim(), o.num_heads())
+                              .kdim(o.kdim())
+                              .vdim(o.vdim())
+                              .bias(o.bias())
+                              .rotary(o.rotary()));
+  torch::NoGradGuard no_grad;
+  const auto repeat = [&](const torch::Tensor& t) { // (H_kv·D, ...) -> (H·D, ...)
+    auto heads = t.unflatten(0, {kv_heads, D});
+    return heads.repeat_interleave(group, 0).flatten(0, 1);
+  };
+  full->q_proj->weight.copy_(grouped.q_proj->weight);
+  full->out_proj->weight.copy_(grouped.out_proj->weight);
+  full->k_proj->weight.copy_(repeat(grouped.k_proj->weight));
+  full->v_proj->weight.copy_(repeat(grouped.v_proj->weight));
+  if (o.bias()) {
+    full->q_proj->bias.copy_(grouped.q_proj->bias);
+    full->out_proj->bias.copy_(grouped.out_proj->bias);
+    full->k_proj->bias.copy_(repeat(grouped.k_proj->bias));
+    full->v_proj->bias.copy_(repeat(grouped.v_proj->bias));
+  }
+  return full;
+}
+
+TEST(GroupedQueryAttention, EqualsMultiHeadAttentionWithRepeatedKeyValueWeights) {
+  torch::manual_seed(1);
+  for (const int64_t kv_heads : {1, 2, 4}) {
+    for (const bool self : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "num_kv_heads=" << kv_heads << " self=" << self);
+      MultiHeadAttention grouped(
+          MultiHeadAttentionOptions(32, 8).num_kv_heads(kv_heads).kdim(self ? 32 : 12).vdim(self ? 32 : 20));
+      EXPECT_EQ(grouped->k_proj->weight.sizes(), torch::IntArrayRef({kv_heads * 4, self ? 32 : 12}));
+      auto full = with_repeated_kv_heads(*grouped);
+      auto x = torch::randn({3, 9, 32}, torch::requires_grad());
+      auto k = self ? x : torch::randn({3, 11, 12}, torch::requires_grad());
+      auto v = self ? x : torch::randn({3, 11, 20}, torch::requires_grad());
+      for (const bool need_weights : {true, false}) {
+        const auto options =
+            MultiHeadAttentionForwardOptions().is_causal(true).need_weights(need_weights);
+        const auto [out, w] = grouped(x, k, v, options);
+        const auto [expected, expected_w] = full(x, k, v, options);
+        EXPECT_CLOSE(out, expected, Tolerance{1e-5});
+        if (need_weights) {
+          EXPECT_EQ(w.sizes(), torch::IntArrayRef({3, 8, 9, self ? 9 : 11}));
+          EXPECT_CLOSE(w, expected_w, Tolerance{1e-6});
+        }
+        const auto upstream = torch::randn(out.sizes());
+        const auto grads = torch::autograd::grad({out}, {x}, {upstream});
+        const auto expected_grads = torch::autograd::grad({expected}, {x}, {upstream});
+        EXPECT_CLOSE(grads[0], expected_grads[0], Tolerance{1e-5});
+      }
+    }
+  }
+}
+
+TEST(RotaryMultiHeadAttention, RotatesQueriesAndKeysOfEveryHeadBeforeAttention) {
+  torch::manual_seed(2);
+  MultiHeadAttention mha(MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(6)));
+  ASSERT_TRUE(mha->rotary);
+  mha->to(torch::kDouble);
+  const auto x = torch::randn({2, 7, 32}, torch::kDouble);
+  const auto [out, w] = mha(x, x, x, MultiHeadAttentionForwardOptions().is_causal(true));
+
+  // The same computation written out: project, split heads, rotate, attend
+  // (the float64 loop reference), merge, project.
+  const auto heads = [](const torch::Tensor& t) { return t.view({2, 7, 4, 8}).transpose(1, 2); };
+  const auto q = mha->rotary(heads(mha->q_proj(x)));
+  const auto k = mha->rotary(heads(mha->k_proj(x)));
+  const auto v = heads(mha->v_proj(x));
+  const auto causal = additive_bias(band_mask(7, 7, 0, /*causal=*/true, 0));
+  const auto [ref_heads, ref_w] = attn::testing::reference_attention(
+      q.reshape({8, 7, 8}), k.reshape({8, 7, 8}), v.reshape({8, 7, 8}),
+      causal.expand({8, 7, 7}), 1.0 / std::sqrt(8.0));
+  const auto expected = mha->out_proj(ref_heads.view({2, 4, 7, 8}).transpose(1, 2).reshape({2, 7, 32}));
+  EXPECT_CLOSE(out, expected, kFloat64Tolerance);
+  EXPECT_CLOSE(w, ref_w.view({2, 4, 7, 7}), kFloat64Tolerance);
+}
+
+
+TEST(SlidingWindowAttention, EqualsAnExplicitBandMask) {
+  torch::manual_seed(4);
+  for (const bool extra_keys : {false, true}) {
+    MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2).add_bias_kv(extra_keys).add_zero_attn(extra_keys));
+    const auto x = torch::randn({2, 140, 16});
+    for (const bool causal : {true, false}) {
+      for (const bool need_weights : {true, false}) {
+        SCOPED_TRACE(::testing::Message() << "extra_keys=" << extra_keys << " causal=" << causal
+                                          << " need_weights=" << need_weights);
+        const auto [windowed, w] = mha(
+            x, x, x,
+            MultiHeadAttentionForwardOptions().is_causal(causal).window(9).need_weights(need_weights));
+        const auto [masked, w_masked] = mha(
+            x, x, x,
+            MultiHeadAttentionForwardOptions().attn_mask(band_mask(140, 140, 0, causal, 9)).need_weights(need_weights));
+        EXPECT_CLOSE(windowed, masked, Tolerance{1e-6});
+        if (need_weights) {
+          EXPECT_CLOSE(w, w_masked, Tolerance{1e-7});
+          // The appended keys stay visible to every query.
+          const auto S = 140 + (extra_keys ? 2 : 0);
+          EXPECT_EQ(w.size(3), S);
+          const auto outside_window = band_mask(140, 140, 0, causal, 9).logical_not();
+          EXPECT_EQ(w.narrow(3, 0, 140).masked_select(outside_window).abs().max().item<float>(), 0.0f);
+        }
+      }
+    }
+  }
+}
+
 TEST(MultiHeadAttentionErrors, ConstructionNamesTheBadOption) {
-  EXPECT_ATTN_ERROR(MultiHeadAttention(MultiHeadAttentionOptions(512, 7)),
-      "MultiHeadAttention: embed_dim must be divisible by num_heads, got embed_dim=512 and num_heads=7 (remainder 1)");
-  EXPECT_ATTN_ERROR(MultiHeadAttention(MultiHeadAttentionOptions(0, 1)),
-      "MultiHeadAttention: embed_dim must be positive, got 0");
-  EXPECT_ATTN_ERROR(MultiHeadAttention(MultiHeadAttentionOptions(8, -2)),
-      "MultiHeadAttention: num_heads must be positive, got -2");
-  EXPECT_ATTN_ERROR(MultiHeadAttention(MultiHeadAttentionOptions(8, 2).kdim(0)),
-      "MultiHeadAttention: kdim and vdim must be positive, got kdim=0 and vdim=8");
-  EXPECT_ATTN_ERROR(MultiHeadAttention(MultiHeadAttentionOptions(8, 2).dropout(1.0)),
-      "MultiHeadAttention: dropout must be in [0, 1), got 1");
+  const auto cases = attn::testing::multi_head_attention_construction_cases();
+  attn::testing::expect_catalogued_outcomes(attn::testing::error_cases(cases));
 }
 
 TEST(MultiHeadAttentionErrors, ForwardNamesExpectedAndActualShapes) {
-  MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4).kdim(12).vdim(10));
-  MultiHeadAttention seq_first(MultiHeadAttentionOptions(16, 4).batch_first(false));
-  const auto q = torch::randn({2, 3, 16});
-  const auto k = torch::randn({2, 5, 12});
-  const auto v = torch::randn({2, 5, 10});
-  const auto with = [](const torch::Tensor& pad, const torch::Tensor& mask) {
-    return MultiHeadAttentionForwardOptions().key_padding_mask(pad).attn_mask(mask);
-  };
-  EXPECT_ATTN_ERROR(mha(torch::randn({3, 16}), k, v), "query must be (B, L, E) with E == 16, got [3, 16]");
-  EXPECT_ATTN_ERROR(mha(torch::randn({2, 3, 8}), k, v), "query must be (B, L, E) with E == 16, got [2, 3, 8]");
-  EXPECT_ATTN_ERROR(seq_first(torch::randn({2, 3, 8}), q, q), "query must be (L, B, E) with E == 16, got [2, 3, 8]");
-  EXPECT_ATTN_ERROR(mha(q, torch::randn({2, 5, 16}), v), "key must be (B, S, kdim) with kdim == 12, got [2, 5, 16]");
-  EXPECT_ATTN_ERROR(mha(q, k, torch::randn({2, 5})), "value must be (B, S, vdim) with vdim == 10, got [2, 5]");
-  EXPECT_ATTN_ERROR(mha(q, torch::randn({3, 5, 12}), torch::randn({3, 5, 10})),
-      "query, key and value must have the same batch size B, got query [2, 3, 16], key [3, 5, 12], value [3, 5, 10]");
-  EXPECT_ATTN_ERROR(mha(q, k, torch::randn({2, 4, 10})),
-      "key and value must have the same length S, got key [2, 5, 12], value [2, 4, 10]");
-  EXPECT_ATTN_ERROR(mha(q, k, v, with(torch::zeros({2, 4}, torch::kBool), {})),
-      "key_padding_mask must be (B, S) = [2, 5], got [2, 4]");
-  EXPECT_ATTN_ERROR(mha(q, k, v, with(torch::zeros({2, 5}, torch::kLong), {})),
-      "key_padding_mask must be bool or have the query's dtype Float, got Long");
-  EXPECT_ATTN_ERROR(mha(q, k, v, with({}, torch::zeros({5, 3}))),
-      "attn_mask must be (L, S) = [3, 5], (B·H, L, S) = [8, 3, 5] or (B, H, L, S) = [2, 4, 3, 5] (B and H may be 1), got [5, 3]");
-  EXPECT_ATTN_ERROR(mha(q, k, v, with({}, torch::zeros({4, 3, 5}))),
-      "attn_mask must be (L, S) = [3, 5], (B·H, L, S) = [8, 3, 5] or (B, H, L, S) = [2, 4, 3, 5] (B and H may be 1), got [4, 3, 5]");
-  EXPECT_ATTN_ERROR(mha(q, k, v, with({}, torch::zeros({3, 5}, torch::kDouble))),
-      "attn_mask must be bool or have the query's dtype Float, got Double");
-  EXPECT_ATTN_ERROR(mha(q, torch::Tensor(), v), "query, key and value must be defined tensors");
+  const auto cases = attn::testing::multi_head_attention_forward_cases();
+  attn::testing::expect_catalogued_outcomes(attn::testing::error_cases(cases));
+}
+
+TEST(MultiHeadAttentionErrors, CallsWithAKVCacheNameWhatWasExpectedAndWhatArrived) {
+  torch::NoGradGuard no_grad;
+  MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4).num_kv_heads(2));
+  const auto x = torch::randn({2, 3, 16});
+  KVCache small(4);
+  mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&small));
+  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&small)),
+                    "KVCache: appending 3 tokens to the 3 cached would exceed max_length 4");
+  KVCache cache;
+  mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache));
+  const auto other_batch = torch::randn({5, 1, 16});
+  EXPECT_ATTN_ERROR(mha(other_batch, other_batch, other_batch, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+                    "KVCache: keys must be (B, H, T, D) = (2, 2, T, 4)");
+  const auto as_double = x.to(torch::kDouble);
+  mha->to(torch::kDouble);
+  EXPECT_ATTN_ERROR(mha(as_double, as_double, as_double, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+                    "KVCache: keys and values must have the cached dtype Float");
+  mha->to(torch::kFloat);
+  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).attn_mask(torch::ones({3, 3}, torch::kBool))),
+                    "attn_mask must be (L, S) = [3, 6], (B·H, L, S) = [8, 3, 6] or (B, H, L, S) = [2, 4, 3, 6] "
+                    "(B and H may be 1), S counting the cached keys, got [3, 3]");
+  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).window(0)),
+                    "MultiHeadAttention: window must be a positive number of keys, got 0");
+  EXPECT_EQ(cache.length(), 3); // a call that fails leaves the cache as it was
+  MultiHeadAttention extra(MultiHeadAttentionOptions(16, 4).add_bias_kv(true));
+  EXPECT_ATTN_ERROR(extra(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+                    "MultiHeadAttention: a kv_cache cannot be combined with add_bias_kv or add_zero_attn");
 }
 
 } // namespace
+

@@ -20,7 +20,8 @@
 
 namespace {
 
-using attn::testing::max_abs_diff;
+using attn::testing::additive_bias;
+using attn::testing::Tolerance;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr uint64_t kBaseSeed = 1000;
@@ -38,36 +39,21 @@ bool coin(std::mt19937_64& rng) {
   return pick(rng, {false, true});
 }
 
-// Tolerances relative to the largest reference magnitude (at least 1):
-// float32 results differ from float64 by a few roundings per element after
-// sums of up to ~500 terms in another order; gradients go through one more
-// such sum. float64 differs by summation order only.
-double tolerance(torch::ScalarType dtype, bool gradient) {
+// Relative to the largest reference magnitude (at least 1): float32
+// results differ from float64 by a few roundings per element after sums of
+// up to ~500 terms in another order; gradients go through one more such
+// sum. float64 differs by summation order only.
+Tolerance tolerance(torch::ScalarType dtype, bool gradient) {
   if (dtype == torch::kFloat) {
-    return gradient ? 1e-4 : 2e-5;
+    return gradient ? Tolerance{1e-4, 1e-4} : Tolerance{2e-5, 2e-5};
   }
-  return gradient ? 1e-10 : 1e-12;
-}
-
-void expect_close(
-    const torch::Tensor& actual, const torch::Tensor& expected, double tol, const char* what) {
-  ASSERT_TRUE(actual.defined()) << what;
-  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
-  const double magnitude =
-      expected.numel() == 0 ? 1.0 : std::max(1.0, expected.abs().max().item<double>());
-  EXPECT_LE(max_abs_diff(actual, expected), tol * magnitude) << what;
+  return gradient ? Tolerance{1e-10, 1e-10} : Tolerance{1e-12, 1e-12};
 }
 
 // How an input is laid out in memory; every layout must give the same result.
 enum class Layout { contiguous, transposed, expanded };
-const char* name(Layout layout) {
-  switch (layout) {
-    case Layout::contiguous: return "contiguous";
-    case Layout::transposed: return "transposed";
-    case Layout::expanded: return "expanded";
-  }
-  return "?";
-}
+const char* const kLayoutNames[] = {"contiguous", "transposed", "expanded"};
+const char* name(Layout layout) { return kLayoutNames[static_cast<int>(layout)]; }
 
 // A random tensor of `shape` in `layout`: transposed stores the last two
 // dims swapped (no unit stride); expanded repeats one slice of dim 0
@@ -93,16 +79,9 @@ torch::Tensor random_tensor(
 // The function and the ScaledDotProductAttention module.
 
 enum class SdpaMask { none, bool_pairs, bool_keys, float_full, float_pairs };
-const char* name(SdpaMask mask) {
-  switch (mask) {
-    case SdpaMask::none: return "none";
-    case SdpaMask::bool_pairs: return "bool (L, S)";
-    case SdpaMask::bool_keys: return "bool (..., 1, S)";
-    case SdpaMask::float_full: return "float (..., L, S)";
-    case SdpaMask::float_pairs: return "float (L, S)";
-  }
-  return "?";
-}
+const char* const kSdpaMaskNames[] = {"none", "bool (L, S)", "bool (..., 1, S)", "float (..., L, S)",
+                                      "float (L, S)"};
+const char* name(SdpaMask mask) { return kSdpaMaskNames[static_cast<int>(mask)]; }
 
 struct SdpaCase {
   uint64_t seed;
@@ -195,12 +174,10 @@ torch::Tensor reference_bias(const SdpaCase& c, const torch::Tensor& mask) {
   full.insert(full.end(), {c.L, c.S});
   auto bias = torch::zeros(full, torch::kDouble);
   if (mask.defined()) {
-    const auto m = mask.detach().expand(full);
-    bias = m.scalar_type() == torch::kBool ? bias.masked_fill(m.logical_not(), -kInf)
-                                           : bias + m.to(torch::kDouble);
+    bias = bias + additive_bias(mask.expand(full));
   }
   if (c.causal) {
-    bias = bias.masked_fill(torch::ones({c.L, c.S}, torch::kBool).triu(1), -kInf);
+    bias = bias + additive_bias(attn::testing::band_mask(c.L, c.S, 0, /*causal=*/true, 0));
   }
   return bias.reshape({-1, c.L, c.S}); // (N, L, S)
 }
@@ -238,9 +215,9 @@ void check_sdpa_case(const SdpaCase& c) {
   const auto bias = reference_bias(c, mask);
   const auto [ref_out, ref_weights] =
       attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, scale);
-  expect_close(flat(out), ref_out, tolerance(c.dtype, false), "output");
+  EXPECT_CLOSE(flat(out), ref_out, tolerance(c.dtype, false)) << "output";
   if (c.need_weights) {
-    expect_close(flat(weights), ref_weights, tolerance(c.dtype, false), "weights");
+    EXPECT_CLOSE(flat(weights), ref_weights, tolerance(c.dtype, false)) << "weights";
   } else {
     EXPECT_FALSE(weights.defined()) << "weights without need_weights";
   }
@@ -253,7 +230,7 @@ void check_sdpa_case(const SdpaCase& c) {
       flat(q), flat(k), flat(v), bias, scale, flat(upstream));
   const char* names[] = {"d query", "d key", "d value"};
   for (int i = 0; i < 3; ++i) {
-    expect_close(flat(grads[i]), ref_grads[i], tolerance(c.dtype, true), names[i]);
+    EXPECT_CLOSE(flat(grads[i]), ref_grads[i], tolerance(c.dtype, true)) << names[i];
   }
 }
 
@@ -273,27 +250,12 @@ TEST(PropertySweep, FunctionAndModuleMatchTheFloat64Reference) {
 
 enum class MhaMask { none, bool_pairs, float_pairs, bool_per_head_3d, float_full_4d,
                      bool_heads_4d, float_batch_4d };
-const char* name(MhaMask mask) {
-  switch (mask) {
-    case MhaMask::none: return "none";
-    case MhaMask::bool_pairs: return "bool (L, S)";
-    case MhaMask::float_pairs: return "float (L, S)";
-    case MhaMask::bool_per_head_3d: return "bool (B*H, L, S)";
-    case MhaMask::float_full_4d: return "float (B, H, L, S)";
-    case MhaMask::bool_heads_4d: return "bool (1, H, L, S)";
-    case MhaMask::float_batch_4d: return "float (B, 1, L, S)";
-  }
-  return "?";
-}
+const char* const kMhaMaskNames[] = {"none", "bool (L, S)", "float (L, S)", "bool (B*H, L, S)",
+                                     "float (B, H, L, S)", "bool (1, H, L, S)", "float (B, 1, L, S)"};
+const char* name(MhaMask mask) { return kMhaMaskNames[static_cast<int>(mask)]; }
 enum class Padding { none, bool_keys, float_keys };
-const char* name(Padding padding) {
-  switch (padding) {
-    case Padding::none: return "none";
-    case Padding::bool_keys: return "bool";
-    case Padding::float_keys: return "float";
-  }
-  return "?";
-}
+const char* const kPaddingNames[] = {"none", "bool", "float"};
+const char* name(Padding padding) { return kPaddingNames[static_cast<int>(padding)]; }
 
 struct MhaCase {
   uint64_t seed;
@@ -419,10 +381,10 @@ void check_mha_case(const MhaCase& c) {
 
   const auto upstream = c.requires_grad ? torch::randn(out.sizes(), c.dtype) : torch::Tensor();
   const auto ref = attn::testing::reference_multi_head_attention(*mha, query, key, value, options, upstream);
-  expect_close(out, ref.output, tolerance(c.dtype, false), "output");
+  EXPECT_CLOSE(out, ref.output, tolerance(c.dtype, false)) << "output";
   if (c.need_weights) {
-    expect_close(weights, c.average_weights ? ref.weights.mean(1) : ref.weights,
-                 tolerance(c.dtype, false), "weights");
+    EXPECT_CLOSE(weights, c.average_weights ? ref.weights.mean(1) : ref.weights,
+                 tolerance(c.dtype, false)) << "weights";
   } else {
     EXPECT_FALSE(weights.defined()) << "weights without need_weights";
   }
@@ -432,13 +394,13 @@ void check_mha_case(const MhaCase& c) {
   const auto& ref_grads = ref.input_gradients;
   if (c.self_attention) {
     const auto grad = torch::autograd::grad({out}, {query}, {upstream})[0];
-    expect_close(grad, ref_grads[0] + ref_grads[1] + ref_grads[2], tolerance(c.dtype, true), "d x");
+    EXPECT_CLOSE(grad, ref_grads[0] + ref_grads[1] + ref_grads[2], tolerance(c.dtype, true)) << "d x";
     return;
   }
   const auto grads = torch::autograd::grad({out}, {query, key, value}, {upstream});
   const char* names[] = {"d query", "d key", "d value"};
   for (int i = 0; i < 3; ++i) {
-    expect_close(grads[i], ref_grads[i], tolerance(c.dtype, true), names[i]);
+    EXPECT_CLOSE(grads[i], ref_grads[i], tolerance(c.dtype, true)) << names[i];
   }
 }
 

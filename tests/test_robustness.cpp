@@ -29,14 +29,15 @@
 namespace {
 
 using attn::SDPAOptions;
-using attn::testing::max_abs_diff;
+using attn::testing::additive_bias;
 using attn::testing::ThreadCount;
+using attn::testing::Tolerance;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // The function's four routes on the CPU: fused without weights (with and
-// without a gradient), fused with weights (inference), and the reference
-// path (weights with a gradient).
+// without a gradient), fused with weights (inference), and the math path
+// (weights with a gradient).
 struct Route {
   bool need_weights;
   bool requires_grad;
@@ -64,14 +65,13 @@ TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath
       const auto v = torch::randn({2, 600, 3}, dtype).requires_grad_(route.requires_grad);
       const auto [out, weights] = attn::scaled_dot_product_attention(
           q, k, v, SDPAOptions().scale(1.0).is_causal(true).need_weights(route.need_weights));
-      const auto causal = torch::zeros({130, 600}, torch::kDouble)
-                              .masked_fill(torch::ones({130, 600}, torch::kBool).triu(1), -kInf);
+      const auto causal = additive_bias(attn::testing::band_mask(130, 600, 0, /*causal=*/true, 0));
       const auto [ref_out, ref_weights] = attn::testing::reference_attention(q, k, v, causal, 1.0);
-      const double tol = dtype == torch::kFloat ? 1e-5 : 1e-12;
+      const auto tolerance = attn::testing::tolerance_for(dtype);
       ASSERT_TRUE(all_finite(out));
-      EXPECT_LE(max_abs_diff(out, ref_out), tol);
+      EXPECT_CLOSE(out, ref_out, tolerance);
       if (route.need_weights) {
-        EXPECT_LE(max_abs_diff(weights, ref_weights), tol);
+        EXPECT_CLOSE(weights, ref_weights, tolerance);
       }
       if (route.requires_grad) {
         const auto grads = torch::autograd::grad({out.sum()}, {q, k, v});
@@ -95,8 +95,9 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
   ASSERT_TRUE(all_finite(weights));
   // float32 rounds scores of 1e4 to ~1e-3, which moves each weight by up to
   // ~0.1 % of itself; outputs are weighted sums of values of ~1e2.
-  EXPECT_LE(max_abs_diff(weights, ref.weights), 5e-3);
-  EXPECT_LE(max_abs_diff(out, ref.output), 5e-3 * ref.output.abs().max().item<double>());
+  const Tolerance of_the_largest_output{0.0, 5e-3};
+  EXPECT_CLOSE(weights, ref.weights, Tolerance{5e-3});
+  EXPECT_CLOSE(out, ref.output, of_the_largest_output);
   EXPECT_TRUE(all_finite(torch::autograd::grad({out.sum()}, {x})[0]));
 }
 
@@ -124,9 +125,9 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
       const auto [out32, weights32] = attn::scaled_dot_product_attention(
           q32, k32, v32, SDPAOptions(options).attn_mask(mask.to(dtype).to(torch::kFloat)));
       ASSERT_EQ(out.scalar_type(), dtype);
-      const auto within_half_ulp = [&](const torch::Tensor& low, const torch::Tensor& ref) {
-        const auto error = (low.to(torch::kFloat) - ref).abs();
-        return (error <= half_ulp * ref.abs() + std::ldexp(1.0, -25)).all().item<bool>();
+      const auto within_half_ulp = [&](const torch::Tensor& low, const torch::Tensor& float32) {
+        const auto error = (low.to(torch::kFloat) - float32).abs();
+        return (error <= half_ulp * float32.abs() + std::ldexp(1.0, -25)).all().item<bool>();
       };
       EXPECT_TRUE(within_half_ulp(out.detach(), out32.detach()));
       if (route.need_weights) {
@@ -159,9 +160,10 @@ TEST(NumericalRobustness, BFloat16MultiHeadAttentionStaysNearItsFloat32Result) {
   const auto [out32, weights32] = mha(x32, x32, x32, options);
   // The projections round Q, K, V and the merged heads to bfloat16 (2^-9
   // each) before out_proj mixes 32 of them: a few 2^-9 of the largest value.
-  const double magnitude = out32.abs().max().item<double>();
-  EXPECT_LE(max_abs_diff(out, out32), 8 * std::ldexp(1.0, -9) * magnitude);
-  EXPECT_LE(max_abs_diff(weights, weights32), 8 * std::ldexp(1.0, -9));
+  const double rounding = 8 * std::ldexp(1.0, -9);
+  const Tolerance of_the_largest_output{0.0, rounding};
+  EXPECT_CLOSE(out, out32, of_the_largest_output);
+  EXPECT_CLOSE(weights, weights32, Tolerance{rounding});
 }
 
 TEST(NumericalRobustness, Float16MultiHeadAttentionOnTheCpuRunsOrNamesTheMissingKernel) {
@@ -191,8 +193,7 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
         auto allowed = torch::rand({2, 140, 520}) > 0.5;
         allowed.select(1, 3).fill_(false);
         allowed.select(1, 133).fill_(false); // in the second query tile
-        const auto mask = bool_mask ? allowed
-                                    : torch::zeros({2, 140, 520}, dtype).masked_fill(allowed.logical_not(), -kInf);
+        const auto mask = bool_mask ? allowed : additive_bias(allowed).to(dtype);
         const auto [out, weights] = attn::scaled_dot_product_attention(
             q, k, v, SDPAOptions().attn_mask(mask).need_weights(route.need_weights));
         for (const int64_t row : {3, 133}) {
@@ -251,7 +252,7 @@ TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPa
   const auto [no_keys, w1] = mha(x, torch::randn({2, 0, 8}), torch::randn({2, 0, 8}));
   EXPECT_EQ(w1.sizes(), torch::IntArrayRef({2, 2, 3, 0}));
   // No keys: zero attention, so the output is out_proj's bias.
-  EXPECT_LE(max_abs_diff(no_keys, mha->out_proj->bias.expand({2, 3, 8})), 0.0);
+  EXPECT_TRUE(torch::equal(no_keys, mha->out_proj->bias.expand({2, 3, 8})));
 }
 
 TEST(NonContiguousInputs, TransposedAndBroadcastMasksGiveTheContiguousResult) {
@@ -400,7 +401,7 @@ TEST(Determinism, SameSeedGivesBitwiseIdenticalResultsOnEveryPath) {
     const auto x = torch::randn({2, 140, 16}).requires_grad_();
     const auto padding = torch::rand({2, 140}) > 0.8;
     std::vector<torch::Tensor> results;
-    for (const bool training : {true, false}) { // reference path with dropout; fused
+    for (const bool training : {true, false}) { // math path with dropout; fused
       mha->train(training);
       for (const bool need_weights : {true, false}) {
         const auto [out, weights] = mha(x, x, x,

@@ -1,6 +1,6 @@
-// attn::RotaryEmbedding against RoPE written out element by element, and
-// the property it exists for: rotated queries and keys score by their
-// relative position only.
+// attn::RotaryEmbedding (src/modules/rotary_embedding.cpp) against RoPE
+// written out element by element, and the property it exists for: rotated
+// queries and keys score by their relative position only.
 
 #include "test_support.h"
 
@@ -13,7 +13,8 @@ namespace {
 
 using attn::RotaryEmbedding;
 using attn::RotaryEmbeddingOptions;
-using attn::testing::max_abs_diff;
+using attn::testing::kFloat64Tolerance;
+using attn::testing::Tolerance;
 
 // RoPE from its definition, in float64 loops: pair i of the first `dim`
 // features, (a, b), at position p becomes (a cos θ - b sin θ, b cos θ +
@@ -58,8 +59,8 @@ TEST_P(RotaryFormula, MatchesTheFormulaInFloat64AndFloat32) {
   const auto expected = rope_by_formula(x, c.dim, c.base, c.interleaved, c.offset);
   // float64: the tables are exact to rounding; float32: the angle is
   // computed in float64 and rounded once, so only the products round.
-  EXPECT_LE(max_abs_diff(rope(x, c.offset), expected), 1e-12);
-  EXPECT_LE(max_abs_diff(rope(x.to(torch::kFloat), c.offset), expected), 2e-6);
+  EXPECT_CLOSE(rope(x, c.offset), expected, kFloat64Tolerance);
+  EXPECT_CLOSE(rope(x.to(torch::kFloat), c.offset), expected, Tolerance{2e-6});
   // Features past dim pass through untouched.
   if (c.features > c.dim) {
     EXPECT_TRUE(torch::equal(rope(x, c.offset).narrow(-1, c.dim, c.features - c.dim),
@@ -115,7 +116,7 @@ TEST(RotaryEmbedding, GradientIsTheInverseRotation) {
   const auto upstream = torch::randn({2, 5, 8}, torch::kDouble);
   const auto grad = torch::autograd::grad({rope(x, 7)}, {x}, {upstream})[0];
   // Rotating the gradient forward again must give back the upstream.
-  EXPECT_LE(max_abs_diff(rope(grad, 7), upstream), 1e-12);
+  EXPECT_CLOSE(rope(grad, 7), upstream, kFloat64Tolerance);
 }
 
 TEST(RotaryEmbedding, KeepsTablesPerDtypeAndAClonesOwnCache) {
@@ -126,7 +127,7 @@ TEST(RotaryEmbedding, KeepsTablesPerDtypeAndAClonesOwnCache) {
   const auto as_double = rope(x, 2);
   EXPECT_EQ(as_float.scalar_type(), torch::kFloat);
   EXPECT_EQ(as_double.scalar_type(), torch::kDouble);
-  EXPECT_LE(max_abs_diff(as_float, as_double), 1e-6);
+  EXPECT_CLOSE(as_float, as_double, Tolerance{1e-6});
   const auto copy = std::dynamic_pointer_cast<attn::RotaryEmbeddingImpl>(rope->clone());
   ASSERT_TRUE(copy);
   EXPECT_TRUE(torch::equal(copy->forward(x, 2), as_double));

@@ -1,5 +1,6 @@
 #include "test_support.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -22,6 +23,50 @@ double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
   const auto a64 = a.detach().to(torch::kCPU, torch::kDouble);
   const auto b64 = b.detach().to(torch::kCPU, torch::kDouble);
   return (a64 - b64).abs().max().item<double>();
+}
+
+double Tolerance::allowed(const torch::Tensor& expected) const {
+  if (rtol == 0.0 || expected.numel() == 0) {
+    return atol;
+  }
+  return std::max(atol, rtol * cpu64(expected).abs().max().item<double>());
+}
+
+Tolerance tolerance_for(torch::ScalarType dtype) {
+  return dtype == torch::kDouble ? kFloat64Tolerance : kFloat32Tolerance;
+}
+
+::testing::AssertionResult AssertClose(
+    const char* actual_text,
+    const char* expected_text,
+    const char* tolerance_text,
+    const torch::Tensor& actual,
+    const torch::Tensor& expected,
+    const Tolerance& tolerance) {
+  if (!actual.defined()) {
+    return ::testing::AssertionFailure() << actual_text << " is undefined";
+  }
+  if (actual.sizes() != expected.sizes()) {
+    return ::testing::AssertionFailure() << actual_text << " is " << actual.sizes() << " but "
+                                         << expected_text << " is " << expected.sizes();
+  }
+  const double difference = max_abs_diff(actual, expected);
+  const double allowed = tolerance.allowed(expected);
+  if (difference <= allowed) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+      << actual_text << " differs from " << expected_text << " by up to " << difference
+      << ", more than the " << allowed << " that " << tolerance_text << " (atol "
+      << tolerance.atol << ", rtol " << tolerance.rtol << ") allows";
+}
+
+torch::Tensor additive_bias(const torch::Tensor& mask) {
+  if (mask.scalar_type() != torch::kBool) {
+    return cpu64(mask);
+  }
+  return torch::zeros(mask.sizes(), torch::kDouble)
+      .masked_fill(mask.detach().cpu().logical_not(), -std::numeric_limits<double>::infinity());
 }
 
 std::pair<torch::Tensor, torch::Tensor> reference_attention(
@@ -93,7 +138,6 @@ MultiHeadReference reference_multi_head_attention(
     const torch::Tensor& value,
     const attn::MultiHeadAttentionForwardOptions& options,
     const torch::Tensor& upstream) {
-  constexpr double kInf = std::numeric_limits<double>::infinity();
   const bool batch_first = mha.options.batch_first();
   const auto layout = [&](const torch::Tensor& t) { // to and from (B, T, ·)
     return batch_first ? cpu64(t) : cpu64(t).transpose(0, 1);
@@ -116,18 +160,16 @@ MultiHeadReference reference_multi_head_attention(
   auto bias = torch::zeros({B, H, L, S}, torch::kDouble);
   const auto& attn_mask = options.attn_mask();
   if (attn_mask.defined()) {
-    auto m = attn_mask.detach().cpu();
-    m = m.dim() == 3 ? m.reshape({B, H, L, S}) : m; // (B·H, L, S) -> (B, H, L, S)
-    bias = m.scalar_type() == torch::kBool ? bias.masked_fill(m.logical_not(), -kInf)
-                                           : bias + cpu64(m);
+    const auto m = attn_mask.dim() == 3 ? attn_mask.reshape({B, H, L, S}) : attn_mask; // from (B·H, L, S)
+    bias = bias + additive_bias(m);
   }
   const auto& padding = options.key_padding_mask();
   if (padding.defined()) {
-    const auto m = padding.detach().cpu().reshape({B, 1, 1, S});
-    bias = m.scalar_type() == torch::kBool ? bias.masked_fill(m, -kInf) : bias + cpu64(m);
+    const auto m = padding.reshape({B, 1, 1, S}); // a bool one is true at padding keys
+    bias = bias + additive_bias(m.scalar_type() == torch::kBool ? m.logical_not() : m);
   }
   if (options.is_causal()) {
-    bias = bias.masked_fill(torch::ones({L, S}, torch::kBool).triu(1), -kInf);
+    bias = bias + additive_bias(band_mask(L, S, 0, /*causal=*/true, 0));
   }
   bias = bias.reshape({B * H, L, S});
 

@@ -1,7 +1,8 @@
 #pragma once
 
 // Helpers shared by the tests: an independent float64 attention reference,
-// finite-difference gradients, and assertions on tensors and errors.
+// finite-difference gradients, and assertions on tensors (within a
+// Tolerance) and errors.
 
 #include <attn/modules/multi_head_attention.h>
 
@@ -25,6 +26,43 @@ namespace attn::testing {
 
 // Largest |a - b| over all elements (both moved to CPU float64).
 double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b);
+
+// How far a result may lie from the value it is checked against: its
+// largest elementwise difference may reach `atol`, or `rtol` times the
+// largest magnitude of the expected tensor where that is more. Every
+// tolerance in the tests is one of these.
+struct Tolerance {
+  double atol = 0.0;
+  double rtol = 0.0;
+  // The largest difference allowed from `expected`.
+  double allowed(const torch::Tensor& expected) const;
+};
+
+// Results of O(1) magnitude: float32 after a handful of roundings per
+// element, float64 limited by summation order only.
+inline constexpr Tolerance kFloat32Tolerance{1e-5};
+inline constexpr Tolerance kFloat64Tolerance{1e-12};
+// kFloat32Tolerance or kFloat64Tolerance.
+Tolerance tolerance_for(torch::ScalarType dtype);
+
+// Whether `actual` is defined, shaped like `expected` and within
+// `tolerance` of it; for EXPECT_CLOSE.
+::testing::AssertionResult AssertClose(
+    const char* actual_text,
+    const char* expected_text,
+    const char* tolerance_text,
+    const torch::Tensor& actual,
+    const torch::Tensor& expected,
+    const Tolerance& tolerance);
+
+// Expects `actual` within `tolerance` (a Tolerance) of `expected`.
+#define EXPECT_CLOSE(actual, expected, tolerance) \
+  EXPECT_PRED_FORMAT3(::attn::testing::AssertClose, actual, expected, tolerance)
+
+// `mask` as the additive float64 bias that reference_attention takes, on
+// the CPU: a bool mask (true: may attend) becomes 0 where true and -inf
+// where false; a float mask is additive already.
+torch::Tensor additive_bias(const torch::Tensor& mask);
 
 // Plain attention in float64 with explicit loops, sharing no code with the
 // library. q (N, L, E), k (N, S, E), v (N, S, Ev) and `bias` (N, L, S), an

@@ -1,0 +1,354 @@
+#include "bad_input_catalogue.h"
+
+#include "test_support.h"
+
+#include <attn/device.h>
+#include <attn/functional.h>
+#include <attn/interop.h>
+#include <attn/modules/multi_head_attention.h>
+#include <attn/modules/scaled_dot_product_attention.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+namespace attn::testing {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// A tensor on the meta device: another device than the CPU, available
+// without a GPU, so that device checks are exercised everywhere.
+torch::Tensor on_meta(torch::IntArrayRef shape, torch::ScalarType dtype = torch::kFloat) {
+  return torch::empty(shape, torch::TensorOptions(dtype).device(torch::kMeta));
+}
+
+torch::Tensor output_of(const std::tuple<torch::Tensor, torch::Tensor>& result) {
+  return std::get<0>(result);
+}
+
+// An entry point's output for query, key and value.
+using Forward = std::function<torch::Tensor(
+    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value)>;
+
+// Inputs stored with dims a and b swapped (non-contiguous), and keys and
+// values expanded from one batch entry (stride 0): both give what
+// contiguous inputs give.
+std::vector<BadInput> layout_cases(
+    const Forward& forward,
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    int64_t a,
+    int64_t b) {
+  const auto stored_swapped = [a, b](const torch::Tensor& x) {
+    return x.transpose(a, b).contiguous().transpose(a, b);
+  };
+  const auto expanded = [](const torch::Tensor& x) { return x[0].expand(x.sizes()); };
+  const auto repeated = [](const torch::Tensor& x) { return x[0].repeat({x.size(0), 1, 1}); };
+  return {
+      {"transposed (non-contiguous) inputs", [=] {
+         EXPECT_CLOSE(forward(stored_swapped(q), stored_swapped(k), stored_swapped(v)),
+                      forward(q, k, v), Tolerance{1e-6});
+       }, ""},
+      {"expanded (stride 0) inputs", [=] {
+         EXPECT_CLOSE(forward(q, expanded(k), expanded(v)), forward(q, repeated(k), repeated(v)),
+                      Tolerance{1e-6});
+       }, ""},
+  };
+}
+
+std::vector<BadInput> joined(std::vector<BadInput> first, const std::vector<BadInput>& second) {
+  first.insert(first.end(), second.begin(), second.end());
+  return first;
+}
+
+} // namespace
+
+void expect_catalogued_outcomes(const std::vector<BadInput>& cases) {
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    if (c.error.empty()) {
+      EXPECT_NO_THROW(c.call());
+    } else {
+      EXPECT_ATTN_ERROR(c.call(), c.error);
+    }
+  }
+}
+
+std::vector<BadInput> error_cases(std::vector<BadInput> cases) {
+  const auto works = [](const BadInput& c) { return c.error.empty(); };
+  cases.erase(std::remove_if(cases.begin(), cases.end(), works), cases.end());
+  return cases;
+}
+
+// q (2, 4, 8), k (2, 6, 8), v (2, 6, 5), as docs/BAD_INPUTS.md's heading says.
+std::vector<BadInput> scaled_dot_product_attention_cases() {
+  torch::manual_seed(30);
+  const auto q = torch::randn({2, 4, 8});
+  const auto k = torch::randn({2, 6, 8});
+  const auto v = torch::randn({2, 6, 5});
+  const auto sdpa = [](const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                       const SDPAOptions& options = {}) {
+    return attn::scaled_dot_product_attention(query, key, value, options);
+  };
+  const Forward output = [sdpa](const torch::Tensor& query, const torch::Tensor& key,
+                                const torch::Tensor& value) { return output_of(sdpa(query, key, value)); };
+  const auto expected = output(q, k, v);
+  const auto with_mask = [](const torch::Tensor& mask) { return SDPAOptions().attn_mask(mask); };
+  const auto gqa = SDPAOptions().enable_gqa(true);
+  const std::vector<BadInput> cases = {
+      {"undefined key", [=] { sdpa(q, torch::Tensor(), v); },
+       "scaled_dot_product_attention: query, key and value must be defined tensors"},
+      {"0-d query", [=] { sdpa(torch::tensor(1.0f), k, v); },
+       "query must be (..., L, E) with at least 2 dims, got []"},
+      {"1-d query", [=] { sdpa(torch::randn({8}), k, v); },
+       "query must be (..., L, E) with at least 2 dims, got [8]"},
+      {"ranks differ", [=] { sdpa(q, torch::randn({6, 8}), v); },
+       "query, key and value must have the same number of dims, got query [2, 4, 8], key [6, 8], value [2, 6, 5]"},
+      {"batch sizes differ", [=] { sdpa(q, torch::randn({3, 6, 8}), torch::randn({3, 6, 5})); },
+       "query, key and value must have the same leading dims, got query [2, 4, 8], key [3, 6, 8], value [3, 6, 5]"},
+      {"key feature size differs", [=] { sdpa(q, torch::randn({2, 6, 7}), v); },
+       "key must be (..., S, E) with E == 8 (the query's feature size), got [2, 6, 7]"},
+      {"key and value lengths differ", [=] { sdpa(q, k, torch::randn({2, 5, 5})); },
+       "value must be (..., S, Ev) with S == 6 (the key's length), got [2, 5, 5]"},
+      {"feature size E = 0", [=] { sdpa(torch::zeros({2, 4, 0}), torch::zeros({2, 6, 0}), v); },
+       "query must have a feature size E > 0, got [2, 4, 0]"},
+      {"integer inputs", [=] { sdpa(q.to(torch::kLong), k.to(torch::kLong), v.to(torch::kLong)); },
+       "query must have a floating-point dtype, got Long"},
+      {"bool inputs", [=] { sdpa(q > 0, k > 0, v > 0); },
+       "query must have a floating-point dtype, got Bool"},
+      {"dtypes differ", [=] { sdpa(q, k.to(torch::kDouble), v); },
+       "key and value must have the query's dtype Float, got key Double and value Float"},
+      {"devices differ", [=] { sdpa(q, on_meta({2, 6, 8}), v); },
+       "key and value must be on the query's device cpu, got key on meta and value on cpu"},
+      {"mask of a wrong shape", [=] { sdpa(q, k, v, with_mask(torch::zeros({4, 5}))); },
+       "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [4, 5]"},
+      {"mask with more dims than the scores", [=] { sdpa(q, k, v, with_mask(torch::zeros({3, 2, 4, 6}))); },
+       "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [3, 2, 4, 6]"},
+      {"integer mask", [=] { sdpa(q, k, v, with_mask(torch::zeros({4, 6}, torch::kInt))); },
+       "attn_mask must be bool or have the query's dtype Float, got Int"},
+      {"float mask of another dtype", [=] { sdpa(q, k, v, with_mask(torch::zeros({4, 6}, torch::kDouble))); },
+       "attn_mask must be bool or have the query's dtype Float, got Double"},
+      {"mask on another device", [=] { sdpa(q, k, v, with_mask(on_meta({4, 6}, torch::kBool))); },
+       "attn_mask must be on the query's device cpu, got meta"},
+      {"dropout_p > 1", [=] { sdpa(q, k, v, SDPAOptions().dropout_p(1.5)); },
+       "dropout_p must be in [0, 1], got 1.5"},
+      {"dropout_p NaN", [=] { sdpa(q, k, v, SDPAOptions().dropout_p(kNaN)); },
+       "dropout_p must be in [0, 1], got nan"},
+      {"scale NaN", [=] { sdpa(q, k, v, SDPAOptions().scale(kNaN)); },
+       "scale must be a finite number, got nan"},
+      {"scale infinite", [=] { sdpa(q, k, v, SDPAOptions().scale(kInf)); },
+       "scale must be a finite number, got inf"},
+      {"window = 0", [=] { sdpa(q, k, v, SDPAOptions().window(0)); },
+       "window must be a positive number of keys, got 0"},
+      {"window < 0, causal", [=] { sdpa(q, k, v, SDPAOptions().is_causal(true).window(-4)); },
+       "window must be a positive number of keys, got -4"},
+      {"query_offset beyond ±2^60", [=] { sdpa(q, k, v, SDPAOptions().query_offset((int64_t{1} << 60) + 1)); },
+       "query_offset must be within ±2^60, got 1152921504606846977"},
+      {"enable_gqa with a 2-d query", [=] {
+         sdpa(torch::randn({4, 8}), torch::randn({6, 8}), torch::randn({6, 5}), gqa);
+       }, "enable_gqa needs a heads dim: query must be (..., Hq, L, E), got [4, 8]"},
+      {"enable_gqa with Hkv not dividing Hq", [=] {
+         sdpa(torch::randn({2, 6, 4, 8}), torch::randn({2, 4, 6, 8}), torch::randn({2, 4, 6, 5}), gqa);
+       }, "the key/value heads Hkv must divide the query heads Hq, got Hq=6 and Hkv=4"},
+      {"enable_gqa with key and value heads that differ", [=] {
+         sdpa(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}), torch::randn({2, 3, 6, 5}), gqa);
+       }, "and key and value their heads, got query [2, 6, 4, 8], key [2, 2, 6, 8], value [2, 3, 6, 5]"},
+      {"fewer key heads without enable_gqa", [=] {
+         sdpa(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}), torch::randn({2, 2, 6, 5}));
+       }, "(enable_gqa allows fewer key/value heads)"},
+      {"zero-length queries (L = 0): empty output", [=] {
+         const auto [out, w] = sdpa(torch::randn({2, 0, 8}), k, v);
+         EXPECT_EQ(out.sizes(), torch::IntArrayRef({2, 0, 5}));
+         EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 0, 6}));
+       }, ""},
+      {"zero-length keys (S = 0): zero output, (…, L, 0) weights", [=] {
+         const auto [out, w] = sdpa(q, torch::randn({2, 0, 8}), torch::randn({2, 0, 5}));
+         EXPECT_TRUE(torch::equal(out, torch::zeros({2, 4, 5})));
+         EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 4, 0}));
+       }, ""},
+      {"empty batch (B = 0): empty output", [=] {
+         const auto out = output(torch::randn({0, 4, 8}), torch::randn({0, 6, 8}), torch::randn({0, 6, 5}));
+         EXPECT_EQ(out.sizes(), torch::IntArrayRef({0, 4, 5}));
+       }, ""},
+      {"value width Ev = 0: (…, L, 0) output", [=] {
+         EXPECT_EQ(output(q, k, torch::randn({2, 6, 0})).sizes(), torch::IntArrayRef({2, 4, 0}));
+       }, ""},
+      {"2-d inputs (no batch dims)", [=] {
+         EXPECT_CLOSE(output(q[1], k[1], v[1]), expected[1], Tolerance{1e-6});
+       }, ""},
+      {"5-d inputs", [=] {
+         const auto out = output(q.view({1, 2, 1, 4, 8}), k.view({1, 2, 1, 6, 8}), v.view({1, 2, 1, 6, 5}));
+         EXPECT_CLOSE(out.view({2, 4, 5}), expected, Tolerance{1e-6});
+       }, ""},
+      {"mask broadcast from (1, S)", [=] {
+         const auto keys = torch::tensor({true, true, false, true, false, true}).view({1, 6});
+         EXPECT_CLOSE(output_of(sdpa(q, k, v, with_mask(keys))),
+                      output_of(sdpa(q, k, v, with_mask(keys.expand({2, 4, 6}).contiguous()))),
+                      Tolerance{1e-6});
+       }, ""},
+      {"float16 inputs on the CPU: computed in float32", [=] {
+         const auto out = output(q.to(torch::kHalf), k.to(torch::kHalf), v.to(torch::kHalf));
+         EXPECT_EQ(out.scalar_type(), torch::kHalf);
+         EXPECT_CLOSE(out, expected, Tolerance{1e-2});
+       }, ""},
+  };
+  return joined(cases, layout_cases(output, q, k, v, 1, 2));
+}
+
+std::vector<BadInput> scaled_dot_product_attention_module_cases() {
+  ScaledDotProductAttention sdpa;
+  return {
+      {"module dropout < 0", [] { ScaledDotProductAttention(ScaledDotProductAttentionOptions().dropout(-0.1)); },
+       "ScaledDotProductAttention: dropout must be in [0, 1), got -0.1"},
+      {"module dropout = 1", [] { ScaledDotProductAttention(ScaledDotProductAttentionOptions().dropout(1.0)); },
+       "ScaledDotProductAttention: dropout must be in [0, 1), got 1"},
+      {"module scale NaN", [] {
+         ScaledDotProductAttention(ScaledDotProductAttentionOptions().scale(kNaN))
+             ->forward(torch::randn({2, 4}), torch::randn({3, 4}), torch::randn({3, 4}));
+       }, "scaled_dot_product_attention: scale must be a finite number, got nan"},
+      {"module forward: key feature size differs", [sdpa]() mutable {
+         sdpa(torch::randn({2, 4, 8}), torch::randn({2, 6, 7}), torch::randn({2, 6, 5}));
+       }, "scaled_dot_product_attention: key must be (..., S, E) with E == 8 (the query's feature size), got [2, 6, 7]"},
+      {"module forward: mask of a wrong shape", [sdpa]() mutable {
+         sdpa(torch::randn({2, 4, 8}), torch::randn({2, 6, 8}), torch::randn({2, 6, 5}), torch::ones({6, 4}, torch::kBool));
+       }, "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [6, 4]"},
+  };
+}
+
+std::vector<BadInput> multi_head_attention_construction_cases() {
+  const auto make = [](const MultiHeadAttentionOptions& options) { MultiHeadAttention mha(options); };
+  return {
+      {"embed_dim not divisible by num_heads", [=] { make(MultiHeadAttentionOptions(512, 7)); },
+       "MultiHeadAttention: embed_dim must be divisible by num_heads, got embed_dim=512 and num_heads=7 (remainder 1)"},
+      {"embed_dim = 0", [=] { make(MultiHeadAttentionOptions(0, 1)); },
+       "MultiHeadAttention: embed_dim must be positive, got 0"},
+      {"num_heads < 0", [=] { make(MultiHeadAttentionOptions(8, -2)); },
+       "MultiHeadAttention: num_heads must be positive, got -2"},
+      {"kdim = 0", [=] { make(MultiHeadAttentionOptions(8, 2).kdim(0)); },
+       "MultiHeadAttention: kdim and vdim must be positive, got kdim=0 and vdim=8"},
+      {"dropout = 1", [=] { make(MultiHeadAttentionOptions(8, 2).dropout(1.0)); },
+       "MultiHeadAttention: dropout must be in [0, 1), got 1"},
+      {"dropout NaN", [=] { make(MultiHeadAttentionOptions(8, 2).dropout(kNaN)); },
+       "MultiHeadAttention: dropout must be in [0, 1), got nan"},
+      {"num_kv_heads not dividing num_heads", [=] { make(MultiHeadAttentionOptions(64, 8).num_kv_heads(3)); },
+       "MultiHeadAttention: num_kv_heads must be positive and divide num_heads, got num_heads=8 and num_kv_heads=3"},
+      {"num_kv_heads = 0", [=] { make(MultiHeadAttentionOptions(64, 8).num_kv_heads(0)); },
+       "num_kv_heads must be positive and divide num_heads"},
+      {"rotary dim above the head width", [=] {
+         make(MultiHeadAttentionOptions(64, 8).rotary(attn::RotaryEmbeddingOptions(16)));
+       }, "MultiHeadAttention: rotary dim must be at most the head width embed_dim / num_heads = 8, got 16"},
+      {"odd rotary dim", [=] { make(MultiHeadAttentionOptions(64, 8).rotary(attn::RotaryEmbeddingOptions(5))); },
+       "RotaryEmbedding: dim must be a positive even number of features (they rotate in pairs), got 5"},
+  };
+}
+
+// A module with kdim 12 and vdim 10; q (2, 3, 16), k (2, 5, 12), v (2, 5, 10).
+std::vector<BadInput> multi_head_attention_forward_cases() {
+  torch::manual_seed(31);
+  MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4).kdim(12).vdim(10));
+  MultiHeadAttention self(MultiHeadAttentionOptions(16, 4));
+  MultiHeadAttention seq_first(MultiHeadAttentionOptions(16, 4).batch_first(false));
+  const auto q = torch::randn({2, 3, 16});
+  const auto k = torch::randn({2, 5, 12});
+  const auto v = torch::randn({2, 5, 10});
+  const auto with = [](const torch::Tensor& pad, const torch::Tensor& mask) {
+    return MultiHeadAttentionForwardOptions().key_padding_mask(pad).attn_mask(mask);
+  };
+  const Forward output = [mha](const torch::Tensor& query, const torch::Tensor& key,
+                               const torch::Tensor& value) mutable { return output_of(mha(query, key, value)); };
+  const std::vector<BadInput> cases = {
+      {"undefined key", [=]() mutable { mha(q, torch::Tensor(), v); },
+       "MultiHeadAttention: query, key and value must be defined tensors"},
+      {"2-d query", [=]() mutable { mha(torch::randn({3, 16}), k, v); },
+       "query must be (B, L, E) with E == 16, got [3, 16]"},
+      {"query feature size differs", [=]() mutable { mha(torch::randn({2, 3, 8}), k, v); },
+       "query must be (B, L, E) with E == 16, got [2, 3, 8]"},
+      {"query feature size differs, sequence-first", [=]() mutable { seq_first(torch::randn({2, 3, 8}), q, q); },
+       "query must be (L, B, E) with E == 16, got [2, 3, 8]"},
+      {"key feature size differs from kdim", [=]() mutable { mha(q, torch::randn({2, 5, 16}), v); },
+       "key must be (B, S, kdim) with kdim == 12, got [2, 5, 16]"},
+      {"2-d value", [=]() mutable { mha(q, k, torch::randn({2, 5})); },
+       "value must be (B, S, vdim) with vdim == 10, got [2, 5]"},
+      {"batch sizes differ", [=]() mutable { mha(q, torch::randn({3, 5, 12}), torch::randn({3, 5, 10})); },
+       "query, key and value must have the same batch size B, got query [2, 3, 16], key [3, 5, 12], value [3, 5, 10]"},
+      {"key and value lengths differ", [=]() mutable { mha(q, k, torch::randn({2, 4, 10})); },
+       "key and value must have the same length S, got key [2, 5, 12], value [2, 4, 10]"},
+      {"inputs of another dtype than the module", [=]() mutable { mha(q.to(torch::kDouble), k, v); },
+       "inputs must have the module's dtype Float, got query Double, key Float, value Float (convert one with .to())"},
+      {"integer inputs", [=]() mutable { self(q.to(torch::kLong), q.to(torch::kLong), q.to(torch::kLong)); },
+       "inputs must have the module's dtype Float, got query Long"},
+      {"inputs on another device than the module", [=]() mutable { mha(on_meta({2, 3, 16}), k, v); },
+       "inputs must be on the module's device cpu, got query on meta, key on cpu, value on cpu (move one with .to())"},
+      {"key_padding_mask of a wrong shape", [=]() mutable { mha(q, k, v, with(torch::zeros({2, 4}, torch::kBool), {})); },
+       "key_padding_mask must be (B, S) = [2, 5], got [2, 4]"},
+      {"integer key_padding_mask", [=]() mutable { mha(q, k, v, with(torch::zeros({2, 5}, torch::kLong), {})); },
+       "key_padding_mask must be bool or have the query's dtype Float, got Long"},
+      {"key_padding_mask on another device", [=]() mutable { mha(q, k, v, with(on_meta({2, 5}, torch::kBool), {})); },
+       "key_padding_mask must be on the query's device cpu, got meta"},
+      {"attn_mask (S, L) instead of (L, S)", [=]() mutable { mha(q, k, v, with({}, torch::zeros({5, 3}))); },
+       "attn_mask must be (L, S) = [3, 5], (B·H, L, S) = [8, 3, 5] or (B, H, L, S) = [2, 4, 3, 5] (B and H may be 1), got [5, 3]"},
+      {"attn_mask (H, L, S) instead of (B·H, L, S)", [=]() mutable { mha(q, k, v, with({}, torch::zeros({4, 3, 5}))); },
+       "attn_mask must be (L, S) = [3, 5], (B·H, L, S) = [8, 3, 5] or (B, H, L, S) = [2, 4, 3, 5] (B and H may be 1), got [4, 3, 5]"},
+      {"float attn_mask of another dtype", [=]() mutable { mha(q, k, v, with({}, torch::zeros({3, 5}, torch::kDouble))); },
+       "attn_mask must be bool or have the query's dtype Float, got Double"},
+      {"zero-length queries (L = 0): empty output", [=]() mutable {
+         EXPECT_EQ(output(torch::randn({2, 0, 16}), k, v).sizes(), torch::IntArrayRef({2, 0, 16}));
+       }, ""},
+      {"zero-length keys (S = 0): output is out_proj's bias", [=]() mutable {
+         const auto out = output(q, torch::randn({2, 0, 12}), torch::randn({2, 0, 10}));
+         EXPECT_TRUE(torch::equal(out, mha->out_proj->bias.expand({2, 3, 16})));
+       }, ""},
+      {"empty batch (B = 0): empty output", [=]() mutable {
+         EXPECT_EQ(output_of(self(torch::randn({0, 3, 16}), torch::randn({0, 3, 16}), torch::randn({0, 3, 16}))).sizes(),
+                   torch::IntArrayRef({0, 3, 16}));
+       }, ""},
+  };
+  return joined(cases, layout_cases(output, q, k, v, 0, 1));
+}
+
+std::vector<BadInput> unknown_device_cases() {
+  std::vector<BadInput> cases;
+  for (const std::string request : {"tpu", "", "gpu", "CPU", "mps", "cuda:", "cuda:x", "cuda:-1", "cuda:1:2"}) {
+    cases.push_back({"device '" + request + "'", [request] { attn::select_device(request); },
+                     "unknown device '" + request + "': expected auto, cpu, cuda or cuda:N"});
+  }
+  return cases;
+}
+
+std::vector<BadInput> unavailable_cuda_cases() {
+  std::vector<BadInput> cases;
+  for (const std::string request : {"cuda", "cuda:0"}) {
+    cases.push_back({request + " without CUDA", [request] { attn::select_device(request); },
+                     "device '" + request + "' requested but CUDA is not available"});
+  }
+  return cases;
+}
+
+std::vector<BadInput> copy_weights_cases() {
+  using Builtin = torch::nn::MultiheadAttention;
+  using BuiltinOptions = torch::nn::MultiheadAttentionOptions;
+  MultiHeadAttention ours(MultiHeadAttentionOptions(16, 2));
+  Builtin wider(BuiltinOptions(32, 2));
+  Builtin more_heads(BuiltinOptions(16, 4));
+  Builtin no_bias(BuiltinOptions(16, 2).bias(false));
+  Builtin bias_kv(BuiltinOptions(16, 2).add_bias_kv(true));
+  MultiHeadAttention grouped(MultiHeadAttentionOptions(16, 2).num_kv_heads(1).bias(false));
+  return {
+      {"modules of different embed_dim", [=]() mutable { attn::copy_weights(*wider, *ours); },
+       "copy_weights: modules differ; torch::nn::MultiheadAttention has embed_dim=32, num_heads=2"},
+      {"modules of different num_heads", [=]() mutable { attn::copy_weights(*more_heads, *ours); },
+       "copy_weights: modules differ; torch::nn::MultiheadAttention has embed_dim=16, num_heads=4"},
+      {"only one module has biases", [=]() mutable { attn::copy_weights(*ours, *no_bias); },
+       "bias=0, add_bias_kv=0, add_zero_attn=0 but attn::MultiHeadAttention has embed_dim=16, num_heads=2, kdim=16, vdim=16, bias=1"},
+      {"a built-in with add_bias_kv into a module without", [=]() mutable { attn::copy_weights(*bias_kv, *ours); },
+       "bias=1, add_bias_kv=1, add_zero_attn=0 but attn::MultiHeadAttention has embed_dim=16, num_heads=2, kdim=16, vdim=16, bias=1, add_bias_kv=0, add_zero_attn=0"},
+      {"into a grouped-query module", [=]() mutable { attn::copy_weights(*no_bias, *grouped); },
+       "copy_weights: torch.nn.MultiheadAttention has no grouped-query form; the attn::MultiHeadAttention must have num_kv_heads == num_heads, got num_kv_heads=1 and num_heads=2"},
+  };
+}
+
+} // namespace attn::testing
