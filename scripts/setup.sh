@@ -34,7 +34,7 @@ esac
 cd "$(dirname "$0")/.."
 
 packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
-          cmake ninja-build g++)
+          libcli11-dev nlohmann-json3-dev cmake ninja-build g++)
 [ "$libtorch" = debian ] && packages+=(libtorch-dev)
 missing=()
 for package in "${packages[@]}"; do

@@ -6,6 +6,7 @@
 #                         step FULL, against one run straight to FULL: the
 #                         resumed run carries on from HALF and ends with the
 #                         same held-out results, to the printed digit.
+#   CASE=help             --help: exit code 0 and every flag listed.
 #   EXPECTED_ERROR set    exit code 2 and that text on a one-line stderr.
 # ARGS are passed to every run; files go to the working directory.
 
@@ -99,6 +100,14 @@ elseif(CASE STREQUAL "resume")
     fail("resumed and uninterrupted runs differ:\n  resumed:${resumed}\n  straight:${straight}")
   endif()
   message(STATUS "both runs:${straight}")
+elseif(CASE STREQUAL "help")
+  train(--help)
+  expect_success("--help")
+  foreach(flag device steps seed digits batch eval-every checkpoint resume)
+    if(NOT out MATCHES "\n  --${flag} ")
+      fail("--help does not list --${flag}:\n${out}")
+    endif()
+  endforeach()
 else()
   fail("unknown CASE '${CASE}'")
 endif()

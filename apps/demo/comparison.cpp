@@ -1,5 +1,7 @@
 #include "comparison.h"
 
+#include "common/failure.h"
+
 #include <attn/attn.h>
 
 #include <fmt/format.h>
@@ -14,6 +16,8 @@
 
 namespace demo {
 namespace {
+
+using apps::UsageError;
 
 // Timed forwards per module: at most this many, within about this long.
 constexpr int kMaxTimedRuns = 10;
@@ -61,8 +65,9 @@ struct Problem {
   Inputs inputs;
 };
 
-// Draws the weights and tokens in the reference example's order: our module,
-// the built-in, then the tokens; our weights are copied into the built-in.
+// Draws the weights and tokens in a fixed order, our module, the built-in,
+// then the tokens, so that a seed always gives the same problem; our
+// weights are copied into the built-in.
 // Everything starts as float32 on the CPU, so a seed gives the same numbers
 // on every device and in every dtype.
 Problem make_problem(const DemoArguments& arguments) {
@@ -122,7 +127,7 @@ Outputs run_builtin(
 
 std::string describe_module_error(const char* module, const c10::Error& error) {
   return fmt::format(
-      "{}: {}", module, one_line(error.what_without_backtrace()));
+      "{}: {}", module, apps::one_line(error.what_without_backtrace()));
 }
 
 // Why `dtype` cannot run on `device` with these flags, if it cannot. Whether
@@ -271,6 +276,20 @@ AttentionMap first_sequence_map(
   return map;
 }
 
+// The built-in again in float64, from its weights and inputs as the run's
+// dtype rounded them: it measures the arithmetic, not the rounding of
+// inputs.
+Outputs rerun_in_float64(
+    const torch::nn::MultiheadAttentionImpl& builtin,
+    const Inputs& inputs,
+    torch::Device device) {
+  const auto module =
+      std::dynamic_pointer_cast<torch::nn::MultiheadAttentionImpl>(
+          builtin.clone());
+  module->to(torch::kFloat64);
+  return run_builtin(*module, inputs.to(device, torch::kFloat64));
+}
+
 } // namespace
 
 Comparison compare_with_builtin(const DemoArguments& arguments) {
@@ -296,14 +315,7 @@ Comparison compare_with_builtin(const DemoArguments& arguments) {
   const auto& ours = timed_attn.outputs;
   const auto& builtin = timed_builtin.outputs;
 
-  // The reference starts from the built-in's weights as the run's dtype
-  // rounded them, so it measures the arithmetic, not the rounding of inputs.
-  const auto reference_module =
-      std::dynamic_pointer_cast<torch::nn::MultiheadAttentionImpl>(
-          problem.builtin->clone());
-  reference_module->to(torch::kFloat64);
-  const auto reference =
-      run_builtin(*reference_module, inputs.to(device, torch::kFloat64));
+  const auto float64 = rerun_in_float64(*problem.builtin, inputs, device);
 
   return {
       device_choice,
@@ -313,8 +325,8 @@ Comparison compare_with_builtin(const DemoArguments& arguments) {
       {timed_attn.median_ms, timed_builtin.median_ms, timed_attn.runs},
       max_abs_difference(ours.output, builtin.output),
       max_abs_difference(ours.weights, builtin.weights),
-      max_abs_difference(ours.output, reference.output),
-      max_abs_difference(builtin.output, reference.output),
+      max_abs_difference(ours.output, float64.output),
+      max_abs_difference(builtin.output, float64.output),
       first_sequence_map(arguments, ours.weights)};
 }
 

@@ -58,8 +58,8 @@ struct Comparison {
   AttentionMap map;
 };
 
-/// Runs the experiment. Throws `UsageError` when the dtype cannot run on the
-/// device, and `c10::Error` for a device that cannot be used.
+/// Runs the experiment. Throws `apps::UsageError` when the dtype cannot run
+/// on the device, and `c10::Error` for a device that cannot be used.
 Comparison compare_with_builtin(const DemoArguments& arguments);
 
 } // namespace demo

@@ -1,17 +1,11 @@
 #include "heatmap.h"
 
-#include "errors.h"
-
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 
 namespace demo {
 namespace {
@@ -145,42 +139,67 @@ struct Layout {
   }
 };
 
+// Where a panel's grid of cells starts, right of the query labels and below
+// the title and key labels.
+struct Grid {
+  int left;
+  int top;
+};
+
+Grid panel_grid(const Layout& layout, int panel) {
+  return {
+      layout.panel_left(panel) + layout.row_label_width,
+      layout.panel_top(panel) + kPanelTitleHeight + kColumnLabelHeight};
+}
+
+// The panel's title, and every row_step-th query and column_step-th key.
+void draw_labels(
+    std::string& svg,
+    const Layout& layout,
+    const AttentionMap& map,
+    int panel) {
+  const auto grid = panel_grid(layout, panel);
+  const int cell = layout.cell;
+  svg += fmt::format(
+      "<text x=\"{}\" y=\"{}\" font-weight=\"bold\">head {}</text>\n",
+      grid.left, layout.panel_top(panel) + 12, map.heads[panel]);
+  const int S = static_cast<int>(map.key_labels.size());
+  for (int key = 0; key < S; key += layout.column_step) {
+    svg += fmt::format(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+        grid.left + key * cell + cell / 2, grid.top - 5, map.key_labels[key]);
+  }
+  const int L = static_cast<int>(map.query_labels.size());
+  for (int query = 0; query < L; query += layout.row_step) {
+    svg += fmt::format(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n",
+        grid.left - 6, grid.top + query * cell + cell / 2 + 4,
+        map.query_labels[query]);
+  }
+}
+
+// The title and labels, then one coloured cell per weight with its pair
+// and value in the tooltip, and the value printed in cells large enough.
 void draw_panel(
     std::string& svg,
     const Layout& layout,
     const AttentionMap& map,
     int panel,
     double scale_max) {
+  svg += "<g class=\"panel\">\n";
+  draw_labels(svg, layout, map, panel);
   const auto weights = map.weights[panel].contiguous(); // (L, S)
   const auto* values = weights.data_ptr<double>();
+  const auto grid = panel_grid(layout, panel);
+  const int cell = layout.cell;
   const int L = static_cast<int>(map.query_labels.size());
   const int S = static_cast<int>(map.key_labels.size());
-  const int cell = layout.cell;
-  const int grid_left = layout.panel_left(panel) + layout.row_label_width;
-  const int grid_top =
-      layout.panel_top(panel) + kPanelTitleHeight + kColumnLabelHeight;
-
-  svg += fmt::format(
-      "<g class=\"panel\">\n"
-      "<text x=\"{}\" y=\"{}\" font-weight=\"bold\">head {}</text>\n",
-      grid_left, layout.panel_top(panel) + 12, map.heads[panel]);
-  for (int key = 0; key < S; key += layout.column_step) {
-    svg += fmt::format(
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
-        grid_left + key * cell + cell / 2, grid_top - 5, map.key_labels[key]);
-  }
-  for (int query = 0; query < L; query += layout.row_step) {
-    svg += fmt::format(
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n",
-        grid_left - 6, grid_top + query * cell + cell / 2 + 4,
-        map.query_labels[query]);
-  }
   for (int query = 0; query < L; ++query) {
     for (int key = 0; key < S; ++key) {
       const double weight = values[query * S + key];
       const double fraction = weight / scale_max;
-      const int x = grid_left + key * cell;
-      const int y = grid_top + query * cell;
+      const int x = grid.left + key * cell;
+      const int y = grid.top + query * cell;
       svg += fmt::format(
           "<rect class=\"cell\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" "
           "fill=\"{}\"><title>{} → {}: {:.4f}</title></rect>\n",
@@ -253,36 +272,6 @@ std::string heatmap_svg(const AttentionMap& map, const std::string& caption) {
   draw_colour_bar(svg, layout, scale_max);
   svg += "</svg>\n";
   return svg;
-}
-
-void write_file_atomically(
-    const std::string& path,
-    const std::string& content) {
-  namespace fs = std::filesystem;
-  const fs::path temporary = path + ".partial";
-  const auto fail = [&](const std::string& reason) {
-    std::error_code ignored;
-    fs::remove(temporary, ignored);
-    throw UsageError(fmt::format(
-        "cannot write --heatmap '{}': {}; expected a writable file path",
-        path, reason));
-  };
-  {
-    std::ofstream file(temporary, std::ios::binary);
-    if (!file) {
-      fail(std::strerror(errno));
-    }
-    file << content;
-    file.close();
-    if (!file) {
-      fail(std::strerror(errno));
-    }
-  }
-  std::error_code error;
-  fs::rename(temporary, path, error);
-  if (error) {
-    fail(error.message());
-  }
 }
 
 } // namespace demo

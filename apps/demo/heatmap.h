@@ -14,11 +14,4 @@ namespace demo {
 /// and a colour bar. `caption` says what was run.
 std::string heatmap_svg(const AttentionMap& map, const std::string& caption);
 
-/// Writes `content` to `path` through a temporary file beside it, so that a
-/// failed write leaves neither a partial file nor a damaged old one. Throws
-/// `UsageError` naming the path and the reason.
-void write_file_atomically(
-    const std::string& path,
-    const std::string& content);
-
 } // namespace demo

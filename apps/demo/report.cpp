@@ -2,17 +2,19 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
-
-#include <cmath>
 
 namespace demo {
 namespace {
 
+// Keys in the order written; NaN and infinity, which JSON lacks, become null.
+using Json = nlohmann::ordered_json;
+
 // Longer maps do not fit a terminal as a table; --heatmap draws them.
 constexpr int64_t kMaxTableTokens = 12;
 
-// "[4, 20, 512]": for a person and valid JSON alike.
+// "[4, 20, 512]".
 std::string format_shape(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
@@ -38,7 +40,7 @@ std::string describe_input(const DemoArguments& arguments) {
           {arguments.batch, arguments.key_length(), arguments.d_model}));
 }
 
-// The attention map of one head of the first sequence, as in the reference:
+// The attention map of one head of the first sequence, as a table:
 //           x1    x2     sum
 //   x1 [  0.54  0.46 ]  1.00
 std::string attention_table(const AttentionMap& map, int64_t panel) {
@@ -66,24 +68,74 @@ std::string attention_table(const AttentionMap& map, int64_t panel) {
   return table;
 }
 
-std::string json_string(const std::string& text) {
-  std::string quoted = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      quoted += '\\';
-      quoted += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      quoted += fmt::format("\\u{:04x}", static_cast<int>(c));
-    } else {
-      quoted += c;
-    }
-  }
-  return quoted + "\"";
+// "one run" or "median of 10 runs".
+std::string describe_timing(const ForwardTime& time) {
+  return time.runs == 1 ? std::string("one run")
+                        : fmt::format("median of {} runs", time.runs);
 }
 
-// JSON has no NaN or infinity.
-std::string json_number(double value) {
-  return std::isfinite(value) ? fmt::format("{}", value) : "null";
+// The report's first lines: what ran, the shapes, the times and errors.
+std::string summary(
+    const DemoArguments& arguments,
+    const Comparison& comparison) {
+  const auto dtype = dtype_name(arguments.dtype);
+  return fmt::format(
+      "Device:          {}\n"
+      "Dtype:           {}\n"
+      "Attention:       {}\n"
+      "Input:           {}\n"
+      "Output:          {}\n"
+      "Weights:         {}\n"
+      "Built-in output: {}\n"
+      "Forward time:    attn {:.3g} ms, built-in {:.3g} ms ({})\n"
+      "Max |output - built-in output|: {:.3g} (both in {})\n"
+      "Max |weights - built-in weights|: {:.3g}\n"
+      "Max |output - float64 reference|: attn {:.3g}, built-in {:.3g}\n"
+      "  (reference: the built-in rerun in float64 on the same weights and "
+      "inputs)\n",
+      describe_device(arguments, comparison.device), dtype,
+      describe_attention(arguments), describe_input(arguments),
+      format_shape(comparison.output_shape),
+      format_shape(comparison.weights_shape),
+      format_shape(comparison.builtin_output_shape), comparison.time.attn_ms,
+      comparison.time.builtin_ms, describe_timing(comparison.time),
+      comparison.max_output_difference, dtype,
+      comparison.max_weights_difference, comparison.attn_error_vs_float64,
+      comparison.builtin_error_vs_float64);
+}
+
+// The shown head(s) as tables, or where to draw them when they are long.
+std::string attention_tables(
+    const DemoArguments& arguments,
+    const AttentionMap& map) {
+  if (arguments.seq > kMaxTableTokens ||
+      arguments.key_length() > kMaxTableTokens) {
+    return fmt::format(
+        "\nThe attention map ({} x {}) is printed as a table for up to {} "
+        "tokens;\ndraw it with --heatmap FILE.svg.\n",
+        arguments.seq, arguments.key_length(), kMaxTableTokens);
+  }
+  std::string tables;
+  for (int64_t panel = 0; panel < static_cast<int64_t>(map.heads.size());
+       ++panel) {
+    tables += '\n';
+    tables += attention_table(map, panel);
+  }
+  return tables;
+}
+
+Json shapes_json(const Comparison& comparison) {
+  return {
+      {"output", comparison.output_shape},
+      {"weights", comparison.weights_shape},
+      {"builtin_output", comparison.builtin_output_shape}};
+}
+
+Json timing_json(const ForwardTime& time) {
+  return {
+      {"attn", time.attn_ms},
+      {"builtin", time.builtin_ms},
+      {"runs", time.runs}};
 }
 
 } // namespace
@@ -108,85 +160,45 @@ std::string describe_attention(const DemoArguments& arguments) {
 std::string text_report(
     const DemoArguments& arguments,
     const Comparison& comparison) {
-  const auto dtype = dtype_name(arguments.dtype);
-  std::string report = fmt::format(
-      "Device:          {}\n"
-      "Dtype:           {}\n"
-      "Attention:       {}\n"
-      "Input:           {}\n"
-      "Output:          {}\n"
-      "Weights:         {}\n"
-      "Built-in output: {}\n"
-      "Forward time:    attn {:.3g} ms, built-in {:.3g} ms ({})\n"
-      "Max |output - built-in output|: {:.3g} (both in {})\n"
-      "Max |weights - built-in weights|: {:.3g}\n"
-      "Max |output - float64 reference|: attn {:.3g}, built-in {:.3g}\n"
-      "  (reference: the built-in rerun in float64 on the same weights and "
-      "inputs)\n",
-      describe_device(arguments, comparison.device), dtype,
-      describe_attention(arguments), describe_input(arguments),
-      format_shape(comparison.output_shape),
-      format_shape(comparison.weights_shape),
-      format_shape(comparison.builtin_output_shape),
-      comparison.time.attn_ms, comparison.time.builtin_ms,
-      comparison.time.runs == 1
-          ? std::string("one run")
-          : fmt::format("median of {} runs", comparison.time.runs),
-      comparison.max_output_difference, dtype,
-      comparison.max_weights_difference, comparison.attn_error_vs_float64,
-      comparison.builtin_error_vs_float64);
+  auto report = summary(arguments, comparison);
   if (!arguments.heatmap_path.empty()) {
     report += fmt::format("Heatmap:         {}\n", arguments.heatmap_path);
   }
-
-  const auto& map = comparison.map;
-  if (arguments.seq > kMaxTableTokens ||
-      arguments.key_length() > kMaxTableTokens) {
-    report += fmt::format(
-        "\nThe attention map ({} x {}) is printed as a table for up to {} "
-        "tokens;\ndraw it with --heatmap FILE.svg.\n",
-        arguments.seq, arguments.key_length(), kMaxTableTokens);
-    return report;
-  }
-  for (int64_t panel = 0; panel < static_cast<int64_t>(map.heads.size());
-       ++panel) {
-    report += "\n" + attention_table(map, panel);
-  }
-  return report;
+  return report + attention_tables(arguments, comparison.map);
 }
 
 std::string json_report(
     const DemoArguments& arguments,
     const Comparison& comparison) {
-  const auto& time = comparison.time;
-  return fmt::format(
-      "{{\"batch\": {}, \"seq\": {}, \"kv_seq\": {}, \"d_model\": {}, "
-      "\"heads\": {}, \"attention\": {}, \"causal\": {}, \"pad\": {}, "
-      "\"seed\": {}, \"device\": {}, \"device_request\": {}, "
-      "\"device_reason\": {}, \"dtype\": {}, "
-      "\"shapes\": {{\"output\": {}, \"weights\": {}, "
-      "\"builtin_output\": {}}}, "
-      "\"forward_ms\": {{\"attn\": {}, \"builtin\": {}, \"runs\": {}}}, "
-      "\"max_abs_difference\": {{\"output\": {}, \"weights\": {}}}, "
-      "\"max_abs_error_vs_float64\": {{\"attn\": {}, \"builtin\": {}}}, "
-      "\"heatmap\": {}}}\n",
-      arguments.batch, arguments.seq, arguments.key_length(),
-      arguments.d_model, arguments.heads,
-      json_string(arguments.cross_attention() ? "cross" : "self"),
-      arguments.causal, arguments.pad, arguments.seed,
-      json_string(comparison.device.device.str()),
-      json_string(arguments.device), json_string(comparison.device.reason),
-      json_string(dtype_name(arguments.dtype)),
-      format_shape(comparison.output_shape),
-      format_shape(comparison.weights_shape),
-      format_shape(comparison.builtin_output_shape), json_number(time.attn_ms),
-      json_number(time.builtin_ms), time.runs,
-      json_number(comparison.max_output_difference),
-      json_number(comparison.max_weights_difference),
-      json_number(comparison.attn_error_vs_float64),
-      json_number(comparison.builtin_error_vs_float64),
-      arguments.heatmap_path.empty() ? "null"
-                                     : json_string(arguments.heatmap_path));
+  const Json report = {
+      {"batch", arguments.batch},
+      {"seq", arguments.seq},
+      {"kv_seq", arguments.key_length()},
+      {"d_model", arguments.d_model},
+      {"heads", arguments.heads},
+      {"attention", arguments.cross_attention() ? "cross" : "self"},
+      {"causal", arguments.causal},
+      {"pad", arguments.pad},
+      {"seed", arguments.seed},
+      {"device", comparison.device.device.str()},
+      {"device_request", arguments.device},
+      {"device_reason", comparison.device.reason},
+      {"dtype", dtype_name(arguments.dtype)},
+      {"shapes", shapes_json(comparison)},
+      {"forward_ms", timing_json(comparison.time)},
+      {"max_abs_difference",
+       {{"output", comparison.max_output_difference},
+        {"weights", comparison.max_weights_difference}}},
+      {"max_abs_error_vs_float64",
+       {{"attn", comparison.attn_error_vs_float64},
+        {"builtin", comparison.builtin_error_vs_float64}}},
+      {"heatmap",
+       arguments.heatmap_path.empty() ? Json(nullptr)
+                                      : Json(arguments.heatmap_path)},
+  };
+  // A path or device name that is not UTF-8 is printed with U+FFFD in
+  // place of its bad bytes rather than failing the run.
+  return report.dump(-1, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 } // namespace demo

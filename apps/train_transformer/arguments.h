@@ -1,20 +1,14 @@
 #pragma once
 
 // The trainer's command line, parsed strictly: an unknown flag, a missing
-// or malformed value, or flags that contradict each other is a UsageError.
+// or malformed value, or flags that contradict each other is an
+// apps::UsageError.
 
 #include <cstdint>
-#include <stdexcept>
+#include <optional>
 #include <string>
 
 namespace train {
-
-/// A command line the trainer cannot carry out; main() prints its message
-/// as one line and exits with code 2.
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 /// One training run. The defaults reach 99 % held-out token accuracy.
 struct TrainArguments {
@@ -32,13 +26,12 @@ struct TrainArguments {
   /// Where the checkpoint is written (and read with `resume`); empty: none.
   std::string checkpoint;
   bool resume = false;
-  bool help = false;
 };
 
-/// Parses and checks `argv`. Throws `UsageError`.
-TrainArguments parse_arguments(int argc, const char* const* argv);
-
-/// The `--help` text: every flag with its default.
-std::string usage();
+/// Parses and checks `argv`. Returns nothing, having printed the help,
+/// where `--help` was given. Throws `apps::UsageError`.
+std::optional<TrainArguments> parse_arguments(
+    int argc,
+    const char* const* argv);
 
 } // namespace train

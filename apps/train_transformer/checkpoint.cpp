@@ -1,8 +1,9 @@
 #include "checkpoint.h"
 
+#include "common/atomic_file.h"
+
 #include <torch/torch.h>
 
-#include <cstdio>
 #include <fstream>
 
 namespace train {
@@ -39,12 +40,9 @@ void save_checkpoint(
   optimizer.save(optimizer_archive);
   archive.write("optimizer", optimizer_archive);
 
-  const auto partial = path + ".partial";
-  archive.save_to(partial);
-  TORCH_CHECK(
-      std::rename(partial.c_str(), path.c_str()) == 0,
-      "cannot write the checkpoint '", path, "' (renaming '", partial,
-      "' failed)");
+  apps::replace_file_atomically(
+      path, "the checkpoint",
+      [&](const std::string& temporary) { archive.save_to(temporary); });
 }
 
 int64_t load_checkpoint(

@@ -23,6 +23,7 @@ struct RunIdentity {
 
 /// Writes the checkpoint to `path` through a temporary file and a rename,
 /// so that an interrupted write leaves the previous checkpoint intact.
+/// Throws `apps::UsageError` where `path` cannot be written.
 void save_checkpoint(
     const std::string& path,
     const RunIdentity& identity,

@@ -1,0 +1,265 @@
+#include "trainer.h"
+
+#include "common/failure.h"
+
+#include <attn/device.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+
+namespace train {
+namespace {
+
+// 4096 digits at the default length: one more right or wrong moves the
+// token accuracy by 0.02 %, fine enough to tell 99 % from 98.9 %.
+constexpr int64_t kHeldOutSequences = 512;
+constexpr double kTargetAccuracy = 0.99;
+
+// AdamW at a constant rate after a linear warm-up. The rate depends on the
+// step only, not on --steps, so that a run resumed towards a later step
+// trains exactly as an uninterrupted one.
+constexpr double kLearningRate = 3e-3;
+constexpr int64_t kWarmupSteps = 100;
+constexpr double kWeightDecay = 0.01;
+constexpr double kMaxGradientNorm = 1.0;
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double learning_rate(int64_t step) {
+  return kLearningRate *
+      std::min(1.0, static_cast<double>(step) / kWarmupSteps);
+}
+
+// The training strings of `step`: a different, reproducible draw for every
+// step of every seed.
+uint64_t batch_seed(uint64_t seed, int64_t step) {
+  return seed ^ (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL);
+}
+
+// The weights are drawn here, so the seed is set here.
+Transformer seeded_model(
+    uint64_t seed,
+    const ReversalTask& task,
+    const torch::Device& device) {
+  torch::manual_seed(seed);
+  Transformer model(
+      TransformerConfig{ReversalTask::kVocabularySize, task.input_length()});
+  model->to(device);
+  return model;
+}
+
+ReversalBatch held_out_batch(
+    const ReversalTask& task,
+    uint64_t seed,
+    const torch::Device& device) {
+  auto held_out = task.batch(kHeldOutSequences, seed, Split::kHeldOut);
+  return {held_out.inputs.to(device), held_out.targets.to(device)};
+}
+
+Evaluation evaluate(
+    Transformer& model,
+    const ReversalTask& task,
+    const ReversalBatch& held_out) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const auto logits = task.answer_logits(model(held_out.inputs)); // (B, N, V)
+  const auto loss = torch::nn::functional::cross_entropy(
+      logits.flatten(0, 1), held_out.targets.flatten());
+  const auto right = logits.argmax(-1) == held_out.targets;
+  model->train();
+  return {loss.item<double>(), right.to(torch::kDouble).mean().item<double>()};
+}
+
+// The likeliest next token after each sequence of `tokens` (B, T): (B, 1).
+torch::Tensor next_token(
+    Transformer& model,
+    const torch::Tensor& tokens,
+    std::vector<attn::KVCache>& caches) {
+  return model->decode(tokens, caches)
+      .select(1, -1)
+      .argmax(-1, /*keepdim=*/true);
+}
+
+// The model's own reversal of the strings (B, N): it writes one token at a
+// time after the separator, always taking the likeliest. The prompt goes
+// through the model once; each later step feeds only the token just
+// written, attending to the earlier ones through the blocks' KV caches.
+// Returns (B, N).
+torch::Tensor reverse_greedily(
+    Transformer& model,
+    const ReversalTask& task,
+    const torch::Tensor& digits) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const auto separators = torch::full(
+      {digits.size(0), 1}, ReversalTask::kSeparator, digits.options());
+  const auto prompt = torch::cat({digits, separators}, 1); // (B, N + 1)
+  std::vector<attn::KVCache> caches;
+  std::vector<torch::Tensor> written = {next_token(model, prompt, caches)};
+  while (static_cast<int64_t>(written.size()) < task.digits()) {
+    written.push_back(next_token(model, written.back(), caches));
+  }
+  model->train();
+  return torch::cat(written, 1);
+}
+
+std::string digit_string(const torch::Tensor& digits) {
+  const auto values = digits.cpu().contiguous();
+  const auto* first = values.data_ptr<int64_t>();
+  return fmt::format("{}", fmt::join(first, first + values.numel(), " "));
+}
+
+} // namespace
+
+Trainer::Trainer(const TrainArguments& arguments)
+    : arguments_(arguments),
+      device_(attn::select_device(arguments.device)),
+      task_(arguments.digits),
+      model_(seeded_model(arguments.seed, task_, device_)),
+      optimizer_(
+          model_->parameters(),
+          torch::optim::AdamWOptions(kLearningRate).weight_decay(kWeightDecay)),
+      identity_{arguments.seed, arguments.digits},
+      held_out_(held_out_batch(task_, arguments.seed, device_)) {}
+
+void Trainer::print_setup() const {
+  const auto& config = model_->config();
+  int64_t parameter_count = 0;
+  for (const auto& parameter : model_->parameters()) {
+    parameter_count += parameter.numel();
+  }
+  fmt::print(
+      "Reversing {} digits with a causal transformer: {} blocks, d_model {}, "
+      "{} heads, {} parameters, on {}, seed {}\n",
+      arguments_.digits, config.layers, config.d_model, config.heads,
+      parameter_count, device_.str(), arguments_.seed);
+}
+
+void Trainer::resume_if_asked() {
+  if (!arguments_.resume) {
+    return;
+  }
+  step_ = load_checkpoint(
+      arguments_.checkpoint, identity_, device_, model_, optimizer_);
+  if (step_ > arguments_.steps) {
+    throw apps::UsageError(fmt::format(
+        "--steps {} is before the checkpoint's step {}: expected at least {}",
+        arguments_.steps, step_, step_));
+  }
+  first_step_ = step_ + 1;
+  fmt::print("Resumed from step {} of '{}'\n", step_, arguments_.checkpoint);
+}
+
+void Trainer::train() {
+  while (step_ < arguments_.steps) {
+    ++step_;
+    const auto started = Clock::now();
+    window_.loss += train_step();
+    ++window_.steps;
+    const auto step_seconds = seconds_since(started);
+    window_.seconds += step_seconds;
+    training_seconds_ += step_seconds;
+    if (is_milestone()) {
+      reach_milestone();
+    } else {
+      progress_.update(status());
+    }
+  }
+}
+
+double Trainer::train_step() {
+  for (auto& group : optimizer_.param_groups()) {
+    group.options().set_lr(learning_rate(step_));
+  }
+  const auto batch = task_.batch(
+      arguments_.batch, batch_seed(arguments_.seed, step_), Split::kTraining);
+  const auto logits = task_.answer_logits(model_(batch.inputs.to(device_)));
+  const auto loss = torch::nn::functional::cross_entropy(
+      logits.flatten(0, 1), batch.targets.to(device_).flatten());
+  optimizer_.zero_grad();
+  loss.backward();
+  torch::nn::utils::clip_grad_norm_(model_->parameters(), kMaxGradientNorm);
+  optimizer_.step();
+  return loss.item<double>();
+}
+
+bool Trainer::is_milestone() const {
+  return step_ == first_step_ || step_ % arguments_.eval_every == 0 ||
+      step_ == arguments_.steps;
+}
+
+void Trainer::reach_milestone() {
+  evaluation_ = evaluate(model_, task_, held_out_);
+  if (!target_reached_ && evaluation_.token_accuracy >= kTargetAccuracy) {
+    target_reached_ = Milestone{step_, training_seconds_};
+  }
+  if (!arguments_.checkpoint.empty()) {
+    save_checkpoint(
+        arguments_.checkpoint, identity_, step_, model_, optimizer_);
+  }
+  progress_.milestone(status());
+  window_ = Window{};
+}
+
+std::string Trainer::status() const {
+  const auto step_width = fmt::to_string(arguments_.steps).size();
+  return fmt::format(
+      "step {:>{}}/{}  loss {:.4f}  accuracy {:6.2f} %  {:>6.0f} tokens/s",
+      step_, step_width, arguments_.steps, window_.loss / window_.steps,
+      100.0 * evaluation_.token_accuracy,
+      tokens_per_step() * window_.steps / window_.seconds);
+}
+
+int64_t Trainer::tokens_per_step() const {
+  return arguments_.batch * task_.input_length();
+}
+
+void Trainer::print_results() {
+  if (step_ < first_step_) {
+    // Resumed at the final step: nothing to train, only to evaluate.
+    evaluation_ = evaluate(model_, task_, held_out_);
+  } else {
+    print_training_time();
+  }
+  print_decoding();
+}
+
+void Trainer::print_training_time() {
+  const auto trained_steps = step_ - first_step_ + 1;
+  progress_.line(fmt::format(
+      "Trained steps {} to {} in {:.1f} s ({:.0f} tokens/s)", first_step_,
+      step_, training_seconds_,
+      tokens_per_step() * trained_steps / training_seconds_));
+}
+
+void Trainer::print_decoding() {
+  const auto strings = held_out_.inputs.narrow(1, 0, task_.digits()); // (B, N)
+  const auto reversed = reverse_greedily(model_, task_, strings);
+  const auto strings_right =
+      (reversed == held_out_.targets).all(1).to(torch::kDouble).mean();
+  progress_.line(fmt::format(
+      "Held-out strings: token accuracy {:.2f} %, loss {:.6f}; reversed "
+      "whole by greedy decoding {:.2f} %",
+      100.0 * evaluation_.token_accuracy, evaluation_.loss,
+      100.0 * strings_right.item<double>()));
+  if (target_reached_) {
+    progress_.line(fmt::format(
+        "{:.0f} % token accuracy first reached at step {}, after {:.1f} s of "
+        "training",
+        100.0 * kTargetAccuracy, target_reached_->step,
+        target_reached_->training_seconds));
+  }
+  progress_.line(fmt::format(
+      "Example: {} -> {} (right: {})", digit_string(strings[0]),
+      digit_string(reversed[0]), digit_string(held_out_.targets[0])));
+}
+
+} // namespace train
