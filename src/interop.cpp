@@ -77,6 +77,7 @@ std::vector<Entry> builtin_entries(const MultiHeadAttentionImpl& ours, const cha
 void check_entries(const std::vector<Entry>& entries, const NamedTensors& source,
                    const char* caller, const std::string& where) {
   std::vector<std::string> expected;
+  expected.reserve(entries.size());
   for (const auto& entry : entries) {
     expected.push_back(entry.name);
   }
@@ -127,8 +128,8 @@ void load_entries(MultiHeadAttentionImpl& target, const NamedTensors& source,
     const auto& tensor = source.at(entry.name);
     int64_t row = 0;
     for (const auto& part : entry.parts) {
-      auto destination = part; // shares the parameter's storage
-      destination.copy_(tensor.narrow(0, row, part.size(0)));
+      // A view sharing the parameter's storage: copy_ writes through it.
+      part.copy_(tensor.narrow(0, row, part.size(0)));
       row += part.size(0);
     }
   }
@@ -179,22 +180,22 @@ void copy_weights(
 }
 
 void load_pytorch_state_dict(
-    MultiHeadAttentionImpl& target, const std::string& path, const std::string& scope) {
+    MultiHeadAttentionImpl& target, const std::string& path, const std::string& prefix) {
   constexpr const char* caller = "load_pytorch_state_dict";
   // The entries under `prefix`, with it removed; "layers.1" means
   // "layers.1." and not "layers.10.".
-  const auto prefix = scope.empty() || scope.back() == '.' ? scope : scope + ".";
+  const auto dotted = prefix.empty() || prefix.back() == '.' ? prefix : prefix + ".";
   NamedTensors named;
   for (const auto& [name, tensor] : detail::read_saved_tensor_dict(path, caller)) {
-    if (name.compare(0, prefix.size(), prefix) == 0) {
-      named[name.substr(prefix.size())] = tensor;
+    if (name.compare(0, dotted.size(), dotted) == 0) {
+      named[name.substr(dotted.size())] = tensor;
     }
   }
   TORCH_CHECK(
       !named.empty(), caller, ": '", path, "' has no tensor whose name starts with the prefix '",
-      prefix, "'");
+      dotted, "'");
   const auto where = " in '" + path + "'" +
-      (prefix.empty() ? std::string() : " (after the prefix '" + prefix + "')");
+      (dotted.empty() ? std::string() : " (after the prefix '" + dotted + "')");
   load_entries(target, named, caller, where);
 }
 
