@@ -110,7 +110,8 @@ void CountingAllocator::release(void* data) {
   {
     const std::lock_guard<std::mutex> lock(self.mutex_);
     const auto block = self.blocks_.find(data);
-    TORCH_INTERNAL_ASSERT(block != self.blocks_.end(), "freeing memory this allocator did not give");
+    TORCH_INTERNAL_ASSERT(
+        block != self.blocks_.end(), "freeing memory this allocator did not give");
     self.live_ -= static_cast<int64_t>(block->second.bytes);
     inner = std::move(block->second.inner);
     self.blocks_.erase(block);
@@ -127,7 +128,8 @@ int configure_threads() {
   at::set_num_threads(threads);
   // OpenBLAS keeps its own pool; other BLAS builds follow ATen or OMP.
   using SetThreads = void (*)(int);
-  if (auto* set_blas = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+  if (auto* set_blas = reinterpret_cast<SetThreads>(
+          dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
     set_blas(threads);
   }
   return threads;
@@ -149,7 +151,16 @@ double sgemm_gflops() {
 // ---------------------------------------------------------------------------
 // The implementations.
 
-enum class Impl { ours, ours_weights, builtin, builtin_weights, naive, aten_sdpa, ours_window, attn_default };
+enum class Impl {
+  ours,
+  ours_weights,
+  builtin,
+  builtin_weights,
+  naive,
+  aten_sdpa,
+  ours_window,
+  attn_default
+};
 
 const char* impl_name(Impl impl) {
   switch (impl) {
@@ -166,8 +177,11 @@ const char* impl_name(Impl impl) {
 }
 
 // The reference text's Python, in C++: matmul, masked_fill, softmax, matmul.
-torch::Tensor naive_attention(const torch::Tensor& q, const torch::Tensor& k,
-                              const torch::Tensor& v, const torch::Tensor& allowed) {
+torch::Tensor naive_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& allowed) {
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(q.size(-1));
   if (allowed.defined()) {
     scores = scores.masked_fill(allowed == 0, -std::numeric_limits<float>::infinity());
@@ -176,13 +190,15 @@ torch::Tensor naive_attention(const torch::Tensor& q, const torch::Tensor& k,
 }
 
 struct NaiveMultiHeadAttention {
-  torch::nn::Linear w_q{kEmbed, kEmbed}, w_k{kEmbed, kEmbed}, w_v{kEmbed, kEmbed}, w_o{kEmbed, kEmbed};
+  torch::nn::Linear w_q{kEmbed, kEmbed}, w_k{kEmbed, kEmbed}, w_v{kEmbed, kEmbed},
+      w_o{kEmbed, kEmbed};
 
   torch::Tensor split_heads(const torch::Tensor& x) const {
     return x.view({x.size(0), x.size(1), kHeads, kHeadDim}).transpose(1, 2); // (B, H, T, D)
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& allowed) {
-    const auto out = naive_attention(split_heads(w_q(x)), split_heads(w_k(x)), split_heads(w_v(x)), allowed);
+    const auto out = naive_attention(
+        split_heads(w_q(x)), split_heads(w_k(x)), split_heads(w_v(x)), allowed);
     return w_o(out.transpose(1, 2).contiguous().view(x.sizes())); // (B, T, E)
   }
 };
@@ -254,8 +270,8 @@ void measure(benchmark::State& state, double flops, const Target& target, Step&&
   }
   state.counters["GFLOP/s"] = benchmark::Counter(
       flops * static_cast<double>(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
-  state.counters["peak_MiB"] =
-      static_cast<double>(counting_allocator().peak() - baseline) / (1 << 20);
+  state.counters["peak_MiB"] = static_cast<double>(counting_allocator().peak() - baseline) /
+      (1 << 20);
 }
 
 // ---------------------------------------------------------------------------
@@ -330,18 +346,19 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
     switch (impl) {
       case Impl::ours:
       case Impl::ours_weights:
-        return std::get<0>(ours(x, x, x,
-            attn::MultiHeadAttentionForwardOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights)));
+        return std::get<0>(ours(
+            x, x, x,
+            attn::MultiHeadAttentionForwardOptions().is_causal(c.causal).need_weights(
+                impl == Impl::ours_weights)));
       case Impl::builtin:
       case Impl::builtin_weights:
-        return std::get<0>(builtin(x_seq_first, x_seq_first, x_seq_first, torch::Tensor(),
-                                   impl == Impl::builtin_weights, causal_bias));
-      case Impl::naive:
-        return naive.forward(x, lower);
+        return std::get<0>(builtin(
+            x_seq_first, x_seq_first, x_seq_first, torch::Tensor(), impl == Impl::builtin_weights,
+            causal_bias));
+      case Impl::naive: return naive.forward(x, lower);
       case Impl::aten_sdpa:
       case Impl::ours_window:
-      case Impl::attn_default:
-        break; // attention cores, not modules
+      case Impl::attn_default: break; // attention cores, not modules
     }
     return {};
   };
@@ -430,24 +447,26 @@ struct Suite {
 };
 
 // The core, the module forward and forward+backward, per implementation.
-void register_suite(const Target& target, const Suite& suite,
-                    void (*apply_shapes)(benchmark::internal::Benchmark*)) {
+void register_suite(
+    const Target& target,
+    const Suite& suite,
+    void (*apply_shapes)(benchmark::internal::Benchmark*)) {
   const auto name = [&](const char* group, Impl impl) {
     return target.prefix() + group + "/" + impl_name(impl);
   };
   for (const bool backward : {false, true}) {
     for (const Impl impl : backward ? suite.core_backward : suite.core) {
-      benchmark::RegisterBenchmark(name(backward ? "core_forward_backward" : "core", impl).c_str(),
-                                   [impl, backward, target](benchmark::State& s) {
-                                     attention_core(s, impl, backward, target);
-                                   })
+      benchmark::RegisterBenchmark(
+          name(backward ? "core_forward_backward" : "core", impl).c_str(),
+          [impl, backward, target](benchmark::State& s) {
+            attention_core(s, impl, backward, target);
+          })
           ->Apply(apply_shapes);
     }
     for (const Impl impl : backward ? suite.backward : suite.forward) {
-      benchmark::RegisterBenchmark(name(backward ? "mha_forward_backward" : "mha_forward", impl).c_str(),
-                                   [impl, backward, target](benchmark::State& s) {
-                                     multi_head(s, impl, backward, target);
-                                   })
+      benchmark::RegisterBenchmark(
+          name(backward ? "mha_forward_backward" : "mha_forward", impl).c_str(),
+          [impl, backward, target](benchmark::State& s) { multi_head(s, impl, backward, target); })
           ->Apply(apply_shapes);
     }
   }
@@ -455,37 +474,46 @@ void register_suite(const Target& target, const Suite& suite,
 
 void register_cuda() {
   for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
-    register_suite({torch::kCUDA, dtype},
-                   {{Impl::ours, Impl::aten_sdpa, Impl::naive}, {},
-                    {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights},
-                    {Impl::ours, Impl::builtin}},
-                   cuda_shapes);
+    register_suite(
+        {torch::kCUDA, dtype},
+        {{Impl::ours, Impl::aten_sdpa, Impl::naive},
+         {},
+         {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights},
+         {Impl::ours, Impl::builtin}},
+        cuda_shapes);
   }
 }
 
 void register_cpu() {
   const Target cpu{torch::kCPU, torch::kFloat};
-  benchmark::RegisterBenchmark("sgemm", sgemm)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
-  Suite float32{{Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive},
-                {Impl::ours},
-                {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
-                {Impl::ours, Impl::builtin, Impl::naive}};
+  benchmark::RegisterBenchmark("sgemm", sgemm)
+      ->Arg(1024)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  Suite float32{
+      {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive},
+      {Impl::ours},
+      {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
+      {Impl::ours, Impl::builtin, Impl::naive}};
   if (attn::detail::kHasNativeAttention) {
     // LibTorch's own fused CPU attention beside attn's kernel and attn's
     // default choice between the two; bfloat16 likewise.
     float32.core.insert(float32.core.end(), {Impl::aten_sdpa, Impl::attn_default});
-    float32.core_backward.insert(float32.core_backward.end(), {Impl::aten_sdpa, Impl::attn_default});
-    register_suite({torch::kCPU, torch::kBFloat16},
-                   {{Impl::ours, Impl::aten_sdpa, Impl::attn_default},
-                    {Impl::ours, Impl::aten_sdpa, Impl::attn_default},
-                    {Impl::ours, Impl::builtin},
-                    {Impl::ours, Impl::builtin}},
-                   shapes);
+    float32.core_backward.insert(
+        float32.core_backward.end(), {Impl::aten_sdpa, Impl::attn_default});
+    register_suite(
+        {torch::kCPU, torch::kBFloat16},
+        {{Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::builtin},
+         {Impl::ours, Impl::builtin}},
+        shapes);
   }
   register_suite(cpu, float32, shapes);
   for (const bool cached : {true, false}) {
-    benchmark::RegisterBenchmark(cached ? "decode/ours_kv_cache" : "decode/ours_recompute",
-                                 [cached](benchmark::State& s) { decode(s, cached); })
+    benchmark::RegisterBenchmark(
+        cached ? "decode/ours_kv_cache" : "decode/ours_recompute",
+        [cached](benchmark::State& s) { decode(s, cached); })
         ->Args({512, 1, 1})
         ->Args({2048, 1, 1})
         ->ArgNames({"T", "B", "causal"})
@@ -494,8 +522,9 @@ void register_cpu() {
         ->MinTime(0.5);
   }
   // Memory at a length where the built-in's weights alone would take 8 GiB.
-  benchmark::RegisterBenchmark("mha_forward_long/ours",
-                               [cpu](benchmark::State& s) { multi_head(s, Impl::ours, false, cpu); })
+  benchmark::RegisterBenchmark(
+      "mha_forward_long/ours",
+      [cpu](benchmark::State& s) { multi_head(s, Impl::ours, false, cpu); })
       ->Args({16384, 1, 0})
       ->Args({16384, 1, 1})
       ->ArgNames({"T", "B", "causal"})

@@ -10,14 +10,10 @@ namespace attn {
 
 const char* backend_name(AttentionBackend backend) {
   switch (backend) {
-    case AttentionBackend::fused_cpu:
-      return "fused_cpu";
-    case AttentionBackend::fused_cpu_weights:
-      return "fused_cpu_weights";
-    case AttentionBackend::libtorch:
-      return "libtorch";
-    case AttentionBackend::math:
-      return "math";
+    case AttentionBackend::fused_cpu: return "fused_cpu";
+    case AttentionBackend::fused_cpu_weights: return "fused_cpu_weights";
+    case AttentionBackend::libtorch: return "libtorch";
+    case AttentionBackend::math: return "math";
   }
   return "unknown";
 }
@@ -83,18 +79,17 @@ std::string libtorch_reason(
     reason << "takes no attn_mask (rows with every key masked would be NaN)";
   } else if (query.numel() == 0 || key.numel() == 0 || value.numel() == 0) {
     reason << "needs non-empty query, key and value";
-  } else if (options.is_causal() &&
-             (query.size(-2) != key.size(-2) || options.query_offset() != 0)) {
+  } else if (
+      options.is_causal() && (query.size(-2) != key.size(-2) || options.query_offset() != 0)) {
     // LibTorch's kernels have differed on where a non-square causal mask
     // sits; attn puts it at the top left, or where query_offset says.
-    reason << "takes causal masks only with L == S and no query_offset, got L = "
-           << query.size(-2) << ", S = " << key.size(-2)
-           << ", query_offset = " << options.query_offset();
+    reason << "takes causal masks only with L == S and no query_offset, got L = " << query.size(-2)
+           << ", S = " << key.size(-2) << ", query_offset = " << options.query_offset();
   } else if (options.window()) {
     reason << "has no sliding window";
   } else if (options.enable_gqa() && query.size(-3) != key.size(-3)) {
-    reason << "needs as many key/value heads as query heads, got " << query.size(-3)
-           << " and " << key.size(-3);
+    reason << "needs as many key/value heads as query heads, got " << query.size(-3) << " and "
+           << key.size(-3);
   } else if (options.training() && options.dropout_p() >= 1.0) {
     // attn's dropout_p = 1 keeps nothing: a zero output.
     reason << "cannot drop every weight (dropout_p = 1)";
@@ -153,12 +148,10 @@ bool libtorch_faster_on_cpu(
   const int64_t S = key.size(-2);
   const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
-    case torch::kFloat:
-      return cpu.avx512 && !(options.is_causal() && S >= 384 && S <= 768);
+    case torch::kFloat: return cpu.avx512 && !(options.is_causal() && S >= 384 && S <= 768);
     case torch::kBFloat16:
       return cpu.amx_bfloat16 && !(inputs_need_grad(query, key, value) && S <= 256);
-    default:
-      return false;
+    default: return false;
   }
 }
 
@@ -175,10 +168,8 @@ std::string unsupported_reason(
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/false);
     case AttentionBackend::fused_cpu_weights:
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/true);
-    case AttentionBackend::libtorch:
-      return libtorch_reason(query, key, value, options);
-    case AttentionBackend::math:
-      return {};
+    case AttentionBackend::libtorch: return libtorch_reason(query, key, value, options);
+    case AttentionBackend::math: return {};
   }
   return "is not a backend";
 }
@@ -196,8 +187,7 @@ AttentionBackend choose_backend(
       return AttentionBackend::fused_cpu_weights;
     }
     if (runs(AttentionBackend::fused_cpu)) {
-      return runs(AttentionBackend::libtorch) &&
-              libtorch_faster_on_cpu(query, key, value, options)
+      return runs(AttentionBackend::libtorch) && libtorch_faster_on_cpu(query, key, value, options)
           ? AttentionBackend::libtorch
           : AttentionBackend::fused_cpu;
     }

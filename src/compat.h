@@ -21,13 +21,13 @@ namespace attn::detail {
 // at::scaled_dot_product_attention arrived in LibTorch 2.0, its `scale`
 // argument in 2.1.
 constexpr bool kHasNativeAttention = TORCH_VERSION_MAJOR >= 2;
-constexpr bool kNativeAttentionTakesScale =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1);
+constexpr bool kNativeAttentionTakesScale = TORCH_VERSION_MAJOR > 2 ||
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1);
 
 // The LibTorch version whose CPU attention attn's backend rule was measured
 // against (docs/BENCHMARKS.md); the rule applies from there on.
-constexpr bool kLibTorchCpuRuleMeasured =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
+constexpr bool kLibTorchCpuRuleMeasured = TORCH_VERSION_MAJOR > 2 ||
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 
 // at::scaled_dot_product_attention without a mask, on (B, H, L, E) inputs,
 // returning the (B, H, L, Ev) output. Callers check kHasNativeAttention

@@ -13,9 +13,7 @@ constexpr const char* kAccepted = "auto, cpu, cuda or cuda:N";
 
 bool is_index(const std::string& text) {
   return !text.empty() && text.size() <= 9 &&
-      std::all_of(text.begin(), text.end(), [](unsigned char c) {
-           return std::isdigit(c) != 0;
-         });
+      std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
 }
 
 } // namespace
@@ -25,15 +23,12 @@ torch::Device select_device(const std::string& request) {
     return torch::kCPU;
   }
   if (request == "auto") {
-    return torch::cuda::is_available() ? torch::Device(torch::kCUDA)
-                                       : torch::Device(torch::kCPU);
+    return torch::cuda::is_available() ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
   }
   const std::string cuda_prefix = "cuda:";
   const bool indexed = request.rfind(cuda_prefix, 0) == 0 &&
       is_index(request.substr(cuda_prefix.size()));
-  TORCH_CHECK(
-      request == "cuda" || indexed, "unknown device '", request,
-      "': expected ", kAccepted);
+  TORCH_CHECK(request == "cuda" || indexed, "unknown device '", request, "': expected ", kAccepted);
   TORCH_CHECK(
       torch::cuda::is_available(), "device '", request,
       "' requested but CUDA is not available (this LibTorch has no CUDA ",

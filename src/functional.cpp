@@ -28,30 +28,28 @@ void check_leading_dims(
       query.defined() && key.defined() && value.defined(), kCaller,
       ": query, key and value must be defined tensors");
   TORCH_CHECK(
-      query.dim() >= 2, kCaller,
-      ": query must be (..., L, E) with at least 2 dims, got ", query.sizes());
+      query.dim() >= 2, kCaller, ": query must be (..., L, E) with at least 2 dims, got ",
+      query.sizes());
   TORCH_CHECK(
       key.dim() == query.dim() && value.dim() == query.dim(), kCaller,
-      ": query, key and value must have the same number of dims, got query ",
-      query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+      ": query, key and value must have the same number of dims, got query ", query.sizes(),
+      ", key ", key.sizes(), ", value ", value.sizes());
 
   const auto batch_dims = query.dim() - 2;
   if (options.enable_gqa()) {
     TORCH_CHECK(
         query.dim() >= 3, kCaller,
-        ": enable_gqa needs a heads dim: query must be (..., Hq, L, E), got ",
-        query.sizes());
+        ": enable_gqa needs a heads dim: query must be (..., Hq, L, E), got ", query.sizes());
     const auto Hq = query.size(-3), Hkv = key.size(-3);
     const auto outer_dims = batch_dims - 1;
     TORCH_CHECK(
         key.sizes().slice(0, outer_dims) == query.sizes().slice(0, outer_dims) &&
-            value.sizes().slice(0, outer_dims) ==
-                query.sizes().slice(0, outer_dims) &&
+            value.sizes().slice(0, outer_dims) == query.sizes().slice(0, outer_dims) &&
             value.size(-3) == Hkv,
         kCaller, ": with enable_gqa, query (..., Hq, L, E), key (..., Hkv, S, E) ",
         "and value (..., Hkv, S, Ev) must share the dims before the heads, ",
-        "and key and value their heads, got query ", query.sizes(), ", key ",
-        key.sizes(), ", value ", value.sizes());
+        "and key and value their heads, got query ", query.sizes(), ", key ", key.sizes(),
+        ", value ", value.sizes());
     TORCH_CHECK(
         Hkv > 0 && Hq % Hkv == 0, kCaller,
         ": with enable_gqa, the key/value heads Hkv must divide the query ",
@@ -59,11 +57,10 @@ void check_leading_dims(
   } else {
     TORCH_CHECK(
         key.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims) &&
-            value.sizes().slice(0, batch_dims) ==
-                query.sizes().slice(0, batch_dims),
-        kCaller, ": query, key and value must have the same leading dims, got ",
-        "query ", query.sizes(), ", key ", key.sizes(), ", value ",
-        value.sizes(), " (enable_gqa allows fewer key/value heads)");
+            value.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims),
+        kCaller, ": query, key and value must have the same leading dims, got ", "query ",
+        query.sizes(), ", key ", key.sizes(), ", value ", value.sizes(),
+        " (enable_gqa allows fewer key/value heads)");
   }
 }
 
@@ -73,31 +70,26 @@ void check_features_dtypes_and_devices(
     const torch::Tensor& key,
     const torch::Tensor& value) {
   const auto E = query.size(-1);
-  TORCH_CHECK(
-      E > 0, kCaller, ": query must have a feature size E > 0, got ",
-      query.sizes());
+  TORCH_CHECK(E > 0, kCaller, ": query must have a feature size E > 0, got ", query.sizes());
   TORCH_CHECK(
       key.size(-1) == E, kCaller, ": key must be (..., S, E) with E == ", E,
       " (the query's feature size), got ", key.sizes());
   TORCH_CHECK(
       value.size(-2) == key.size(-2), kCaller,
-      ": value must be (..., S, Ev) with S == ", key.size(-2),
-      " (the key's length), got ", value.sizes());
+      ": value must be (..., S, Ev) with S == ", key.size(-2), " (the key's length), got ",
+      value.sizes());
 
   TORCH_CHECK(
       torch::isFloatingType(query.scalar_type()), kCaller,
       ": query must have a floating-point dtype, got ", query.scalar_type());
   TORCH_CHECK(
-      key.scalar_type() == query.scalar_type() &&
-          value.scalar_type() == query.scalar_type(),
-      kCaller, ": key and value must have the query's dtype ",
-      query.scalar_type(), ", got key ", key.scalar_type(), " and value ",
-      value.scalar_type());
+      key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+      kCaller, ": key and value must have the query's dtype ", query.scalar_type(), ", got key ",
+      key.scalar_type(), " and value ", value.scalar_type());
   TORCH_CHECK(
-      key.device() == query.device() && value.device() == query.device(),
-      kCaller, ": key and value must be on the query's device ",
-      query.device(), ", got key on ", key.device(), " and value on ",
-      value.device());
+      key.device() == query.device() && value.device() == query.device(), kCaller,
+      ": key and value must be on the query's device ", query.device(), ", got key on ",
+      key.device(), " and value on ", value.device());
 }
 
 void check_attn_mask(
@@ -138,14 +130,10 @@ void check_option_values(const SDPAOptions& options) {
 // (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
 torch::Tensor as_4d(const torch::Tensor& t) {
   switch (t.dim()) {
-    case 2:
-      return t.unsqueeze(0).unsqueeze(0);
-    case 3:
-      return t.unsqueeze(0);
-    case 4:
-      return t;
-    default:
-      return t.flatten(0, t.dim() - 4);
+    case 2: return t.unsqueeze(0).unsqueeze(0);
+    case 3: return t.unsqueeze(0);
+    case 4: return t;
+    default: return t.flatten(0, t.dim() - 4);
   }
 }
 
@@ -163,21 +151,21 @@ std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
     const SDPAOptions& options,
     double scale,
     bool with_weights) {
-  const auto output_shape = with_last_dim(query, value.size(-1));  // (..., L, Ev)
-  const auto weights_shape = with_last_dim(query, key.size(-2));   // (..., L, S)
+  const auto output_shape = with_last_dim(query, value.size(-1)); // (..., L, Ev)
+  const auto weights_shape = with_last_dim(query, key.size(-2));  // (..., L, S)
   const auto& mask = options.attn_mask();
   const detail::CpuAttentionConfig config{
-      mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(),
-      scale, options.is_causal(), options.query_offset(),
+      mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(), scale,
+      options.is_causal(), options.query_offset(),
       std::min(options.window().value_or(0), detail::kUnboundedWindow)};
   const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
   if (!with_weights) {
-    return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape),
-            torch::Tensor()};
+    return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape), torch::Tensor()};
   }
   const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);
-  return {output.reshape(output_shape),
-          options.need_weights() ? weights.reshape(weights_shape) : torch::Tensor()};
+  return {
+      output.reshape(output_shape),
+      options.need_weights() ? weights.reshape(weights_shape) : torch::Tensor()};
 }
 
 torch::Tensor run_libtorch(
@@ -186,8 +174,9 @@ torch::Tensor run_libtorch(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return detail::native_attention(as_4d(query), as_4d(key), as_4d(value), dropout_p,
-                                  options.is_causal(), options.scale())
+  return detail::native_attention(
+             as_4d(query), as_4d(key), as_4d(value), dropout_p, options.is_causal(),
+             options.scale())
       .reshape(with_last_dim(query, value.size(-1)));
 }
 
@@ -218,23 +207,22 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
   // attn's CPU backends compute in float32 and round the results once.
   // LibTorch's kernel computes half precision its own way.
   if (backend != AttentionBackend::libtorch && computed_in_float32_on_cpu(query)) {
-    const auto [output, weights] =
-        run_backend(backend, query.to(torch::kFloat), key.to(torch::kFloat),
-                    value.to(torch::kFloat), with_float32_mask(options));
+    const auto [output, weights] = run_backend(
+        backend, query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
+        with_float32_mask(options));
     const auto dtype = query.scalar_type();
     return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
   }
-  const double scale =
-      options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  const double scale = options.scale().value_or(
+      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
   switch (backend) {
     case AttentionBackend::fused_cpu:
     case AttentionBackend::fused_cpu_weights:
-      return run_fused_cpu(query, key, value, options, scale,
-                           backend == AttentionBackend::fused_cpu_weights);
+      return run_fused_cpu(
+          query, key, value, options, scale, backend == AttentionBackend::fused_cpu_weights);
     case AttentionBackend::libtorch:
       return {run_libtorch(query, key, value, options), torch::Tensor()};
-    case AttentionBackend::math:
-      break;
+    case AttentionBackend::math: break;
   }
   return detail::math_attention(query, key, value, options, scale);
 }
@@ -256,8 +244,7 @@ AttentionBackend select_backend(
     return detail::choose_backend(query, key, value, options);
   }
   const auto reason = detail::unsupported_reason(*requested, query, key, value, options);
-  TORCH_CHECK(reason.empty(), kCaller, ": backend ", *requested, " was requested, but it ",
-              reason);
+  TORCH_CHECK(reason.empty(), kCaller, ": backend ", *requested, " was requested, but it ", reason);
   return *requested;
 }
 

@@ -50,16 +50,15 @@ std::vector<Entry> builtin_entries(const MultiHeadAttentionImpl& ours, const cha
       options.vdim() == options.embed_dim();
   std::vector<Entry> entries;
   if (packed) {
-    entries.push_back({"in_proj_weight",
-                       {ours.q_proj->weight, ours.k_proj->weight, ours.v_proj->weight}});
+    entries.push_back(
+        {"in_proj_weight", {ours.q_proj->weight, ours.k_proj->weight, ours.v_proj->weight}});
   } else {
     entries.push_back({"q_proj_weight", {ours.q_proj->weight}});
     entries.push_back({"k_proj_weight", {ours.k_proj->weight}});
     entries.push_back({"v_proj_weight", {ours.v_proj->weight}});
   }
   if (options.bias()) {
-    entries.push_back({"in_proj_bias",
-                       {ours.q_proj->bias, ours.k_proj->bias, ours.v_proj->bias}});
+    entries.push_back({"in_proj_bias", {ours.q_proj->bias, ours.k_proj->bias, ours.v_proj->bias}});
   }
   if (options.add_bias_kv()) {
     entries.push_back({"bias_k", {ours.bias_k}});
@@ -74,8 +73,11 @@ std::vector<Entry> builtin_entries(const MultiHeadAttentionImpl& ours, const cha
 
 // Every entry `entries` names must be in `source` (built-in names) with its
 // shape, and no other entry may be.
-void check_entries(const std::vector<Entry>& entries, const NamedTensors& source,
-                   const char* caller, const std::string& where) {
+void check_entries(
+    const std::vector<Entry>& entries,
+    const NamedTensors& source,
+    const char* caller,
+    const std::string& where) {
   std::vector<std::string> expected;
   expected.reserve(entries.size());
   for (const auto& entry : entries) {
@@ -106,21 +108,22 @@ void check_entries(const std::vector<Entry>& entries, const NamedTensors& source
     const auto found = source.find(entry.name);
     TORCH_CHECK(
         found != source.end(), caller, ": missing entry '", entry.name, "'", where,
-        "; an attn::MultiHeadAttention with these options takes ",
-        c10::Join(", ", expected));
+        "; an attn::MultiHeadAttention with these options takes ", c10::Join(", ", expected));
     const auto& tensor = found->second;
     TORCH_CHECK(
-        tensor.sizes() == torch::IntArrayRef(entry.shape()), caller, ": entry '",
-        entry.name, "'", where, " must be ", torch::IntArrayRef(entry.shape()), ", got ",
-        tensor.sizes());
+        tensor.sizes() == torch::IntArrayRef(entry.shape()), caller, ": entry '", entry.name, "'",
+        where, " must be ", torch::IntArrayRef(entry.shape()), ", got ", tensor.sizes());
   }
 }
 
 // Copies `source` (built-in names) into `target`'s parameters, cast to
 // their dtype and device. All entries are checked before the first copy,
 // so that a failed load leaves the target as it was.
-void load_entries(MultiHeadAttentionImpl& target, const NamedTensors& source,
-                  const char* caller, const std::string& where) {
+void load_entries(
+    MultiHeadAttentionImpl& target,
+    const NamedTensors& source,
+    const char* caller,
+    const std::string& where) {
   const auto entries = builtin_entries(target, caller);
   check_entries(entries, source, caller, where);
   torch::NoGradGuard no_grad;
@@ -135,31 +138,29 @@ void load_entries(MultiHeadAttentionImpl& target, const NamedTensors& source,
   }
 }
 
-void check_same_options(const torch::nn::MultiheadAttentionImpl& builtin,
-                        const MultiHeadAttentionImpl& ours) {
+void check_same_options(
+    const torch::nn::MultiheadAttentionImpl& builtin,
+    const MultiHeadAttentionImpl& ours) {
   const auto& theirs = builtin.options;
   const auto& mine = ours.options;
   TORCH_CHECK(
-      theirs.embed_dim() == mine.embed_dim() &&
-          theirs.num_heads() == mine.num_heads() &&
+      theirs.embed_dim() == mine.embed_dim() && theirs.num_heads() == mine.num_heads() &&
           theirs.kdim() == mine.kdim() && theirs.vdim() == mine.vdim() &&
           theirs.bias() == mine.bias() && theirs.add_bias_kv() == mine.add_bias_kv() &&
           theirs.add_zero_attn() == mine.add_zero_attn(),
       "copy_weights: modules differ; torch::nn::MultiheadAttention has ",
       "embed_dim=", theirs.embed_dim(), ", num_heads=", theirs.num_heads(),
-      ", kdim=", theirs.kdim(), ", vdim=", theirs.vdim(),
-      ", bias=", theirs.bias(), ", add_bias_kv=", theirs.add_bias_kv(),
-      ", add_zero_attn=", theirs.add_zero_attn(), " but attn::MultiHeadAttention has ",
-      "embed_dim=", mine.embed_dim(), ", num_heads=", mine.num_heads(),
-      ", kdim=", mine.kdim(), ", vdim=", mine.vdim(), ", bias=", mine.bias(),
-      ", add_bias_kv=", mine.add_bias_kv(), ", add_zero_attn=", mine.add_zero_attn());
+      ", kdim=", theirs.kdim(), ", vdim=", theirs.vdim(), ", bias=", theirs.bias(),
+      ", add_bias_kv=", theirs.add_bias_kv(), ", add_zero_attn=", theirs.add_zero_attn(),
+      " but attn::MultiHeadAttention has ", "embed_dim=", mine.embed_dim(),
+      ", num_heads=", mine.num_heads(), ", kdim=", mine.kdim(), ", vdim=", mine.vdim(),
+      ", bias=", mine.bias(), ", add_bias_kv=", mine.add_bias_kv(),
+      ", add_zero_attn=", mine.add_zero_attn());
 }
 
 } // namespace
 
-void copy_weights(
-    const torch::nn::MultiheadAttentionImpl& source,
-    MultiHeadAttentionImpl& target) {
+void copy_weights(const torch::nn::MultiheadAttentionImpl& source, MultiHeadAttentionImpl& target) {
   check_same_options(source, target);
   NamedTensors named;
   for (const auto& parameter : source.named_parameters()) {
@@ -168,9 +169,7 @@ void copy_weights(
   load_entries(target, named, "copy_weights", "");
 }
 
-void copy_weights(
-    const MultiHeadAttentionImpl& source,
-    torch::nn::MultiheadAttentionImpl& target) {
+void copy_weights(const MultiHeadAttentionImpl& source, torch::nn::MultiheadAttentionImpl& target) {
   check_same_options(target, source);
   torch::NoGradGuard no_grad;
   const auto parameters = target.named_parameters();
@@ -180,7 +179,9 @@ void copy_weights(
 }
 
 void load_pytorch_state_dict(
-    MultiHeadAttentionImpl& target, const std::string& path, const std::string& prefix) {
+    MultiHeadAttentionImpl& target,
+    const std::string& path,
+    const std::string& prefix) {
   constexpr const char* caller = "load_pytorch_state_dict";
   // The entries under `prefix`, with it removed; "layers.1" means
   // "layers.1." and not "layers.10.".

@@ -13,7 +13,10 @@ constexpr int64_t kFirstCapacity = 64;
 // `storage` (B, H, capacity, F) with room for `capacity` tokens, the first
 // `length` of them copied from `old` when it is defined.
 torch::Tensor allocate(
-    const torch::Tensor& like, int64_t capacity, const torch::Tensor& old, int64_t length) {
+    const torch::Tensor& like,
+    int64_t capacity,
+    const torch::Tensor& old,
+    int64_t length) {
   auto storage = torch::empty({like.size(0), like.size(1), capacity, like.size(3)}, like.options());
   if (old.defined() && length > 0) {
     storage.narrow(2, 0, length).copy_(old.narrow(2, 0, length));
@@ -32,28 +35,26 @@ bool same_layout(const torch::Tensor& storage, const torch::Tensor& t) {
 } // namespace
 
 KVCache::KVCache(int64_t max_length) : max_length_(max_length) {
-  TORCH_CHECK(
-      max_length > 0, kCaller, ": max_length must be positive, got ", max_length);
+  TORCH_CHECK(max_length > 0, kCaller, ": max_length must be positive, got ", max_length);
 }
 
 std::pair<torch::Tensor, torch::Tensor> KVCache::append(
-    const torch::Tensor& keys, const torch::Tensor& values) {
+    const torch::Tensor& keys,
+    const torch::Tensor& values) {
   TORCH_CHECK(
-      keys.defined() && values.defined(), kCaller,
-      ": keys and values must be defined tensors");
+      keys.defined() && values.defined(), kCaller, ": keys and values must be defined tensors");
   TORCH_CHECK(
       keys.dim() == 4 && values.dim() == 4 && keys.size(0) == values.size(0) &&
           keys.size(1) == values.size(1) && keys.size(2) == values.size(2),
-      kCaller, ": keys must be (B, H, T, D) and values (B, H, T, Dv), got keys ",
-      keys.sizes(), " and values ", values.sizes());
+      kCaller, ": keys must be (B, H, T, D) and values (B, H, T, Dv), got keys ", keys.sizes(),
+      " and values ", values.sizes());
   TORCH_CHECK(
-      keys.scalar_type() == values.scalar_type() && keys.device() == values.device(),
-      kCaller, ": keys and values must share dtype and device, got keys ",
-      keys.scalar_type(), " on ", keys.device(), " and values ", values.scalar_type(),
-      " on ", values.device());
+      keys.scalar_type() == values.scalar_type() && keys.device() == values.device(), kCaller,
+      ": keys and values must share dtype and device, got keys ", keys.scalar_type(), " on ",
+      keys.device(), " and values ", values.scalar_type(), " on ", values.device());
   TORCH_CHECK(
-      !(torch::GradMode::is_enabled() && (keys.requires_grad() || values.requires_grad())),
-      kCaller, ": the cache holds inference state and cannot carry gradients; ",
+      !(torch::GradMode::is_enabled() && (keys.requires_grad() || values.requires_grad())), kCaller,
+      ": the cache holds inference state and cannot carry gradients; ",
       "decode under torch::NoGradGuard (or detach the keys and values)");
 
   const int64_t T = keys.size(2);
@@ -62,19 +63,19 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
     TORCH_CHECK(
         keys.size(0) == cached_keys[0] && keys.size(1) == cached_keys[1] &&
             keys.size(3) == cached_keys[3] && values.size(3) == cached_values[3],
-        kCaller, ": keys must be (B, H, T, D) = (", cached_keys[0], ", ", cached_keys[1],
-        ", T, ", cached_keys[3], ") and values (B, H, T, Dv) with Dv = ", cached_values[3],
+        kCaller, ": keys must be (B, H, T, D) = (", cached_keys[0], ", ", cached_keys[1], ", T, ",
+        cached_keys[3], ") and values (B, H, T, Dv) with Dv = ", cached_values[3],
         " as the cached ones (reset() to start another batch), got keys ", keys.sizes(),
         " and values ", values.sizes());
     TORCH_CHECK(
-        keys.scalar_type() == keys_.scalar_type() && keys.device() == keys_.device(),
-        kCaller, ": keys and values must have the cached dtype ", keys_.scalar_type(),
-        " and device ", keys_.device(), ", got ", keys.scalar_type(), " on ", keys.device());
+        keys.scalar_type() == keys_.scalar_type() && keys.device() == keys_.device(), kCaller,
+        ": keys and values must have the cached dtype ", keys_.scalar_type(), " and device ",
+        keys_.device(), ", got ", keys.scalar_type(), " on ", keys.device());
   }
   const int64_t needed = length_ + T;
   TORCH_CHECK(
-      max_length_ == 0 || needed <= max_length_, kCaller, ": appending ", T,
-      " tokens to the ", length_, " cached would exceed max_length ", max_length_,
+      max_length_ == 0 || needed <= max_length_, kCaller, ": appending ", T, " tokens to the ",
+      length_, " cached would exceed max_length ", max_length_,
       " (reset() to start another sequence)");
 
   // Storage that does not fit the new tokens (or no longer matches their

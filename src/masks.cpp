@@ -35,8 +35,8 @@ void check_mask_dtype_and_device(
     const torch::Tensor& mask,
     const torch::Tensor& query) {
   TORCH_CHECK(
-      mask.scalar_type() == torch::kBool || mask.scalar_type() == query.scalar_type(), caller,
-      ": ", name, " must be bool or have the query's dtype ", query.scalar_type(), ", got ",
+      mask.scalar_type() == torch::kBool || mask.scalar_type() == query.scalar_type(), caller, ": ",
+      name, " must be bool or have the query's dtype ", query.scalar_type(), ", got ",
       mask.scalar_type());
   TORCH_CHECK(
       mask.device() == query.device(), caller, ": ", name, " must be on the query's device ",
@@ -51,9 +51,7 @@ torch::Tensor as_additive_mask(const torch::Tensor& mask, torch::ScalarType dtyp
       .masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
 }
 
-torch::Tensor intersect_masks(
-    std::initializer_list<torch::Tensor> masks,
-    torch::ScalarType dtype) {
+torch::Tensor intersect_masks(std::initializer_list<torch::Tensor> masks, torch::ScalarType dtype) {
   std::vector<torch::Tensor> defined;
   bool all_bool = true;
   for (const auto& mask : masks) {

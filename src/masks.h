@@ -70,9 +70,7 @@ torch::Tensor as_additive_mask(const torch::Tensor& mask, torch::ScalarType dtyp
 // The pairs that every mask allows; the masks broadcast against each other
 // and undefined ones are skipped (none defined: undefined). All bool: the
 // result is bool; otherwise the sum of their additive forms.
-torch::Tensor intersect_masks(
-    std::initializer_list<torch::Tensor> masks,
-    torch::ScalarType dtype);
+torch::Tensor intersect_masks(std::initializer_list<torch::Tensor> masks, torch::ScalarType dtype);
 
 // `mask` (..., S) with `extra` more keys at the end that every query sees.
 torch::Tensor allow_extra_keys(const torch::Tensor& mask, int64_t extra);

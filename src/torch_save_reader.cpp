@@ -17,18 +17,28 @@ struct Object;
 using ObjectPtr = std::shared_ptr<Object>;
 struct Object {
   enum class Kind {
-    none, boolean, integer, floating, string, tuple, list, dict, global, tensor, storage
+    none,
+    boolean,
+    integer,
+    floating,
+    string,
+    tuple,
+    list,
+    dict,
+    global,
+    tensor,
+    storage
   };
   Kind kind = Kind::none;
-  int64_t integer = 0;  // also booleans
+  int64_t integer = 0; // also booleans
   double floating = 0.0;
-  std::string text;     // a string, or a global's "module.name"
-  std::vector<ObjectPtr> items;                          // tuple, list
-  std::vector<std::pair<ObjectPtr, ObjectPtr>> entries;  // dict, in order
-  torch::Tensor tensor; // a tensor, or a storage as a 1-D tensor
+  std::string text;                                     // a string, or a global's "module.name"
+  std::vector<ObjectPtr> items;                         // tuple, list
+  std::vector<std::pair<ObjectPtr, ObjectPtr>> entries; // dict, in order
+  torch::Tensor tensor;                                 // a tensor, or a storage as a 1-D tensor
 
   const char* kind_name() const {
-    constexpr const char* names[] = {"None",    "a bool",   "an int",   "a float",
+    constexpr const char* names[] = {"None",     "a bool",   "an int",   "a float",
                                      "a string", "a tuple",  "a list",   "a dict",
                                      "a global", "a tensor", "a storage"};
     return names[static_cast<int>(kind)];
@@ -133,8 +143,9 @@ class Unpickler {
   // Content that no state_dict this reader was written for holds: most
   // likely the work of a newer PyTorch, so the error names it exactly.
   void check_known(bool condition, const std::string& what, const std::string& expected) {
-    TORCH_CHECK(condition, where_, " uses ", what, ", which this reader does not know; expected ",
-                expected);
+    TORCH_CHECK(
+        condition, where_, " uses ", what, ", which this reader does not know; expected ",
+        expected);
   }
 
   std::string read_bytes(uint64_t n) {
@@ -171,8 +182,9 @@ class Unpickler {
 
   // The objects pushed since the last MARK, removed from the stack.
   std::vector<ObjectPtr> pop_to_mark() {
-    check(!marks_.empty() && marks_.back() <= stack_.size(),
-          "an opcode needs a MARK that is missing");
+    check(
+        !marks_.empty() && marks_.back() <= stack_.size(),
+        "an opcode needs a MARK that is missing");
     const auto mark = marks_.back();
     marks_.pop_back();
     std::vector<ObjectPtr> items(stack_.begin() + mark, stack_.end());
@@ -211,22 +223,22 @@ class Unpickler {
   void step(unsigned char opcode) {
     using Kind = Object::Kind;
     switch (opcode) {
-      case 0x80: {                                        // PROTO
+      case 0x80: { // PROTO
         const auto protocol = read_unsigned(1);
         check_known(protocol <= 5, c10::str("pickle protocol ", protocol), "protocol 2 to 5");
         break;
       }
-      case 0x95: read_bytes(8); break;                    // FRAME
-      case '(': marks_.push_back(stack_.size()); break;   // MARK
-      case '0': pop(); break;                             // POP
-      case '1': pop_to_mark(); break;                     // POP_MARK
+      case 0x95: read_bytes(8); break;                  // FRAME
+      case '(': marks_.push_back(stack_.size()); break; // MARK
+      case '0': pop(); break;                           // POP
+      case '1': pop_to_mark(); break;                   // POP_MARK
       case 'N': stack_.push_back(Object::make(Kind::none)); break;
-      case 0x88: push_scalar(Kind::boolean, 1); break;    // NEWTRUE
-      case 0x89: push_scalar(Kind::boolean, 0); break;    // NEWFALSE
+      case 0x88: push_scalar(Kind::boolean, 1); break; // NEWTRUE
+      case 0x89: push_scalar(Kind::boolean, 0); break; // NEWFALSE
       case 'J': push_scalar(Kind::integer, static_cast<int32_t>(read_unsigned(4))); break;
       case 'K': push_scalar(Kind::integer, static_cast<int64_t>(read_unsigned(1))); break;
       case 'M': push_scalar(Kind::integer, static_cast<int64_t>(read_unsigned(2))); break;
-      case 0x8a: {                                        // LONG1
+      case 0x8a: { // LONG1
         const auto n = read_unsigned(1);
         check(n <= 8, "an integer of ", n, " bytes");
         auto value = n == 0 ? 0 : read_unsigned(n);
@@ -236,7 +248,7 @@ class Unpickler {
         push_scalar(Kind::integer, static_cast<int64_t>(value));
         break;
       }
-      case 'G': {                                         // BINFLOAT, big-endian
+      case 'G': { // BINFLOAT, big-endian
         auto raw = read_bytes(8);
         std::reverse(raw.begin(), raw.end());
         auto object = Object::make(Kind::floating);
@@ -244,12 +256,14 @@ class Unpickler {
         stack_.push_back(object);
         break;
       }
-      case 'X': push_string(read_bytes(read_unsigned(4))); break;   // BINUNICODE
-      case 0x8c: push_string(read_bytes(read_unsigned(1))); break;  // SHORT_BINUNICODE
-      case 0x8d: push_string(read_bytes(read_unsigned(8))); break;  // BINUNICODE8
-      case ')': push_tuple({}); break;                    // EMPTY_TUPLE
-      case 't': push_tuple(pop_to_mark()); break;         // TUPLE
-      case 0x85: case 0x86: case 0x87: {                  // TUPLE1..3
+      case 'X': push_string(read_bytes(read_unsigned(4))); break;  // BINUNICODE
+      case 0x8c: push_string(read_bytes(read_unsigned(1))); break; // SHORT_BINUNICODE
+      case 0x8d: push_string(read_bytes(read_unsigned(8))); break; // BINUNICODE8
+      case ')': push_tuple({}); break;                             // EMPTY_TUPLE
+      case 't': push_tuple(pop_to_mark()); break;                  // TUPLE
+      case 0x85:
+      case 0x86:
+      case 0x87: { // TUPLE1..3
         const size_t n = opcode - 0x84;
         check(stack_.size() >= n, "a tuple of more objects than the stack holds");
         std::vector<ObjectPtr> items(stack_.end() - n, stack_.end());
@@ -257,26 +271,26 @@ class Unpickler {
         push_tuple(std::move(items));
         break;
       }
-      case ']': stack_.push_back(Object::make(Kind::list)); break;  // EMPTY_LIST
-      case 'a': {                                         // APPEND
+      case ']': stack_.push_back(Object::make(Kind::list)); break; // EMPTY_LIST
+      case 'a': {                                                  // APPEND
         auto item = pop();
         top(Kind::list, "APPEND")->items.push_back(item);
         break;
       }
-      case 'e': {                                         // APPENDS
+      case 'e': { // APPENDS
         auto items = pop_to_mark();
         auto& list = top(Kind::list, "APPENDS")->items;
         list.insert(list.end(), items.begin(), items.end());
         break;
       }
-      case '}': stack_.push_back(Object::make(Kind::dict)); break;  // EMPTY_DICT
-      case 's': {                                         // SETITEM
+      case '}': stack_.push_back(Object::make(Kind::dict)); break; // EMPTY_DICT
+      case 's': {                                                  // SETITEM
         auto value = pop();
         auto key = pop();
         top(Kind::dict, "SETITEM")->entries.emplace_back(key, value);
         break;
       }
-      case 'u': {                                         // SETITEMS
+      case 'u': { // SETITEMS
         auto items = pop_to_mark();
         check(items.size() % 2 == 0, "SETITEMS with an odd number of objects");
         auto& dict = top(Kind::dict, "SETITEMS")->entries;
@@ -285,49 +299,54 @@ class Unpickler {
         }
         break;
       }
-      case 'c': {                                         // GLOBAL
+      case 'c': { // GLOBAL
         auto module = read_line();
         push_string(module + "." + read_line(), Kind::global);
         break;
       }
-      case 0x93: {                                        // STACK_GLOBAL
+      case 0x93: { // STACK_GLOBAL
         auto name = pop();
         auto module = pop();
-        check(name->kind == Kind::string && module->kind == Kind::string,
-              "STACK_GLOBAL without a module and a name");
+        check(
+            name->kind == Kind::string && module->kind == Kind::string,
+            "STACK_GLOBAL without a module and a name");
         push_string(module->text + "." + name->text, Kind::global);
         break;
       }
-      case 'q': memoize(read_unsigned(1)); break;         // BINPUT
-      case 'r': memoize(read_unsigned(4)); break;         // LONG_BINPUT
-      case 0x94: memoize(memo_.size()); break;            // MEMOIZE
-      case 'h': case 'j': {                               // BINGET, LONG_BINGET
+      case 'q': memoize(read_unsigned(1)); break; // BINPUT
+      case 'r': memoize(read_unsigned(4)); break; // LONG_BINPUT
+      case 0x94: memoize(memo_.size()); break;    // MEMOIZE
+      case 'h':
+      case 'j': { // BINGET, LONG_BINGET
         const auto found = memo_.find(read_unsigned(opcode == 'h' ? 1 : 4));
         check(found != memo_.end(), "a memo read of an unwritten entry");
         stack_.push_back(found->second);
         break;
       }
-      case 'Q': stack_.push_back(load_storage(pop())); break;  // BINPERSID
-      case 'R': {                                         // REDUCE
+      case 'Q': stack_.push_back(load_storage(pop())); break; // BINPERSID
+      case 'R': {                                             // REDUCE
         auto arguments = pop();
         auto callable = pop();
-        check(callable->kind == Kind::global && arguments->kind == Kind::tuple,
-              "REDUCE without a global and its arguments");
+        check(
+            callable->kind == Kind::global && arguments->kind == Kind::tuple,
+            "REDUCE without a global and its arguments");
         stack_.push_back(call(callable->text, arguments->items));
         break;
       }
       case 'b': pop(); break; // BUILD: an OrderedDict's _metadata, not needed
       default:
-        check_known(false,
-                    c10::str("pickle opcode 0x", std::hex, static_cast<int>(opcode), std::dec,
-                             " at byte ", position_ - 1, " of data.pkl"),
-                    "the opcodes torch.save writes for a state_dict of tensors");
+        check_known(
+            false,
+            c10::str(
+                "pickle opcode 0x", std::hex, static_cast<int>(opcode), std::dec, " at byte ",
+                position_ - 1, " of data.pkl"),
+            "the opcodes torch.save writes for a state_dict of tensors");
     }
   }
 
   // The objects torch.save builds by calling a global, by the global's name.
-  using Call = ObjectPtr (Unpickler::*)(const std::string& name,
-                                        const std::vector<ObjectPtr>& arguments);
+  using Call =
+      ObjectPtr (Unpickler::*)(const std::string& name, const std::vector<ObjectPtr>& arguments);
   static const std::map<std::string, Call>& calls() {
     static const std::map<std::string, Call> table = {
         {"collections.OrderedDict", &Unpickler::make_dict},
@@ -350,45 +369,53 @@ class Unpickler {
 
   // (storage, storage_offset, size, stride, ...), in the storage's dtype.
   ObjectPtr rebuild_tensor(const std::string& name, const std::vector<ObjectPtr>& arguments) {
-    check(arguments.size() >= 4 && arguments[0]->kind == Object::Kind::storage, name,
-          " with unexpected arguments");
+    check(
+        arguments.size() >= 4 && arguments[0]->kind == Object::Kind::storage, name,
+        " with unexpected arguments");
     return view_storage(arguments[0]->tensor, name, arguments);
   }
 
   // (storage, storage_offset, size, stride, requires_grad, hooks, dtype, ...):
   // the storage's bytes as elements of `dtype`, as Python's torch.load reads
   // them whatever the storage's class.
-  ObjectPtr rebuild_tensor_of_dtype(const std::string& name,
-                                    const std::vector<ObjectPtr>& arguments) {
-    check(arguments.size() >= 7 && arguments[0]->kind == Object::Kind::storage &&
-              arguments[6]->kind == Object::Kind::global,
-          name, " with unexpected arguments");
+  ObjectPtr rebuild_tensor_of_dtype(
+      const std::string& name,
+      const std::vector<ObjectPtr>& arguments) {
+    check(
+        arguments.size() >= 7 && arguments[0]->kind == Object::Kind::storage &&
+            arguments[6]->kind == Object::Kind::global,
+        name, " with unexpected arguments");
     const auto& dtype_name = arguments[6]->text;
     const auto dtype = tensor_dtypes().find(dtype_name);
     check_known(dtype != tensor_dtypes().end(), "dtype " + dtype_name, names_of(tensor_dtypes()));
     const auto& storage = arguments[0]->tensor;
     const auto bytes = storage.numel() * static_cast<int64_t>(storage.element_size());
     const auto element_size = static_cast<int64_t>(c10::elementSize(dtype->second));
-    check(bytes % element_size == 0, "a storage of ", bytes, " bytes read as ", dtype_name,
-          " elements of ", element_size, " bytes");
+    check(
+        bytes % element_size == 0, "a storage of ", bytes, " bytes read as ", dtype_name,
+        " elements of ", element_size, " bytes");
     return view_storage(storage.view(dtype->second), name, arguments);
   }
 
   ObjectPtr rebuild_parameter(const std::string& name, const std::vector<ObjectPtr>& arguments) {
     // (tensor, requires_grad, hooks)
-    check(!arguments.empty() && arguments[0]->kind == Object::Kind::tensor, name,
-          " without a tensor");
+    check(
+        !arguments.empty() && arguments[0]->kind == Object::Kind::tensor, name,
+        " without a tensor");
     return arguments[0];
   }
 
   // The tensor that `arguments`' offset, sizes and strides make of `storage`,
   // after checking that it stays inside it.
-  ObjectPtr view_storage(const torch::Tensor& storage, const std::string& name,
-                         const std::vector<ObjectPtr>& arguments) {
+  ObjectPtr view_storage(
+      const torch::Tensor& storage,
+      const std::string& name,
+      const std::vector<ObjectPtr>& arguments) {
     using Kind = Object::Kind;
-    check(arguments[1]->kind == Kind::integer && arguments[2]->kind == Kind::tuple &&
-              arguments[3]->kind == Kind::tuple,
-          name, " with unexpected arguments");
+    check(
+        arguments[1]->kind == Kind::integer && arguments[2]->kind == Kind::tuple &&
+            arguments[3]->kind == Kind::tuple,
+        name, " with unexpected arguments");
     const auto ints = [&](const ObjectPtr& tuple) {
       std::vector<int64_t> values;
       for (const auto& item : tuple->items) {
@@ -399,22 +426,25 @@ class Unpickler {
     };
     const auto size = ints(arguments[2]), stride = ints(arguments[3]);
     const auto offset = arguments[1]->integer;
-    check(size.size() == stride.size(), "a tensor with ", size.size(), " sizes and ",
-          stride.size(), " strides");
+    check(
+        size.size() == stride.size(), "a tensor with ", size.size(), " sizes and ", stride.size(),
+        " strides");
     // The last element's index: sizes and strides are at most the
     // storage's length, so for any storage that fits in memory the
     // products stay far from int64's limit.
     bool empty = false;
     int64_t last = offset;
     for (size_t d = 0; d < size.size(); ++d) {
-      check(size[d] >= 0 && stride[d] >= 0 && size[d] <= storage.numel() &&
-                stride[d] <= storage.numel(),
-            "a tensor whose sizes or strides do not fit its storage");
+      check(
+          size[d] >= 0 && stride[d] >= 0 && size[d] <= storage.numel() &&
+              stride[d] <= storage.numel(),
+          "a tensor whose sizes or strides do not fit its storage");
       empty = empty || size[d] == 0;
       last += size[d] > 0 ? (size[d] - 1) * stride[d] : 0;
     }
-    check(offset >= 0 && offset <= storage.numel() && (empty || last < storage.numel()),
-          "a tensor that reaches past its storage");
+    check(
+        offset >= 0 && offset <= storage.numel() && (empty || last < storage.numel()),
+        "a tensor that reaches past its storage");
     auto tensor = Object::make(Kind::tensor);
     tensor->tensor = storage.as_strided(size, stride, offset);
     return tensor;
@@ -425,23 +455,26 @@ class Unpickler {
   ObjectPtr load_storage(const ObjectPtr& id) {
     using Kind = Object::Kind;
     const auto& items = id->items;
-    check(id->kind == Kind::tuple && items.size() >= 5 && items[0]->kind == Kind::string &&
-              items[0]->text == "storage" && items[1]->kind == Kind::global &&
-              items[2]->kind == Kind::string && items[4]->kind == Kind::integer,
-          "a persistent id that is not a storage");
+    check(
+        id->kind == Kind::tuple && items.size() >= 5 && items[0]->kind == Kind::string &&
+            items[0]->text == "storage" && items[1]->kind == Kind::global &&
+            items[2]->kind == Kind::string && items[4]->kind == Kind::integer,
+        "a persistent id that is not a storage");
     const auto& key = items[2]->text;
     if (const auto found = storages_.find(key); found != storages_.end()) {
       return found->second;
     }
     const auto dtype = storage_dtypes().find(items[1]->text);
-    check_known(dtype != storage_dtypes().end(), "storage type " + items[1]->text,
-                names_of(storage_dtypes()));
+    check_known(
+        dtype != storage_dtypes().end(), "storage type " + items[1]->text,
+        names_of(storage_dtypes()));
     const auto numel = items[4]->integer;
     const auto element_size = static_cast<int64_t>(c10::elementSize(dtype->second));
     const auto [data, size] = archive_.getRecord("data/" + key);
-    check(numel >= 0 && numel <= static_cast<int64_t>(size) / element_size &&
-              static_cast<size_t>(numel * element_size) == size,
-          "storage ", key, " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
+    check(
+        numel >= 0 && numel <= static_cast<int64_t>(size) / element_size &&
+            static_cast<size_t>(numel * element_size) == size,
+        "storage ", key, " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
     auto storage = Object::make(Kind::storage);
     storage->tensor = torch::empty({numel}, torch::TensorOptions(dtype->second));
     std::memcpy(storage->tensor.data_ptr(), data.get(), size);
@@ -469,14 +502,16 @@ void check_byte_order(caffe2::serialize::PyTorchStreamReader& archive, const std
   }
   const auto [data, size] = archive.getRecord("byteorder");
   const std::string order(static_cast<const char*>(data.get()), size);
-  TORCH_CHECK(order == "little", where, " holds storages in byte order '", order,
-              "' (its byteorder record); this reader expected 'little'");
+  TORCH_CHECK(
+      order == "little", where, " holds storages in byte order '", order,
+      "' (its byteorder record); this reader expected 'little'");
 }
 
 } // namespace
 
 std::map<std::string, torch::Tensor> read_saved_tensor_dict(
-    const std::string& path, const char* caller) {
+    const std::string& path,
+    const char* caller) {
   const auto where = c10::str(caller, ": '", path, "'");
   TORCH_CHECK(std::ifstream(path).good(), caller, ": cannot open '", path, "' for reading");
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
@@ -484,8 +519,9 @@ std::map<std::string, torch::Tensor> read_saved_tensor_dict(
     archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
     TORCH_CHECK(archive->hasRecord("data.pkl"), "no data.pkl record");
   } catch (const c10::Error& error) {
-    TORCH_CHECK(false, where, " is not a file written by Python's torch.save (zip format, ",
-                "PyTorch >= 1.6): ", error.what_without_backtrace());
+    TORCH_CHECK(
+        false, where, " is not a file written by Python's torch.save (zip format, ",
+        "PyTorch >= 1.6): ", error.what_without_backtrace());
   }
   check_byte_order(*archive, where);
   ObjectPtr root;
@@ -496,8 +532,9 @@ std::map<std::string, torch::Tensor> read_saved_tensor_dict(
   } catch (const std::exception& error) { // e.g. a length that cannot be allocated
     TORCH_CHECK(false, where, " could not be read: ", error.what());
   }
-  TORCH_CHECK(root->kind == Object::Kind::dict, where,
-              " must hold a state_dict (a dict of tensors), got ", root->kind_name());
+  TORCH_CHECK(
+      root->kind == Object::Kind::dict, where, " must hold a state_dict (a dict of tensors), got ",
+      root->kind_name());
   std::map<std::string, torch::Tensor> tensors;
   for (const auto& [key, value] : root->entries) {
     if (key->kind == Object::Kind::string && value->kind == Object::Kind::tensor) {

@@ -26,6 +26,7 @@ namespace attn::detail {
 // CPU. Non-tensor values are skipped. Errors are c10::Errors that start
 // with `caller` and name the file; they come before anything is returned.
 std::map<std::string, torch::Tensor> read_saved_tensor_dict(
-    const std::string& path, const char* caller);
+    const std::string& path,
+    const char* caller);
 
 } // namespace attn::detail

@@ -31,7 +31,9 @@ torch::Tensor output_of(const std::tuple<torch::Tensor, torch::Tensor>& result) 
 
 // An entry point's output for query, key and value.
 using Forward = std::function<torch::Tensor(
-    const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value)>;
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value)>;
 
 // Inputs stored with dims a and b swapped (non-contiguous), and keys and
 // values expanded from one batch entry (stride 0): both give what
@@ -49,14 +51,20 @@ std::vector<BadInput> layout_cases(
   const auto expanded = [](const torch::Tensor& x) { return x[0].expand(x.sizes()); };
   const auto repeated = [](const torch::Tensor& x) { return x[0].repeat({x.size(0), 1, 1}); };
   return {
-      {"transposed (non-contiguous) inputs", [=] {
-         EXPECT_CLOSE(forward(stored_swapped(q), stored_swapped(k), stored_swapped(v)),
-                      forward(q, k, v), Tolerance{1e-6});
-       }, ""},
-      {"expanded (stride 0) inputs", [=] {
-         EXPECT_CLOSE(forward(q, expanded(k), expanded(v)), forward(q, repeated(k), repeated(v)),
-                      Tolerance{1e-6});
-       }, ""},
+      {"transposed (non-contiguous) inputs",
+       [=] {
+         EXPECT_CLOSE(
+             forward(stored_swapped(q), stored_swapped(k), stored_swapped(v)), forward(q, k, v),
+             Tolerance{1e-6});
+       },
+       ""},
+      {"expanded (stride 0) inputs",
+       [=] {
+         EXPECT_CLOSE(
+             forward(q, expanded(k), expanded(v)), forward(q, repeated(k), repeated(v)),
+             Tolerance{1e-6});
+       },
+       ""},
   };
 }
 
@@ -90,12 +98,14 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
   const auto q = torch::randn({2, 4, 8});
   const auto k = torch::randn({2, 6, 8});
   const auto v = torch::randn({2, 6, 5});
-  const auto sdpa = [](const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                       const SDPAOptions& options = {}) {
+  const auto sdpa = [](const torch::Tensor& query, const torch::Tensor& key,
+                       const torch::Tensor& value, const SDPAOptions& options = {}) {
     return attn::scaled_dot_product_attention(query, key, value, options);
   };
-  const Forward output = [sdpa](const torch::Tensor& query, const torch::Tensor& key,
-                                const torch::Tensor& value) { return output_of(sdpa(query, key, value)); };
+  const Forward output =
+      [sdpa](const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value) {
+        return output_of(sdpa(query, key, value));
+      };
   const auto expected = output(q, k, v);
   const auto with_mask = [](const torch::Tensor& mask) { return SDPAOptions().attn_mask(mask); };
   const auto gqa = SDPAOptions().enable_gqa(true);
@@ -106,15 +116,30 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
        "query must be (..., L, E) with at least 2 dims, got []"},
       {"1-d query", [=] { sdpa(torch::randn({8}), k, v); },
        "query must be (..., L, E) with at least 2 dims, got [8]"},
-      {"ranks differ", [=] { sdpa(q, torch::randn({6, 8}), v); },
+      {"ranks differ",
+       [=] {
+         sdpa(q, torch::randn({6, 8}), v);
+       },
        "query, key and value must have the same number of dims, got query [2, 4, 8], key [6, 8], value [2, 6, 5]"},
-      {"batch sizes differ", [=] { sdpa(q, torch::randn({3, 6, 8}), torch::randn({3, 6, 5})); },
+      {"batch sizes differ",
+       [=] {
+         sdpa(q, torch::randn({3, 6, 8}), torch::randn({3, 6, 5}));
+       },
        "query, key and value must have the same leading dims, got query [2, 4, 8], key [3, 6, 8], value [3, 6, 5]"},
-      {"key feature size differs", [=] { sdpa(q, torch::randn({2, 6, 7}), v); },
+      {"key feature size differs",
+       [=] {
+         sdpa(q, torch::randn({2, 6, 7}), v);
+       },
        "key must be (..., S, E) with E == 8 (the query's feature size), got [2, 6, 7]"},
-      {"key and value lengths differ", [=] { sdpa(q, k, torch::randn({2, 5, 5})); },
+      {"key and value lengths differ",
+       [=] {
+         sdpa(q, k, torch::randn({2, 5, 5}));
+       },
        "value must be (..., S, Ev) with S == 6 (the key's length), got [2, 5, 5]"},
-      {"feature size E = 0", [=] { sdpa(torch::zeros({2, 4, 0}), torch::zeros({2, 6, 0}), v); },
+      {"feature size E = 0",
+       [=] {
+         sdpa(torch::zeros({2, 4, 0}), torch::zeros({2, 6, 0}), v);
+       },
        "query must have a feature size E > 0, got [2, 4, 0]"},
       {"integer inputs", [=] { sdpa(q.to(torch::kLong), k.to(torch::kLong), v.to(torch::kLong)); },
        "query must have a floating-point dtype, got Long"},
@@ -122,17 +147,35 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
        "query must have a floating-point dtype, got Bool"},
       {"dtypes differ", [=] { sdpa(q, k.to(torch::kDouble), v); },
        "key and value must have the query's dtype Float, got key Double and value Float"},
-      {"devices differ", [=] { sdpa(q, on_meta({2, 6, 8}), v); },
+      {"devices differ",
+       [=] {
+         sdpa(q, on_meta({2, 6, 8}), v);
+       },
        "key and value must be on the query's device cpu, got key on meta and value on cpu"},
-      {"mask of a wrong shape", [=] { sdpa(q, k, v, with_mask(torch::zeros({4, 5}))); },
+      {"mask of a wrong shape",
+       [=] {
+         sdpa(q, k, v, with_mask(torch::zeros({4, 5})));
+       },
        "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [4, 5]"},
-      {"mask with more dims than the scores", [=] { sdpa(q, k, v, with_mask(torch::zeros({3, 2, 4, 6}))); },
+      {"mask with more dims than the scores",
+       [=] {
+         sdpa(q, k, v, with_mask(torch::zeros({3, 2, 4, 6})));
+       },
        "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [3, 2, 4, 6]"},
-      {"integer mask", [=] { sdpa(q, k, v, with_mask(torch::zeros({4, 6}, torch::kInt))); },
+      {"integer mask",
+       [=] {
+         sdpa(q, k, v, with_mask(torch::zeros({4, 6}, torch::kInt)));
+       },
        "attn_mask must be bool or have the query's dtype Float, got Int"},
-      {"float mask of another dtype", [=] { sdpa(q, k, v, with_mask(torch::zeros({4, 6}, torch::kDouble))); },
+      {"float mask of another dtype",
+       [=] {
+         sdpa(q, k, v, with_mask(torch::zeros({4, 6}, torch::kDouble)));
+       },
        "attn_mask must be bool or have the query's dtype Float, got Double"},
-      {"mask on another device", [=] { sdpa(q, k, v, with_mask(on_meta({4, 6}, torch::kBool))); },
+      {"mask on another device",
+       [=] {
+         sdpa(q, k, v, with_mask(on_meta({4, 6}, torch::kBool)));
+       },
        "attn_mask must be on the query's device cpu, got meta"},
       {"dropout_p > 1", [=] { sdpa(q, k, v, SDPAOptions().dropout_p(1.5)); },
        "dropout_p must be in [0, 1], got 1.5"},
@@ -146,55 +189,84 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
        "window must be a positive number of keys, got 0"},
       {"window < 0, causal", [=] { sdpa(q, k, v, SDPAOptions().is_causal(true).window(-4)); },
        "window must be a positive number of keys, got -4"},
-      {"query_offset beyond ±2^60", [=] { sdpa(q, k, v, SDPAOptions().query_offset((int64_t{1} << 60) + 1)); },
+      {"query_offset beyond ±2^60",
+       [=] { sdpa(q, k, v, SDPAOptions().query_offset((int64_t{1} << 60) + 1)); },
        "query_offset must be within ±2^60, got 1152921504606846977"},
-      {"enable_gqa with a 2-d query", [=] {
+      {"enable_gqa with a 2-d query",
+       [=] {
          sdpa(torch::randn({4, 8}), torch::randn({6, 8}), torch::randn({6, 5}), gqa);
-       }, "enable_gqa needs a heads dim: query must be (..., Hq, L, E), got [4, 8]"},
-      {"enable_gqa with Hkv not dividing Hq", [=] {
-         sdpa(torch::randn({2, 6, 4, 8}), torch::randn({2, 4, 6, 8}), torch::randn({2, 4, 6, 5}), gqa);
-       }, "the key/value heads Hkv must divide the query heads Hq, got Hq=6 and Hkv=4"},
-      {"enable_gqa with key and value heads that differ", [=] {
-         sdpa(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}), torch::randn({2, 3, 6, 5}), gqa);
-       }, "and key and value their heads, got query [2, 6, 4, 8], key [2, 2, 6, 8], value [2, 3, 6, 5]"},
-      {"fewer key heads without enable_gqa", [=] {
+       },
+       "enable_gqa needs a heads dim: query must be (..., Hq, L, E), got [4, 8]"},
+      {"enable_gqa with Hkv not dividing Hq",
+       [=] {
+         sdpa(
+             torch::randn({2, 6, 4, 8}), torch::randn({2, 4, 6, 8}), torch::randn({2, 4, 6, 5}),
+             gqa);
+       },
+       "the key/value heads Hkv must divide the query heads Hq, got Hq=6 and Hkv=4"},
+      {"enable_gqa with key and value heads that differ",
+       [=] {
+         sdpa(
+             torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}), torch::randn({2, 3, 6, 5}),
+             gqa);
+       },
+       "and key and value their heads, got query [2, 6, 4, 8], key [2, 2, 6, 8], value [2, 3, 6, 5]"},
+      {"fewer key heads without enable_gqa",
+       [=] {
          sdpa(torch::randn({2, 6, 4, 8}), torch::randn({2, 2, 6, 8}), torch::randn({2, 2, 6, 5}));
-       }, "(enable_gqa allows fewer key/value heads)"},
-      {"zero-length queries (L = 0): empty output", [=] {
+       },
+       "(enable_gqa allows fewer key/value heads)"},
+      {"zero-length queries (L = 0): empty output",
+       [=] {
          const auto [out, w] = sdpa(torch::randn({2, 0, 8}), k, v);
          EXPECT_EQ(out.sizes(), torch::IntArrayRef({2, 0, 5}));
          EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 0, 6}));
-       }, ""},
-      {"zero-length keys (S = 0): zero output, (…, L, 0) weights", [=] {
+       },
+       ""},
+      {"zero-length keys (S = 0): zero output, (…, L, 0) weights",
+       [=] {
          const auto [out, w] = sdpa(q, torch::randn({2, 0, 8}), torch::randn({2, 0, 5}));
          EXPECT_TRUE(torch::equal(out, torch::zeros({2, 4, 5})));
          EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 4, 0}));
-       }, ""},
-      {"empty batch (B = 0): empty output", [=] {
-         const auto out = output(torch::randn({0, 4, 8}), torch::randn({0, 6, 8}), torch::randn({0, 6, 5}));
+       },
+       ""},
+      {"empty batch (B = 0): empty output",
+       [=] {
+         const auto out = output(
+             torch::randn({0, 4, 8}), torch::randn({0, 6, 8}), torch::randn({0, 6, 5}));
          EXPECT_EQ(out.sizes(), torch::IntArrayRef({0, 4, 5}));
-       }, ""},
-      {"value width Ev = 0: (…, L, 0) output", [=] {
+       },
+       ""},
+      {"value width Ev = 0: (…, L, 0) output",
+       [=] {
          EXPECT_EQ(output(q, k, torch::randn({2, 6, 0})).sizes(), torch::IntArrayRef({2, 4, 0}));
-       }, ""},
-      {"2-d inputs (no batch dims)", [=] {
-         EXPECT_CLOSE(output(q[1], k[1], v[1]), expected[1], Tolerance{1e-6});
-       }, ""},
-      {"5-d inputs", [=] {
-         const auto out = output(q.view({1, 2, 1, 4, 8}), k.view({1, 2, 1, 6, 8}), v.view({1, 2, 1, 6, 5}));
+       },
+       ""},
+      {"2-d inputs (no batch dims)",
+       [=] { EXPECT_CLOSE(output(q[1], k[1], v[1]), expected[1], Tolerance{1e-6}); }, ""},
+      {"5-d inputs",
+       [=] {
+         const auto out = output(
+             q.view({1, 2, 1, 4, 8}), k.view({1, 2, 1, 6, 8}), v.view({1, 2, 1, 6, 5}));
          EXPECT_CLOSE(out.view({2, 4, 5}), expected, Tolerance{1e-6});
-       }, ""},
-      {"mask broadcast from (1, S)", [=] {
+       },
+       ""},
+      {"mask broadcast from (1, S)",
+       [=] {
          const auto keys = torch::tensor({true, true, false, true, false, true}).view({1, 6});
-         EXPECT_CLOSE(output_of(sdpa(q, k, v, with_mask(keys))),
-                      output_of(sdpa(q, k, v, with_mask(keys.expand({2, 4, 6}).contiguous()))),
-                      Tolerance{1e-6});
-       }, ""},
-      {"float16 inputs on the CPU: computed in float32", [=] {
+         EXPECT_CLOSE(
+             output_of(sdpa(q, k, v, with_mask(keys))),
+             output_of(sdpa(q, k, v, with_mask(keys.expand({2, 4, 6}).contiguous()))),
+             Tolerance{1e-6});
+       },
+       ""},
+      {"float16 inputs on the CPU: computed in float32",
+       [=] {
          const auto out = output(q.to(torch::kHalf), k.to(torch::kHalf), v.to(torch::kHalf));
          EXPECT_EQ(out.scalar_type(), torch::kHalf);
          EXPECT_CLOSE(out, expected, Tolerance{1e-2});
-       }, ""},
+       },
+       ""},
   };
   return joined(cases, layout_cases(output, q, k, v, 1, 2));
 }
@@ -202,25 +274,37 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
 std::vector<BadInput> scaled_dot_product_attention_module_cases() {
   ScaledDotProductAttention sdpa;
   return {
-      {"module dropout < 0", [] { ScaledDotProductAttention(ScaledDotProductAttentionOptions().dropout(-0.1)); },
+      {"module dropout < 0",
+       [] { ScaledDotProductAttention(ScaledDotProductAttentionOptions().dropout(-0.1)); },
        "ScaledDotProductAttention: dropout must be in [0, 1), got -0.1"},
-      {"module dropout = 1", [] { ScaledDotProductAttention(ScaledDotProductAttentionOptions().dropout(1.0)); },
+      {"module dropout = 1",
+       [] { ScaledDotProductAttention(ScaledDotProductAttentionOptions().dropout(1.0)); },
        "ScaledDotProductAttention: dropout must be in [0, 1), got 1"},
-      {"module scale NaN", [] {
+      {"module scale NaN",
+       [] {
          ScaledDotProductAttention(ScaledDotProductAttentionOptions().scale(kNaN))
              ->forward(torch::randn({2, 4}), torch::randn({3, 4}), torch::randn({3, 4}));
-       }, "scaled_dot_product_attention: scale must be a finite number, got nan"},
-      {"module forward: key feature size differs", [sdpa]() mutable {
+       },
+       "scaled_dot_product_attention: scale must be a finite number, got nan"},
+      {"module forward: key feature size differs",
+       [sdpa]() mutable {
          sdpa(torch::randn({2, 4, 8}), torch::randn({2, 6, 7}), torch::randn({2, 6, 5}));
-       }, "scaled_dot_product_attention: key must be (..., S, E) with E == 8 (the query's feature size), got [2, 6, 7]"},
-      {"module forward: mask of a wrong shape", [sdpa]() mutable {
-         sdpa(torch::randn({2, 4, 8}), torch::randn({2, 6, 8}), torch::randn({2, 6, 5}), torch::ones({6, 4}, torch::kBool));
-       }, "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [6, 4]"},
+       },
+       "scaled_dot_product_attention: key must be (..., S, E) with E == 8 (the query's feature size), got [2, 6, 7]"},
+      {"module forward: mask of a wrong shape",
+       [sdpa]() mutable {
+         sdpa(
+             torch::randn({2, 4, 8}), torch::randn({2, 6, 8}), torch::randn({2, 6, 5}),
+             torch::ones({6, 4}, torch::kBool));
+       },
+       "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [6, 4]"},
   };
 }
 
 std::vector<BadInput> multi_head_attention_construction_cases() {
-  const auto make = [](const MultiHeadAttentionOptions& options) { MultiHeadAttention mha(options); };
+  const auto make = [](const MultiHeadAttentionOptions& options) {
+    MultiHeadAttention mha(options);
+  };
   return {
       {"embed_dim not divisible by num_heads", [=] { make(MultiHeadAttentionOptions(512, 7)); },
        "MultiHeadAttention: embed_dim must be divisible by num_heads, got embed_dim=512 and num_heads=7 (remainder 1)"},
@@ -234,14 +318,16 @@ std::vector<BadInput> multi_head_attention_construction_cases() {
        "MultiHeadAttention: dropout must be in [0, 1), got 1"},
       {"dropout NaN", [=] { make(MultiHeadAttentionOptions(8, 2).dropout(kNaN)); },
        "MultiHeadAttention: dropout must be in [0, 1), got nan"},
-      {"num_kv_heads not dividing num_heads", [=] { make(MultiHeadAttentionOptions(64, 8).num_kv_heads(3)); },
+      {"num_kv_heads not dividing num_heads",
+       [=] { make(MultiHeadAttentionOptions(64, 8).num_kv_heads(3)); },
        "MultiHeadAttention: num_kv_heads must be positive and divide num_heads, got num_heads=8 and num_kv_heads=3"},
       {"num_kv_heads = 0", [=] { make(MultiHeadAttentionOptions(64, 8).num_kv_heads(0)); },
        "num_kv_heads must be positive and divide num_heads"},
-      {"rotary dim above the head width", [=] {
-         make(MultiHeadAttentionOptions(64, 8).rotary(attn::RotaryEmbeddingOptions(16)));
-       }, "MultiHeadAttention: rotary dim must be at most the head width embed_dim / num_heads = 8, got 16"},
-      {"odd rotary dim", [=] { make(MultiHeadAttentionOptions(64, 8).rotary(attn::RotaryEmbeddingOptions(5))); },
+      {"rotary dim above the head width",
+       [=] { make(MultiHeadAttentionOptions(64, 8).rotary(attn::RotaryEmbeddingOptions(16))); },
+       "MultiHeadAttention: rotary dim must be at most the head width embed_dim / num_heads = 8, got 16"},
+      {"odd rotary dim",
+       [=] { make(MultiHeadAttentionOptions(64, 8).rotary(attn::RotaryEmbeddingOptions(5))); },
        "RotaryEmbedding: dim must be a positive even number of features (they rotate in pairs), got 5"},
   };
 }
@@ -258,63 +344,121 @@ std::vector<BadInput> multi_head_attention_forward_cases() {
   const auto with = [](const torch::Tensor& pad, const torch::Tensor& mask) {
     return MultiHeadAttentionForwardOptions().key_padding_mask(pad).attn_mask(mask);
   };
-  const Forward output = [mha](const torch::Tensor& query, const torch::Tensor& key,
-                               const torch::Tensor& value) mutable { return output_of(mha(query, key, value)); };
+  const Forward output = [mha](
+                             const torch::Tensor& query, const torch::Tensor& key,
+                             const torch::Tensor& value) mutable {
+    return output_of(mha(query, key, value));
+  };
   const std::vector<BadInput> cases = {
       {"undefined key", [=]() mutable { mha(q, torch::Tensor(), v); },
        "MultiHeadAttention: query, key and value must be defined tensors"},
-      {"2-d query", [=]() mutable { mha(torch::randn({3, 16}), k, v); },
+      {"2-d query",
+       [=]() mutable {
+         mha(torch::randn({3, 16}), k, v);
+       },
        "query must be (B, L, E) with E == 16, got [3, 16]"},
-      {"query feature size differs", [=]() mutable { mha(torch::randn({2, 3, 8}), k, v); },
+      {"query feature size differs",
+       [=]() mutable {
+         mha(torch::randn({2, 3, 8}), k, v);
+       },
        "query must be (B, L, E) with E == 16, got [2, 3, 8]"},
-      {"query feature size differs, sequence-first", [=]() mutable { seq_first(torch::randn({2, 3, 8}), q, q); },
+      {"query feature size differs, sequence-first",
+       [=]() mutable {
+         seq_first(torch::randn({2, 3, 8}), q, q);
+       },
        "query must be (L, B, E) with E == 16, got [2, 3, 8]"},
-      {"key feature size differs from kdim", [=]() mutable { mha(q, torch::randn({2, 5, 16}), v); },
+      {"key feature size differs from kdim",
+       [=]() mutable {
+         mha(q, torch::randn({2, 5, 16}), v);
+       },
        "key must be (B, S, kdim) with kdim == 12, got [2, 5, 16]"},
-      {"2-d value", [=]() mutable { mha(q, k, torch::randn({2, 5})); },
+      {"2-d value",
+       [=]() mutable {
+         mha(q, k, torch::randn({2, 5}));
+       },
        "value must be (B, S, vdim) with vdim == 10, got [2, 5]"},
-      {"batch sizes differ", [=]() mutable { mha(q, torch::randn({3, 5, 12}), torch::randn({3, 5, 10})); },
+      {"batch sizes differ",
+       [=]() mutable {
+         mha(q, torch::randn({3, 5, 12}), torch::randn({3, 5, 10}));
+       },
        "query, key and value must have the same batch size B, got query [2, 3, 16], key [3, 5, 12], value [3, 5, 10]"},
-      {"key and value lengths differ", [=]() mutable { mha(q, k, torch::randn({2, 4, 10})); },
+      {"key and value lengths differ",
+       [=]() mutable {
+         mha(q, k, torch::randn({2, 4, 10}));
+       },
        "key and value must have the same length S, got key [2, 5, 12], value [2, 4, 10]"},
-      {"inputs of another dtype than the module", [=]() mutable { mha(q.to(torch::kDouble), k, v); },
+      {"inputs of another dtype than the module",
+       [=]() mutable { mha(q.to(torch::kDouble), k, v); },
        "inputs must have the module's dtype Float, got query Double, key Float, value Float (convert one with .to())"},
-      {"integer inputs", [=]() mutable { self(q.to(torch::kLong), q.to(torch::kLong), q.to(torch::kLong)); },
+      {"integer inputs",
+       [=]() mutable { self(q.to(torch::kLong), q.to(torch::kLong), q.to(torch::kLong)); },
        "inputs must have the module's dtype Float, got query Long"},
-      {"inputs on another device than the module", [=]() mutable { mha(on_meta({2, 3, 16}), k, v); },
+      {"inputs on another device than the module",
+       [=]() mutable {
+         mha(on_meta({2, 3, 16}), k, v);
+       },
        "inputs must be on the module's device cpu, got query on meta, key on cpu, value on cpu (move one with .to())"},
-      {"key_padding_mask of a wrong shape", [=]() mutable { mha(q, k, v, with(torch::zeros({2, 4}, torch::kBool), {})); },
+      {"key_padding_mask of a wrong shape",
+       [=]() mutable {
+         mha(q, k, v, with(torch::zeros({2, 4}, torch::kBool), {}));
+       },
        "key_padding_mask must be (B, S) = [2, 5], got [2, 4]"},
-      {"integer key_padding_mask", [=]() mutable { mha(q, k, v, with(torch::zeros({2, 5}, torch::kLong), {})); },
+      {"integer key_padding_mask",
+       [=]() mutable {
+         mha(q, k, v, with(torch::zeros({2, 5}, torch::kLong), {}));
+       },
        "key_padding_mask must be bool or have the query's dtype Float, got Long"},
-      {"key_padding_mask on another device", [=]() mutable { mha(q, k, v, with(on_meta({2, 5}, torch::kBool), {})); },
+      {"key_padding_mask on another device",
+       [=]() mutable {
+         mha(q, k, v, with(on_meta({2, 5}, torch::kBool), {}));
+       },
        "key_padding_mask must be on the query's device cpu, got meta"},
-      {"attn_mask (S, L) instead of (L, S)", [=]() mutable { mha(q, k, v, with({}, torch::zeros({5, 3}))); },
+      {"attn_mask (S, L) instead of (L, S)",
+       [=]() mutable {
+         mha(q, k, v, with({}, torch::zeros({5, 3})));
+       },
        "attn_mask must be (L, S) = [3, 5], (B·H, L, S) = [8, 3, 5] or (B, H, L, S) = [2, 4, 3, 5] (B and H may be 1), got [5, 3]"},
-      {"attn_mask (H, L, S) instead of (B·H, L, S)", [=]() mutable { mha(q, k, v, with({}, torch::zeros({4, 3, 5}))); },
+      {"attn_mask (H, L, S) instead of (B·H, L, S)",
+       [=]() mutable {
+         mha(q, k, v, with({}, torch::zeros({4, 3, 5})));
+       },
        "attn_mask must be (L, S) = [3, 5], (B·H, L, S) = [8, 3, 5] or (B, H, L, S) = [2, 4, 3, 5] (B and H may be 1), got [4, 3, 5]"},
-      {"float attn_mask of another dtype", [=]() mutable { mha(q, k, v, with({}, torch::zeros({3, 5}, torch::kDouble))); },
+      {"float attn_mask of another dtype",
+       [=]() mutable {
+         mha(q, k, v, with({}, torch::zeros({3, 5}, torch::kDouble)));
+       },
        "attn_mask must be bool or have the query's dtype Float, got Double"},
-      {"zero-length queries (L = 0): empty output", [=]() mutable {
+      {"zero-length queries (L = 0): empty output",
+       [=]() mutable {
          EXPECT_EQ(output(torch::randn({2, 0, 16}), k, v).sizes(), torch::IntArrayRef({2, 0, 16}));
-       }, ""},
-      {"zero-length keys (S = 0): output is out_proj's bias", [=]() mutable {
+       },
+       ""},
+      {"zero-length keys (S = 0): output is out_proj's bias",
+       [=]() mutable {
          const auto out = output(q, torch::randn({2, 0, 12}), torch::randn({2, 0, 10}));
          EXPECT_TRUE(torch::equal(out, mha->out_proj->bias.expand({2, 3, 16})));
-       }, ""},
-      {"empty batch (B = 0): empty output", [=]() mutable {
-         EXPECT_EQ(output_of(self(torch::randn({0, 3, 16}), torch::randn({0, 3, 16}), torch::randn({0, 3, 16}))).sizes(),
-                   torch::IntArrayRef({0, 3, 16}));
-       }, ""},
+       },
+       ""},
+      {"empty batch (B = 0): empty output",
+       [=]() mutable {
+         EXPECT_EQ(
+             output_of(
+                 self(torch::randn({0, 3, 16}), torch::randn({0, 3, 16}), torch::randn({0, 3, 16})))
+                 .sizes(),
+             torch::IntArrayRef({0, 3, 16}));
+       },
+       ""},
   };
   return joined(cases, layout_cases(output, q, k, v, 0, 1));
 }
 
 std::vector<BadInput> unknown_device_cases() {
   std::vector<BadInput> cases;
-  for (const std::string request : {"tpu", "", "gpu", "CPU", "mps", "cuda:", "cuda:x", "cuda:-1", "cuda:1:2"}) {
-    cases.push_back({"device '" + request + "'", [request] { attn::select_device(request); },
-                     "unknown device '" + request + "': expected auto, cpu, cuda or cuda:N"});
+  for (const std::string request :
+       {"tpu", "", "gpu", "CPU", "mps", "cuda:", "cuda:x", "cuda:-1", "cuda:1:2"}) {
+    cases.push_back(
+        {"device '" + request + "'", [request] { attn::select_device(request); },
+         "unknown device '" + request + "': expected auto, cpu, cuda or cuda:N"});
   }
   return cases;
 }
@@ -322,8 +466,9 @@ std::vector<BadInput> unknown_device_cases() {
 std::vector<BadInput> unavailable_cuda_cases() {
   std::vector<BadInput> cases;
   for (const std::string request : {"cuda", "cuda:0"}) {
-    cases.push_back({request + " without CUDA", [request] { attn::select_device(request); },
-                     "device '" + request + "' requested but CUDA is not available"});
+    cases.push_back(
+        {request + " without CUDA", [request] { attn::select_device(request); },
+         "device '" + request + "' requested but CUDA is not available"});
   }
   return cases;
 }
@@ -344,7 +489,8 @@ std::vector<BadInput> copy_weights_cases() {
        "copy_weights: modules differ; torch::nn::MultiheadAttention has embed_dim=16, num_heads=4"},
       {"only one module has biases", [=]() mutable { attn::copy_weights(*ours, *no_bias); },
        "bias=0, add_bias_kv=0, add_zero_attn=0 but attn::MultiHeadAttention has embed_dim=16, num_heads=2, kdim=16, vdim=16, bias=1"},
-      {"a built-in with add_bias_kv into a module without", [=]() mutable { attn::copy_weights(*bias_kv, *ours); },
+      {"a built-in with add_bias_kv into a module without",
+       [=]() mutable { attn::copy_weights(*bias_kv, *ours); },
        "bias=1, add_bias_kv=1, add_zero_attn=0 but attn::MultiHeadAttention has embed_dim=16, num_heads=2, kdim=16, vdim=16, bias=1, add_bias_kv=0, add_zero_attn=0"},
       {"into a grouped-query module", [=]() mutable { attn::copy_weights(*no_bias, *grouped); },
        "copy_weights: torch.nn.MultiheadAttention has no grouped-query form; the attn::MultiHeadAttention must have num_kv_heads == num_heads, got num_kv_heads=1 and num_heads=2"},

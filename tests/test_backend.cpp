@@ -38,8 +38,8 @@ bool cpu_has(const char* feature) {
 #endif
 }
 
-constexpr bool kRuleMeasured =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
+constexpr bool kRuleMeasured = TORCH_VERSION_MAJOR > 2 ||
+    (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 
 struct Inputs {
   torch::Tensor q, k, v;
@@ -65,8 +65,9 @@ TEST(Backend, NamesPrintAsTheDocsWriteThem) {
 TEST(BackendSelection, WeightsForInferenceTakeTheWeightsKernel) {
   const auto in = make_inputs();
   EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::fused_cpu_weights);
-  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().is_causal(true).window(5)),
-            AttentionBackend::fused_cpu_weights);
+  EXPECT_EQ(
+      select_backend(in.q, in.k, in.v, SDPAOptions().is_causal(true).window(5)),
+      AttentionBackend::fused_cpu_weights);
 }
 
 TEST(BackendSelection, WeightsWithGradientsTakeTheMathPath) {
@@ -97,26 +98,29 @@ TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
 TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const auto no_weights = SDPAOptions().need_weights(false);
   const auto lengths = [](int64_t L, int64_t S, torch::ScalarType dtype, bool grad) {
-    return Inputs{torch::randn({1, 2, L, 8}, dtype).requires_grad_(grad),
-                  torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad),
-                  torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad)};
+    return Inputs{
+        torch::randn({1, 2, L, 8}, dtype).requires_grad_(grad),
+        torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad),
+        torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad)};
   };
   const auto expect = [&](const Inputs& in, const SDPAOptions& options, AttentionBackend measured) {
-    EXPECT_EQ(select_backend(in.q, in.k, in.v, options),
-              kRuleMeasured ? measured : AttentionBackend::fused_cpu)
+    EXPECT_EQ(
+        select_backend(in.q, in.k, in.v, options),
+        kRuleMeasured ? measured : AttentionBackend::fused_cpu)
         << "L=" << in.q.size(2) << " S=" << in.k.size(2) << " " << in.q.scalar_type()
         << (in.q.requires_grad() ? " grad" : "") << (options.is_causal() ? " causal" : "");
   };
   const auto causal = SDPAOptions(no_weights).is_causal(true);
-  const auto float32 = cpu_has("avx512f") ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
+  const auto float32 = cpu_has("avx512f") ? AttentionBackend::libtorch
+                                          : AttentionBackend::fused_cpu;
   expect(lengths(128, 128, torch::kFloat, false), no_weights, float32);
   expect(lengths(2048, 2048, torch::kFloat, true), no_weights, float32);
   expect(lengths(1024, 1024, torch::kFloat, false), causal, float32);
   expect(lengths(512, 512, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
   expect(lengths(512, 512, torch::kFloat, true), causal, AttentionBackend::fused_cpu);
   // A value width other than the query's: LibTorch would hold the scores.
-  const auto wide_value = Inputs{torch::randn({1, 2, 64, 8}), torch::randn({1, 2, 64, 8}),
-                                 torch::randn({1, 2, 64, 12})};
+  const auto wide_value = Inputs{
+      torch::randn({1, 2, 64, 8}), torch::randn({1, 2, 64, 8}), torch::randn({1, 2, 64, 12})};
   expect(wide_value, no_weights, AttentionBackend::fused_cpu);
   const auto bf16 = cpu_has("amx-bf16") ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
   expect(lengths(512, 512, torch::kBFloat16, true), causal, bf16);
@@ -129,15 +133,17 @@ TEST(BackendSelection, DropoutWhileTrainingTakesTheMathPath) {
   const auto in = make_inputs();
   const auto dropout = SDPAOptions().dropout_p(0.1).need_weights(false);
   EXPECT_EQ(select_backend(in.q, in.k, in.v, dropout), AttentionBackend::math);
-  EXPECT_NE(select_backend(in.q, in.k, in.v, SDPAOptions(dropout).training(false)),
-            AttentionBackend::math);
+  EXPECT_NE(
+      select_backend(in.q, in.k, in.v, SDPAOptions(dropout).training(false)),
+      AttentionBackend::math);
 }
 
 TEST(BackendSelection, AMaskThatNeedsAGradientTakesTheMathPath) {
   const auto in = make_inputs();
   const auto bias = torch::zeros({40, 40}).requires_grad_();
-  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().attn_mask(bias).need_weights(false)),
-            AttentionBackend::math);
+  EXPECT_EQ(
+      select_backend(in.q, in.k, in.v, SDPAOptions().attn_mask(bias).need_weights(false)),
+      AttentionBackend::math);
 }
 
 // Requests that only attn's backends run: half precision takes the one
@@ -147,16 +153,16 @@ TEST(BackendSelection, HalfPrecisionOnAttnsBackendsChoosesAsFloat32Does) {
     const auto low = make_inputs(false, dtype);
     const auto in = make_inputs();
     for (const auto& options : {SDPAOptions(), SDPAOptions().need_weights(false).window(4)}) {
-      EXPECT_EQ(select_backend(low.q, low.k, low.v, options),
-                select_backend(in.q, in.k, in.v, options));
+      EXPECT_EQ(
+          select_backend(low.q, low.k, low.v, options), select_backend(in.q, in.k, in.v, options));
     }
   }
 }
 
 TEST(BackendSelection, InvalidInputsGetTheFunctionsErrors) {
   const auto in = make_inputs();
-  EXPECT_ATTN_ERROR(select_backend(in.q, in.k.narrow(-1, 0, 8), in.v),
-                    "key must be (..., S, E) with E == 16");
+  EXPECT_ATTN_ERROR(
+      select_backend(in.q, in.k.narrow(-1, 0, 8), in.v), "key must be (..., S, E) with E == 16");
 }
 
 // ---------------------------------------------------------------------------
@@ -174,10 +180,11 @@ TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
           in.q, in.k, in.v, ask(AttentionBackend::fused_cpu).need_weights(false).dropout_p(0.5)),
       "backend fused_cpu was requested, but it has no dropout, and dropout_p is 0.5 while training");
   const auto grad = make_inputs(/*requires_grad=*/true);
-  EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(grad.q, grad.k, grad.v,
-                                                       ask(AttentionBackend::fused_cpu_weights)),
-                    "backend fused_cpu_weights was requested, but it is not differentiable, and "
-                    "the inputs require grad");
+  EXPECT_ATTN_ERROR(
+      attn::scaled_dot_product_attention(
+          grad.q, grad.k, grad.v, ask(AttentionBackend::fused_cpu_weights)),
+      "backend fused_cpu_weights was requested, but it is not differentiable, and "
+      "the inputs require grad");
   const auto libtorch = ask(AttentionBackend::libtorch).need_weights(false);
   if (kLibTorch2) {
     EXPECT_ATTN_ERROR(
@@ -186,19 +193,22 @@ TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
     EXPECT_ATTN_ERROR(
         attn::scaled_dot_product_attention(in.q, in.k, in.v, SDPAOptions(libtorch).scale(-0.5)),
         "backend libtorch was requested, but it takes only a positive scale, got -0.5");
-    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(
-                          in.q, in.k.narrow(2, 0, 30), in.v.narrow(2, 0, 30),
-                          SDPAOptions(libtorch).is_causal(true)),
-                      "takes causal masks only with L == S and no query_offset, got L = 40, "
-                      "S = 30, query_offset = 0");
-    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(
-                          in.q, in.k, in.v,
-                          SDPAOptions(libtorch).attn_mask(torch::ones({40, 40}, torch::kBool))),
-                      "takes no attn_mask (rows with every key masked would be NaN)");
+    EXPECT_ATTN_ERROR(
+        attn::scaled_dot_product_attention(
+            in.q, in.k.narrow(2, 0, 30), in.v.narrow(2, 0, 30),
+            SDPAOptions(libtorch).is_causal(true)),
+        "takes causal masks only with L == S and no query_offset, got L = 40, "
+        "S = 30, query_offset = 0");
+    EXPECT_ATTN_ERROR(
+        attn::scaled_dot_product_attention(
+            in.q, in.k, in.v, SDPAOptions(libtorch).attn_mask(torch::ones({40, 40}, torch::kBool))),
+        "takes no attn_mask (rows with every key masked would be NaN)");
   } else {
-    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(in.q, in.k, in.v, libtorch),
-                      std::string("backend libtorch was requested, but it needs LibTorch 2.0 or "
-                                  "later, and this is ") + TORCH_VERSION);
+    EXPECT_ATTN_ERROR(
+        attn::scaled_dot_product_attention(in.q, in.k, in.v, libtorch),
+        std::string("backend libtorch was requested, but it needs LibTorch 2.0 or "
+                    "later, and this is ") +
+            TORCH_VERSION);
   }
 }
 
@@ -214,15 +224,17 @@ torch::Tensor reference_bias(bool causal, int64_t N, int64_t L, int64_t S) {
 
 // Output and input gradients of `backend` against the float64 reference.
 void expect_matches_reference(AttentionBackend backend, bool causal, torch::ScalarType dtype) {
-  SCOPED_TRACE(std::string(attn::backend_name(backend)) + (causal ? " causal " : " ") +
-               c10::toString(dtype));
+  SCOPED_TRACE(
+      std::string(attn::backend_name(backend)) + (causal ? " causal " : " ") +
+      c10::toString(dtype));
   torch::manual_seed(3);
   const bool differentiable = backend != AttentionBackend::fused_cpu_weights;
   const auto in = make_inputs(differentiable, dtype);
   const auto options = SDPAOptions()
                            .is_causal(causal)
-                           .need_weights(backend == AttentionBackend::fused_cpu_weights ||
-                                         backend == AttentionBackend::math)
+                           .need_weights(
+                               backend == AttentionBackend::fused_cpu_weights ||
+                               backend == AttentionBackend::math)
                            .backend(backend);
   ASSERT_EQ(select_backend(in.q, in.k, in.v, options), backend);
   const auto [out, weights] = attn::scaled_dot_product_attention(in.q, in.k, in.v, options);
@@ -231,8 +243,8 @@ void expect_matches_reference(AttentionBackend backend, bool causal, torch::Scal
   const auto flat = [](const torch::Tensor& t) { return t.detach().flatten(0, 1); };
   const auto bias = reference_bias(causal, 6, 40, 40);
   const double scale = 0.25; // 1/sqrt(16)
-  const auto [expected, expected_weights] =
-      attn::testing::reference_attention(flat(in.q), flat(in.k), flat(in.v), bias, scale);
+  const auto [expected, expected_weights] = attn::testing::reference_attention(
+      flat(in.q), flat(in.k), flat(in.v), bias, scale);
   const auto tolerance = tolerance_for(dtype);
   EXPECT_CLOSE(out.flatten(0, 1), expected, tolerance);
   if (weights.defined()) {
@@ -254,9 +266,8 @@ void expect_matches_reference(AttentionBackend backend, bool causal, torch::Scal
 // float32 within 1e-5: sums of 40 terms of order 1, each off by float32
 // rounding (6e-8); float64 within 1e-12 likewise.
 TEST(RequestedBackend, EveryBackendMatchesTheFloat64Reference) {
-  std::vector<AttentionBackend> backends = {AttentionBackend::fused_cpu,
-                                            AttentionBackend::fused_cpu_weights,
-                                            AttentionBackend::math};
+  std::vector<AttentionBackend> backends = {
+      AttentionBackend::fused_cpu, AttentionBackend::fused_cpu_weights, AttentionBackend::math};
   if (kLibTorch2) {
     backends.push_back(AttentionBackend::libtorch);
   }
@@ -282,16 +293,15 @@ TEST(RequestedBackend, LibTorchMatchesTheReferenceOnEveryShapeItTakes) {
     torch::Tensor q, k, v;
     SDPAOptions options;
   };
-  const auto rand = [](std::vector<int64_t> shape) {
-    return torch::randn(shape, torch::kDouble);
-  };
+  const auto rand = [](std::vector<int64_t> shape) { return torch::randn(shape, torch::kDouble); };
   const auto libtorch = SDPAOptions().need_weights(false).backend(AttentionBackend::libtorch);
   const Case cases[] = {
       {"2-d", rand({9, 8}), rand({11, 8}), rand({11, 8}), libtorch},
       {"5-d causal", rand({2, 2, 3, 10, 8}), rand({2, 2, 3, 10, 8}), rand({2, 2, 3, 10, 8}),
        SDPAOptions(libtorch).is_causal(true)},
       {"value width 5", rand({2, 7, 8}), rand({2, 9, 8}), rand({2, 9, 5}), libtorch},
-      {"scale 0.3", rand({2, 7, 8}), rand({2, 9, 8}), rand({2, 9, 8}), SDPAOptions(libtorch).scale(0.3)},
+      {"scale 0.3", rand({2, 7, 8}), rand({2, 9, 8}), rand({2, 9, 8}),
+       SDPAOptions(libtorch).scale(0.3)},
       {"transposed", rand({2, 8, 7}).transpose(1, 2), rand({2, 8, 9}).transpose(1, 2),
        rand({2, 6, 9}).transpose(1, 2), libtorch},
       {"enable_gqa, equal heads", rand({1, 3, 6, 8}), rand({1, 3, 6, 8}), rand({1, 3, 6, 8}),
@@ -305,10 +315,12 @@ TEST(RequestedBackend, LibTorchMatchesTheReferenceOnEveryShapeItTakes) {
     const auto flat = [](const torch::Tensor& t) {
       return t.detach().reshape({-1, t.size(-2), t.size(-1)});
     };
-    const auto bias = reference_bias(c.options.is_causal(), flat(q).size(0), q.size(-2), k.size(-2));
-    const double scale = c.options.scale().value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
-    const auto [expected, expected_weights] =
-        attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, scale);
+    const auto bias = reference_bias(
+        c.options.is_causal(), flat(q).size(0), q.size(-2), k.size(-2));
+    const double scale = c.options.scale().value_or(
+        1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+    const auto [expected, expected_weights] = attn::testing::reference_attention(
+        flat(q), flat(k), flat(v), bias, scale);
     EXPECT_EQ(out.sizes().back(), v.size(-1));
     EXPECT_CLOSE(flat(out), expected, attn::testing::kFloat64Tolerance);
     const auto upstream = torch::randn_like(out);
@@ -325,8 +337,9 @@ TEST(RequestedBackend, LibTorchIsRefusedBelow2OrRunsBFloat16As2Does) {
   const auto in = make_inputs(false, torch::kBFloat16);
   const auto options = SDPAOptions().need_weights(false).backend(AttentionBackend::libtorch);
   if (!kLibTorch2) {
-    EXPECT_ATTN_ERROR(attn::scaled_dot_product_attention(in.q, in.k, in.v, options),
-                      "needs LibTorch 2.0 or later");
+    EXPECT_ATTN_ERROR(
+        attn::scaled_dot_product_attention(in.q, in.k, in.v, options),
+        "needs LibTorch 2.0 or later");
     return;
   }
   const auto [out, w] = attn::scaled_dot_product_attention(in.q, in.k, in.v, options);

@@ -66,10 +66,10 @@ struct KernelCase {
 
   std::string describe() const {
     std::ostringstream s;
-    s << "B=" << B << " H=" << H << " Hkv=" << Hkv << " L=" << L << " S=" << S
-      << " D=" << D << " Dv=" << Dv << " mask=" << static_cast<int>(mask)
-      << " causal=" << causal << " query_offset=" << query_offset
-      << " window=" << window << " empty_row=" << empty_row << " dtype=" << dtype << " threads=" << threads;
+    s << "B=" << B << " H=" << H << " Hkv=" << Hkv << " L=" << L << " S=" << S << " D=" << D
+      << " Dv=" << Dv << " mask=" << static_cast<int>(mask) << " causal=" << causal
+      << " query_offset=" << query_offset << " window=" << window << " empty_row=" << empty_row
+      << " dtype=" << dtype << " threads=" << threads;
     return s.str();
   }
 };
@@ -110,8 +110,7 @@ torch::Tensor make_mask(const KernelCase& c) {
   const auto opts = torch::TensorOptions(c.dtype);
   torch::Tensor mask;
   switch (c.mask) {
-    case MaskKind::none:
-      return {};
+    case MaskKind::none: return {};
     case MaskKind::bool_pairs:
       mask = (torch::rand({c.L, c.S}) > 0.3).expand({c.B, c.H, c.L, c.S});
       break;
@@ -143,8 +142,7 @@ TEST_P(FusedKernel, MatchesTheMathPathInOutputWeightsAndGradients) {
   auto v = torch::randn({c.B, c.Hkv, c.S, c.Dv}, opts).requires_grad_();
   const auto mask = make_mask(c);
   const double scale = 1.0 / std::sqrt(c.D);
-  const attn::detail::CpuAttentionConfig config{
-      mask, scale, c.causal, c.query_offset, c.window};
+  const attn::detail::CpuAttentionConfig config{mask, scale, c.causal, c.query_offset, c.window};
 
   auto options = attn::SDPAOptions()
                      .attn_mask(mask)

@@ -42,8 +42,9 @@ struct Inputs {
 
 // Random query (..., L, E), key (..., S, E) and value (..., S, Ev).
 Inputs random_inputs(const Shapes& s, torch::ScalarType dtype) {
-  return {torch::randn(with(s.batch, s.L, s.E), dtype), torch::randn(with(s.batch, s.S, s.E), dtype),
-          torch::randn(with(s.batch, s.S, s.Ev), dtype)};
+  return {
+      torch::randn(with(s.batch, s.L, s.E), dtype), torch::randn(with(s.batch, s.S, s.E), dtype),
+      torch::randn(with(s.batch, s.S, s.Ev), dtype)};
 }
 
 class SdpaMatchesReference
@@ -56,8 +57,7 @@ TEST_P(SdpaMatchesReference, OutputAndWeightsWithoutMask) {
 
   const auto [out, w] = attn::scaled_dot_product_attention(q, k, v);
   const auto [ref_out, ref_w] = reference_attention(
-      flatten_batch(q), flatten_batch(k), flatten_batch(v), {},
-      1.0 / std::sqrt(s.E));
+      flatten_batch(q), flatten_batch(k), flatten_batch(v), {}, 1.0 / std::sqrt(s.E));
 
   EXPECT_EQ(out.sizes(), torch::IntArrayRef(with(s.batch, s.L, s.Ev)));
   EXPECT_EQ(w.sizes(), torch::IntArrayRef(with(s.batch, s.L, s.S)));
@@ -72,16 +72,13 @@ TEST_P(SdpaMatchesReference, BoolFloatAndCausalMasks) {
   const auto &q = inputs.q, &k = inputs.k, &v = inputs.v; // captured by `check`
   const auto allowed = torch::rand(with(s.batch, s.L, s.S)) > 0.3;
   const auto bias = torch::randn(with(s.batch, s.L, s.S), torch::kDouble);
-  const auto causal_allowed =
-      torch::ones({s.L, s.S}, torch::kBool).tril().expand_as(allowed);
+  const auto causal_allowed = torch::ones({s.L, s.S}, torch::kBool).tril().expand_as(allowed);
   const double scale = 1.0 / std::sqrt(s.E);
 
-  const auto check = [&](const SDPAOptions& options,
-                         const torch::Tensor& reference_bias) {
+  const auto check = [&](const SDPAOptions& options, const torch::Tensor& reference_bias) {
     const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, options);
     const auto [ref_out, ref_w] = reference_attention(
-        flatten_batch(q), flatten_batch(k), flatten_batch(v),
-        flatten_batch(reference_bias), scale);
+        flatten_batch(q), flatten_batch(k), flatten_batch(v), flatten_batch(reference_bias), scale);
     EXPECT_CLOSE(flatten_batch(out), ref_out, tolerance_for(dtype));
     EXPECT_CLOSE(flatten_batch(w), ref_w, tolerance_for(dtype));
   };
@@ -125,10 +122,10 @@ TEST(ScaledDotProductAttention, BoolMaskEqualsFloatMaskOfZerosAndNegativeInfinit
   const auto allowed = torch::rand({2, 1, 6, 5}) > 0.4; // broadcast over dim 1
   const auto as_float = additive_bias(allowed).to(torch::kFloat);
 
-  const auto [out_bool, w_bool] =
-      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(allowed));
-  const auto [out_float, w_float] =
-      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(as_float));
+  const auto [out_bool, w_bool] = attn::scaled_dot_product_attention(
+      q, k, v, SDPAOptions().attn_mask(allowed));
+  const auto [out_float, w_float] = attn::scaled_dot_product_attention(
+      q, k, v, SDPAOptions().attn_mask(as_float));
   EXPECT_TRUE(torch::equal(out_bool, out_float));
   EXPECT_TRUE(torch::equal(w_bool, w_float));
 }
@@ -140,10 +137,10 @@ TEST(ScaledDotProductAttention, CausalEqualsLowerTriangularMaskWhenLengthsDiffer
     const auto k = torch::randn({3, S, 8});
     const auto v = torch::randn({3, S, 8});
     const auto lower = torch::ones({L, S}, torch::kBool).tril();
-    const auto [out_causal, w_causal] =
-        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().is_causal(true));
-    const auto [out_mask, w_mask] =
-        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(lower));
+    const auto [out_causal, w_causal] = attn::scaled_dot_product_attention(
+        q, k, v, SDPAOptions().is_causal(true));
+    const auto [out_mask, w_mask] = attn::scaled_dot_product_attention(
+        q, k, v, SDPAOptions().attn_mask(lower));
     EXPECT_TRUE(torch::equal(out_causal, out_mask)) << "L=" << L << " S=" << S;
     EXPECT_TRUE(torch::equal(w_causal, w_mask)) << "L=" << L << " S=" << S;
     // Query i never sees key j > i.
@@ -161,8 +158,8 @@ TEST(ScaledDotProductAttention, FullyMaskedRowGivesZerosAndFiniteGradients) {
   const auto as_float = additive_bias(allowed).to(torch::kFloat);
 
   for (const auto& mask : {allowed, as_float}) {
-    const auto [out, w] =
-        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(mask));
+    const auto [out, w] = attn::scaled_dot_product_attention(
+        q, k, v, SDPAOptions().attn_mask(mask));
     EXPECT_EQ(out[0][1].abs().max().item<float>(), 0.0f);
     EXPECT_EQ(w[0][1].abs().max().item<float>(), 0.0f);
     EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
@@ -205,8 +202,7 @@ TEST(ScaledDotProductAttention, ExplicitScaleReplacesOneOverSqrtE) {
   const auto q = torch::randn({2, 4, 8}, torch::kDouble);
   const auto k = torch::randn({2, 6, 8}, torch::kDouble);
   const auto v = torch::randn({2, 6, 8}, torch::kDouble);
-  const auto [out, w] =
-      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().scale(0.9));
+  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, SDPAOptions().scale(0.9));
   const auto [ref_out, ref_w] = reference_attention(q, k, v, {}, 0.9);
   EXPECT_CLOSE(out, ref_out, kFloat64Tolerance);
   EXPECT_CLOSE(w, ref_w, kFloat64Tolerance);
@@ -216,8 +212,8 @@ TEST(ScaledDotProductAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOu
   torch::manual_seed(8);
   const auto q = torch::randn({2, 4, 8});
   const auto [out, w] = attn::scaled_dot_product_attention(q, q, q);
-  const auto [out_only, no_w] =
-      attn::scaled_dot_product_attention(q, q, q, SDPAOptions().need_weights(false));
+  const auto [out_only, no_w] = attn::scaled_dot_product_attention(
+      q, q, q, SDPAOptions().need_weights(false));
   EXPECT_TRUE(w.defined());
   EXPECT_FALSE(no_w.defined());
   // Without weights the fused kernel normalises after multiplying by V,
@@ -274,25 +270,26 @@ TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMa
     bool causal;
     int64_t window, offset;
   };
-  for (const auto& c : {Case{true, 64, 0}, Case{true, 64, S - L}, Case{false, 64, 0},
-                        Case{false, 200, 300}, Case{true, 1, 10}, Case{false, 0, S - L},
-                        Case{true, 0, S - L}, Case{true, 0, -20}}) {
-    SCOPED_TRACE(::testing::Message() << "causal=" << c.causal << " window=" << c.window
-                                      << " offset=" << c.offset);
+  for (const auto& c :
+       {Case{true, 64, 0}, Case{true, 64, S - L}, Case{false, 64, 0}, Case{false, 200, 300},
+        Case{true, 1, 10}, Case{false, 0, S - L}, Case{true, 0, S - L}, Case{true, 0, -20}}) {
+    SCOPED_TRACE(
+        ::testing::Message() << "causal=" << c.causal << " window=" << c.window
+                             << " offset=" << c.offset);
     auto options = SDPAOptions().is_causal(c.causal).query_offset(c.offset);
     if (c.window > 0) {
       options.window(c.window);
     }
     const auto allowed = band_mask(L, S, c.offset, c.causal, c.window);
-    const auto [ref_out, ref_w] =
-        reference_attention(q, k, v, additive_bias(allowed).expand({2, L, S}), scale);
+    const auto [ref_out, ref_w] = reference_attention(
+        q, k, v, additive_bias(allowed).expand({2, L, S}), scale);
     // With weights (weights kernel), without (flash kernel), and both
     // against an explicit mask.
     const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, options);
-    const auto [out_only, none] =
-        attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
-    const auto [out_mask, w_mask] =
-        attn::scaled_dot_product_attention(q, k, v, SDPAOptions().attn_mask(allowed));
+    const auto [out_only, none] = attn::scaled_dot_product_attention(
+        q, k, v, SDPAOptions(options).need_weights(false));
+    const auto [out_mask, w_mask] = attn::scaled_dot_product_attention(
+        q, k, v, SDPAOptions().attn_mask(allowed));
     EXPECT_CLOSE(out, ref_out, kFloat64Tolerance);
     EXPECT_CLOSE(w, ref_w, kFloat64Tolerance);
     EXPECT_CLOSE(out_only, ref_out, kFloat64Tolerance);
@@ -312,12 +309,15 @@ TEST(ScaledDotProductAttention, AWindowPastEveryDistanceIsNoWindow) {
       const auto plain = SDPAOptions().is_causal(causal).query_offset(offset);
       const auto [expected, expected_w] = attn::scaled_dot_product_attention(q, k, k, plain);
       // 200 exceeds every distance unless the queries stand 2^60 away.
-      const auto windows = offset > 1000 ? std::vector<int64_t>{std::numeric_limits<int64_t>::max()}
-                                         : std::vector<int64_t>{200, std::numeric_limits<int64_t>::max()};
+      const auto windows = offset > 1000
+          ? std::vector<int64_t>{std::numeric_limits<int64_t>::max()}
+          : std::vector<int64_t>{200, std::numeric_limits<int64_t>::max()};
       for (const int64_t window : windows) {
-        SCOPED_TRACE(::testing::Message() << "offset=" << offset << " causal=" << causal
-                                          << " window=" << window);
-        const auto [out, w] = attn::scaled_dot_product_attention(q, k, k, SDPAOptions(plain).window(window));
+        SCOPED_TRACE(
+            ::testing::Message() << "offset=" << offset << " causal=" << causal
+                                 << " window=" << window);
+        const auto [out, w] = attn::scaled_dot_product_attention(
+            q, k, k, SDPAOptions(plain).window(window));
         const auto [out_only, none] = attn::scaled_dot_product_attention(
             q, k, k, SDPAOptions(plain).window(window).need_weights(false));
         EXPECT_CLOSE(out, expected, kFloat64Tolerance);
@@ -336,7 +336,8 @@ TEST(ScaledDotProductAttention, SlidingWindowGradientsMatchTheBandMasksOnes) {
   auto v = torch::randn({2, 3, 530, 8}, opts).requires_grad_();
   const auto upstream = torch::randn({2, 3, 140, 8}, opts);
   const auto gradients = [&](const SDPAOptions& options) {
-    const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).need_weights(false));
+    const auto [out, w] = attn::scaled_dot_product_attention(
+        q, k, v, SDPAOptions(options).need_weights(false));
     return torch::autograd::grad({out}, {q, k, v}, {upstream});
   };
   const auto windowed = gradients(SDPAOptions().is_causal(true).window(100).query_offset(390));
@@ -360,15 +361,14 @@ TEST(ScaledDotProductAttention, GroupedQueryEqualsRepeatedKeyValueHeads) {
     const Tolerance gradient_tolerance{10 * tolerance.atol};
     for (const bool need_weights : {false, true}) {
       SCOPED_TRACE(::testing::Message() << dtype << " need_weights=" << need_weights);
-      const auto options =
-          SDPAOptions().attn_mask(mask).is_causal(true).need_weights(need_weights);
+      const auto options = SDPAOptions().attn_mask(mask).is_causal(true).need_weights(need_weights);
       // Query heads 0-2 share key/value head 0, heads 3-5 head 1.
       const auto repeated_k = k.repeat_interleave(3, 1);
       const auto repeated_v = v.repeat_interleave(3, 1);
-      const auto [grouped, w] =
-          attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).enable_gqa(true));
-      const auto [expanded, w_expanded] =
-          attn::scaled_dot_product_attention(q, repeated_k, repeated_v, options);
+      const auto [grouped, w] = attn::scaled_dot_product_attention(
+          q, k, v, SDPAOptions(options).enable_gqa(true));
+      const auto [expanded, w_expanded] = attn::scaled_dot_product_attention(
+          q, repeated_k, repeated_v, options);
       EXPECT_CLOSE(grouped, expanded, tolerance);
       if (need_weights) {
         EXPECT_CLOSE(w, w_expanded, tolerance);
@@ -388,8 +388,7 @@ TEST(ScaledDotProductAttention, MultiQueryAttentionSharesOneKeyValueHeadWithoutC
   const auto q = torch::randn({4, 5, 8});
   const auto k = torch::randn({1, 7, 8});
   const auto v = torch::randn({1, 7, 3});
-  const auto [out, w] =
-      attn::scaled_dot_product_attention(q, k, v, SDPAOptions().enable_gqa(true));
+  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, SDPAOptions().enable_gqa(true));
   EXPECT_EQ(out.sizes(), torch::IntArrayRef({4, 5, 3}));
   EXPECT_EQ(w.sizes(), torch::IntArrayRef({4, 5, 7}));
   for (int64_t h = 0; h < 4; ++h) {

@@ -55,15 +55,15 @@ std::string torch_version_of(const std::string& folder) {
 // A dict of tensors written by torch.save in Python.
 c10::Dict<c10::IValue, c10::IValue> load_python_dict(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const std::vector<char> bytes(
+      (std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   return torch::pickle_load(bytes).toGenericDict();
 }
 
 // A file removed when the test ends.
 class TemporaryFile {
  public:
-  explicit TemporaryFile(const std::string& name)
-      : path_(::testing::TempDir() + "attn_" + name) {}
+  explicit TemporaryFile(const std::string& name) : path_(::testing::TempDir() + "attn_" + name) {}
   ~TemporaryFile() { std::remove(path_.c_str()); }
   const std::string& path() const { return path_; }
 
@@ -130,18 +130,19 @@ std::string pickle_small_int(uint8_t value) {
 // 1-D tensor whose dtype has no storage class: _rebuild_tensor_v3 over an
 // UntypedStorage of the tensor's bytes, naming `dtype` (such as
 // torch.float8_e4m3fn). At most 255 bytes.
-Archive archive_naming_dtype(const std::string& name, const torch::Tensor& tensor,
-                             const std::string& dtype) {
+Archive archive_naming_dtype(
+    const std::string& name,
+    const torch::Tensor& tensor,
+    const std::string& dtype) {
   const auto numel = static_cast<uint8_t>(tensor.numel());
   const auto bytes = static_cast<uint8_t>(tensor.numel() * tensor.element_size());
   const auto dot = dtype.find('.');
   Archive archive;
-  archive.pickle =
-      "\x80\x02}" + pickle_string(name) + pickle_global("torch._utils", "_rebuild_tensor_v3") +
-      "((" + pickle_string("storage") + pickle_global("torch.storage", "UntypedStorage") +
-      pickle_string("0") + pickle_string("cpu") + pickle_small_int(bytes) + "tQ" +
-      pickle_small_int(0) + pickle_small_int(numel) + "\x85" + pickle_small_int(1) + "\x85" +
-      "\x89" + pickle_global("collections", "OrderedDict") + ")R" +
+  archive.pickle = "\x80\x02}" + pickle_string(name) +
+      pickle_global("torch._utils", "_rebuild_tensor_v3") + "((" + pickle_string("storage") +
+      pickle_global("torch.storage", "UntypedStorage") + pickle_string("0") + pickle_string("cpu") +
+      pickle_small_int(bytes) + "tQ" + pickle_small_int(0) + pickle_small_int(numel) + "\x85" +
+      pickle_small_int(1) + "\x85" + "\x89" + pickle_global("collections", "OrderedDict") + ")R" +
       pickle_global(dtype.substr(0, dot), dtype.substr(dot + 1)) + "tRs.";
   archive.records["data/0"] = std::string(static_cast<const char*>(tensor.data_ptr()), bytes);
   return archive;
@@ -156,8 +157,9 @@ std::map<std::string, torch::Tensor> parameters_of(const torch::nn::Module& modu
   return copies;
 }
 
-void expect_parameters(const torch::nn::Module& module,
-                       const std::map<std::string, torch::Tensor>& expected) {
+void expect_parameters(
+    const torch::nn::Module& module,
+    const std::map<std::string, torch::Tensor>& expected) {
   for (const auto& p : module.named_parameters()) {
     EXPECT_TRUE(torch::equal(p.value(), expected.at(p.key()))) << p.key() << " changed";
   }
@@ -200,7 +202,8 @@ TEST_P(PythonStateDict, ReproducesTheOutputsPythonComputed) {
   const auto value = self ? query : tensor("value");
   for (const bool need_weights : {true, false}) {
     torch::NoGradGuard no_grad;
-    const auto [out, w] = mha(query, key, value, MultiHeadAttentionForwardOptions().need_weights(need_weights));
+    const auto [out, w] = mha(
+        query, key, value, MultiHeadAttentionForwardOptions().need_weights(need_weights));
     EXPECT_CLOSE(out, tensor("output"), Tolerance{1e-6}) << "need_weights=" << need_weights;
     if (need_weights) {
       EXPECT_CLOSE(w, tensor("weights"), Tolerance{1e-6});
@@ -209,14 +212,16 @@ TEST_P(PythonStateDict, ReproducesTheOutputsPythonComputed) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Fixtures, PythonStateDict,
+    Fixtures,
+    PythonStateDict,
     ::testing::Combine(
         ::testing::Values(kCommittedFixtures, kGeneratedFixtures),
         ::testing::Values(
             PythonCase{"packed", "", MultiHeadAttentionOptions(16, 4)},
             PythonCase{"separate", "", MultiHeadAttentionOptions(16, 2).kdim(12).vdim(10)},
-            PythonCase{"block_with_bias_kv", "attention",
-                       MultiHeadAttentionOptions(16, 4).add_bias_kv(true).add_zero_attn(true)})),
+            PythonCase{
+                "block_with_bias_kv", "attention",
+                MultiHeadAttentionOptions(16, 4).add_bias_kv(true).add_zero_attn(true)})),
     [](const ::testing::TestParamInfo<PythonStateDict::ParamType>& info) {
       return std::string(std::get<0>(info.param).name) + "_" + std::get<1>(info.param).name;
     });
@@ -226,36 +231,49 @@ TEST(PythonStateDict, RejectsMissingUnexpectedAndMisshapedEntries) {
   const auto path = fixture("packed.pt");
   const auto before = packed->q_proj->weight.clone();
   MultiHeadAttention wider(MultiHeadAttentionOptions(32, 4));
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*wider, path),
-                    "load_pytorch_state_dict: entry 'in_proj_weight' in '" + path + "' must be [96, 32], got [48, 16]");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*wider, path),
+      "load_pytorch_state_dict: entry 'in_proj_weight' in '" + path +
+          "' must be [96, 32], got [48, 16]");
   MultiHeadAttention separate(MultiHeadAttentionOptions(16, 4).kdim(12).vdim(12));
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*separate, path),
-                    "load_pytorch_state_dict: unexpected entry 'in_proj_weight' in '" + path +
-                        "'; an attn::MultiHeadAttention with these options takes exactly q_proj_weight, "
-                        "k_proj_weight, v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*separate, path),
+      "load_pytorch_state_dict: unexpected entry 'in_proj_weight' in '" + path +
+          "'; an attn::MultiHeadAttention with these options takes exactly q_proj_weight, "
+          "k_proj_weight, v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias");
   MultiHeadAttention with_bias_kv(MultiHeadAttentionOptions(16, 4).add_bias_kv(true));
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*with_bias_kv, path),
-                    "load_pytorch_state_dict: missing entry 'bias_k' in '" + path + "'");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*with_bias_kv, path),
+      "load_pytorch_state_dict: missing entry 'bias_k' in '" + path + "'");
   MultiHeadAttention no_bias_kv(MultiHeadAttentionOptions(16, 4));
   const auto block = fixture("block_with_bias_kv.pt");
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*no_bias_kv, block, "attention."),
-                    "unexpected entry 'bias_k' in '" + block + "' (after the prefix 'attention.')");
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*no_bias_kv, block),
-                    "unexpected entry 'attention.bias_k' in '" + block +
-                        "' (is the attention under the prefix 'attention.'?)");
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*no_bias_kv, block, "decoder."),
-                    "load_pytorch_state_dict: '" + block + "' has no tensor whose name starts with the prefix 'decoder.'");
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*packed, fixture("missing.pt")),
-                    "load_pytorch_state_dict: cannot open '" + fixture("missing.pt") + "' for reading");
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*packed, fixture("generate.py")),
-                    "load_pytorch_state_dict: '" + fixture("generate.py") +
-                        "' is not a file written by Python's torch.save (zip format, PyTorch >= 1.6)");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*no_bias_kv, block, "attention."),
+      "unexpected entry 'bias_k' in '" + block + "' (after the prefix 'attention.')");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*no_bias_kv, block),
+      "unexpected entry 'attention.bias_k' in '" + block +
+          "' (is the attention under the prefix 'attention.'?)");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*no_bias_kv, block, "decoder."),
+      "load_pytorch_state_dict: '" + block +
+          "' has no tensor whose name starts with the prefix 'decoder.'");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*packed, fixture("missing.pt")),
+      "load_pytorch_state_dict: cannot open '" + fixture("missing.pt") + "' for reading");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*packed, fixture("generate.py")),
+      "load_pytorch_state_dict: '" + fixture("generate.py") +
+          "' is not a file written by Python's torch.save (zip format, PyTorch >= 1.6)");
   MultiHeadAttention grouped(MultiHeadAttentionOptions(16, 4).num_kv_heads(2));
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*grouped, path),
-                    "load_pytorch_state_dict: torch.nn.MultiheadAttention has no grouped-query form");
-  MultiHeadAttention rotary(MultiHeadAttentionOptions(16, 4).rotary(attn::RotaryEmbeddingOptions(4)));
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*rotary, path),
-                    "load_pytorch_state_dict: torch.nn.MultiheadAttention has no rotary embeddings");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*grouped, path),
+      "load_pytorch_state_dict: torch.nn.MultiheadAttention has no grouped-query form");
+  MultiHeadAttention rotary(
+      MultiHeadAttentionOptions(16, 4).rotary(attn::RotaryEmbeddingOptions(4)));
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*rotary, path),
+      "load_pytorch_state_dict: torch.nn.MultiheadAttention has no rotary embeddings");
   EXPECT_TRUE(torch::equal(packed->q_proj->weight, before)); // failed loads change nothing
 }
 
@@ -267,8 +285,10 @@ TEST(PythonStateDict, NamesAFileThatHoldsNoDict) {
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   }
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4));
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*mha, file.path()),
-                    "load_pytorch_state_dict: '" + file.path() + "' must hold a state_dict (a dict of tensors), got a tensor");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*mha, file.path()),
+      "load_pytorch_state_dict: '" + file.path() +
+          "' must hold a state_dict (a dict of tensors), got a tensor");
 }
 
 struct DamagedCase {
@@ -309,14 +329,15 @@ TEST_P(DamagedStateDict, GivesErrorsNotCrashes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Files, DamagedStateDict,
+    Files,
+    DamagedStateDict,
     ::testing::Values(
         DamagedCase{"packed", [] { return Archive::read(fixture("packed.pt")); }},
-        DamagedCase{"tensor_naming_its_dtype",
-                    [] {
-                      return archive_naming_dtype("w", torch::arange(6, torch::kFloat),
-                                                  "torch.float32");
-                    }}),
+        DamagedCase{
+            "tensor_naming_its_dtype",
+            [] {
+              return archive_naming_dtype("w", torch::arange(6, torch::kFloat), "torch.float32");
+            }}),
     [](const ::testing::TestParamInfo<DamagedCase>& info) { return std::string(info.param.name); });
 
 TEST(PythonStateDict, AFailedLoadLeavesEveryParameterAsItWas) {
@@ -324,8 +345,8 @@ TEST(PythonStateDict, AFailedLoadLeavesEveryParameterAsItWas) {
   // bias_k that follows them is missing.
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4).add_bias_kv(true));
   const auto before = parameters_of(*mha);
-  EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*mha, fixture("packed.pt")),
-                    "missing entry 'bias_k'");
+  EXPECT_ATTN_ERROR(
+      attn::load_pytorch_state_dict(*mha, fixture("packed.pt")), "missing entry 'bias_k'");
   expect_parameters(*mha, before);
 }
 
@@ -351,9 +372,9 @@ TEST(PythonStateDict, ReadsTensorsThatNameTheirDtype) {
   // every tensor so.
   const auto values = torch::tensor({1.5, -2.0, 3.25}, torch::kDouble);
   TemporaryFile file("v3.pt");
-  for (const auto& [dtype, name] : {std::pair{torch::kFloat, "torch.float32"},
-                                    std::pair{torch::kDouble, "torch.float64"},
-                                    std::pair{torch::kShort, "torch.int16"}}) {
+  for (const auto& [dtype, name] :
+       {std::pair{torch::kFloat, "torch.float32"}, std::pair{torch::kDouble, "torch.float64"},
+        std::pair{torch::kShort, "torch.int16"}}) {
     SCOPED_TRACE(name);
     const auto tensor = values.to(dtype);
     archive_naming_dtype("w", tensor, name).write(file.path());
@@ -379,8 +400,8 @@ TEST(PythonStateDict, NamesTheFileAndWhatItHoldsThatTheReaderDoesNotKnow) {
        "uses pickle protocol 6, which this reader does not know; expected protocol 2 to 5"},
       {"a storage class for float8",
        [](Archive& a) {
-         a.pickle =
-             replace_once(a.pickle, "torch\nFloatStorage\n", "torch\nFloat8_e4m3fnStorage\n");
+         a.pickle = replace_once(
+             a.pickle, "torch\nFloatStorage\n", "torch\nFloat8_e4m3fnStorage\n");
        },
        "uses storage type torch.Float8_e4m3fnStorage, which this reader does not know; expected "
        "torch.BFloat16Storage, torch.BoolStorage, torch.ByteStorage, torch.CharStorage, "
@@ -397,8 +418,8 @@ TEST(PythonStateDict, NamesTheFileAndWhatItHoldsThatTheReaderDoesNotKnow) {
        "torch._utils._rebuild_tensor_v3"},
       {"a tensor of a dtype LibTorch 1.13 lacks",
        [](Archive& a) {
-         a = archive_naming_dtype("in_proj_weight", torch::zeros({4}, torch::kByte),
-                                  "torch.float8_e4m3fn");
+         a = archive_naming_dtype(
+             "in_proj_weight", torch::zeros({4}, torch::kByte), "torch.float8_e4m3fn");
        },
        "uses dtype torch.float8_e4m3fn, which this reader does not know; expected "
        "torch.bfloat16, torch.bool, torch.complex128, torch.complex64, torch.float16, "
@@ -416,18 +437,17 @@ TEST(PythonStateDict, NamesTheFileAndWhatItHoldsThatTheReaderDoesNotKnow) {
     auto changed = original;
     c.apply(changed);
     changed.write(file.path());
-    EXPECT_ATTN_ERROR(attn::load_pytorch_state_dict(*mha, file.path()),
-                      "load_pytorch_state_dict: '" + file.path() + "' " + c.error);
+    EXPECT_ATTN_ERROR(
+        attn::load_pytorch_state_dict(*mha, file.path()),
+        "load_pytorch_state_dict: '" + file.path() + "' " + c.error);
     expect_parameters(*mha, before);
   }
 }
 
 TEST(Serialization, TorchSaveAndLoadRoundTripEveryParameterExactly) {
   torch::manual_seed(5);
-  const auto options = MultiHeadAttentionOptions(32, 4)
-                           .num_kv_heads(2)
-                           .add_bias_kv(true)
-                           .rotary(attn::RotaryEmbeddingOptions(4));
+  const auto options = MultiHeadAttentionOptions(32, 4).num_kv_heads(2).add_bias_kv(true).rotary(
+      attn::RotaryEmbeddingOptions(4));
   MultiHeadAttention saved(options);
   randomise(*saved);
   TemporaryFile file("mha.pt");
@@ -448,7 +468,8 @@ TEST(Interop, WeightsRoundTripThroughTheBuiltin) {
   for (const int64_t kdim : {16, 12}) {
     SCOPED_TRACE(kdim);
     MultiHeadAttention ours(MultiHeadAttentionOptions(16, 2).kdim(kdim).vdim(kdim));
-    torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(16, 2).kdim(kdim).vdim(kdim));
+    torch::nn::MultiheadAttention builtin(
+        torch::nn::MultiheadAttentionOptions(16, 2).kdim(kdim).vdim(kdim));
     MultiHeadAttention back(MultiHeadAttentionOptions(16, 2).kdim(kdim).vdim(kdim));
     randomise(*ours);
     attn::copy_weights(*ours, *builtin);
@@ -468,7 +489,8 @@ TEST(Interop, BiasKvAndZeroAttnRoundTripThroughTheBuiltin) {
   const auto ours_options = MultiHeadAttentionOptions(16, 2).add_bias_kv(true).add_zero_attn(true);
   MultiHeadAttention ours(ours_options);
   randomise(*ours);
-  torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(16, 2).add_bias_kv(true).add_zero_attn(true));
+  torch::nn::MultiheadAttention builtin(
+      torch::nn::MultiheadAttentionOptions(16, 2).add_bias_kv(true).add_zero_attn(true));
   MultiHeadAttention back(ours_options);
   attn::copy_weights(*ours, *builtin);
   EXPECT_TRUE(torch::equal(builtin->bias_k, ours->bias_k));

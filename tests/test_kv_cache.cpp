@@ -44,17 +44,19 @@ TEST(KVCache, PreallocatedStorageIsReusedAndNeverOverflows) {
   const auto [keys, values] = cache.append(k.narrow(2, 5, 3), k.narrow(2, 5, 3));
   EXPECT_EQ(keys.data_ptr(), storage); // no reallocation up to max_length
   EXPECT_TRUE(torch::equal(keys, k));
-  EXPECT_ATTN_ERROR(cache.append(k.narrow(2, 0, 1), k.narrow(2, 0, 1)),
-                    "KVCache: appending 1 tokens to the 8 cached would exceed max_length 8 "
-                    "(reset() to start another sequence)");
+  EXPECT_ATTN_ERROR(
+      cache.append(k.narrow(2, 0, 1), k.narrow(2, 0, 1)),
+      "KVCache: appending 1 tokens to the 8 cached would exceed max_length 8 "
+      "(reset() to start another sequence)");
   cache.reset();
   const auto [again, unused2] = cache.append(k, k);
   EXPECT_EQ(again.data_ptr(), storage);
 }
 
 TEST(KVCache, ClonesBranchIndependentlyAndCopiesAreRefused) {
-  static_assert(!std::is_copy_constructible_v<KVCache> && !std::is_copy_assignable_v<KVCache>,
-                "copies would share storage");
+  static_assert(
+      !std::is_copy_constructible_v<KVCache> && !std::is_copy_assignable_v<KVCache>,
+      "copies would share storage");
   static_assert(std::is_move_constructible_v<KVCache>);
   torch::NoGradGuard no_grad;
   KVCache prompt(16);
@@ -87,28 +89,34 @@ TEST(KVCacheErrors, NameWhatWasExpectedAndWhatArrived) {
   KVCache cache;
   const auto k = torch::randn({2, 3, 4, 8});
   cache.append(k, k);
-  EXPECT_ATTN_ERROR(cache.append(torch::randn({3, 3, 1, 8}), torch::randn({3, 3, 1, 8})),
-                    "KVCache: keys must be (B, H, T, D) = (2, 3, T, 8) and values (B, H, T, Dv) with "
-                    "Dv = 8 as the cached ones (reset() to start another batch), got keys [3, 3, 1, 8]");
-  EXPECT_ATTN_ERROR(cache.append(k.to(torch::kDouble), k.to(torch::kDouble)),
-                    "KVCache: keys and values must have the cached dtype Float and device cpu, got Double on cpu");
-  EXPECT_ATTN_ERROR(cache.append(torch::randn({2, 3, 8}), torch::randn({2, 3, 8})),
-                    "KVCache: keys must be (B, H, T, D) and values (B, H, T, Dv), got keys [2, 3, 8]");
-  EXPECT_ATTN_ERROR(cache.append(k, k.to(torch::kDouble)),
-                    "KVCache: keys and values must share dtype and device, got keys Float on cpu and values Double on cpu");
-  EXPECT_ATTN_ERROR(cache.append(k, torch::Tensor()), "KVCache: keys and values must be defined tensors");
+  EXPECT_ATTN_ERROR(
+      cache.append(torch::randn({3, 3, 1, 8}), torch::randn({3, 3, 1, 8})),
+      "KVCache: keys must be (B, H, T, D) = (2, 3, T, 8) and values (B, H, T, Dv) with "
+      "Dv = 8 as the cached ones (reset() to start another batch), got keys [3, 3, 1, 8]");
+  EXPECT_ATTN_ERROR(
+      cache.append(k.to(torch::kDouble), k.to(torch::kDouble)),
+      "KVCache: keys and values must have the cached dtype Float and device cpu, got Double on cpu");
+  EXPECT_ATTN_ERROR(
+      cache.append(torch::randn({2, 3, 8}), torch::randn({2, 3, 8})),
+      "KVCache: keys must be (B, H, T, D) and values (B, H, T, Dv), got keys [2, 3, 8]");
+  EXPECT_ATTN_ERROR(
+      cache.append(k, k.to(torch::kDouble)),
+      "KVCache: keys and values must share dtype and device, got keys Float on cpu and values Double on cpu");
+  EXPECT_ATTN_ERROR(
+      cache.append(k, torch::Tensor()), "KVCache: keys and values must be defined tensors");
   torch::AutoGradMode grad(true);
   const auto tracked = k.clone().requires_grad_();
-  EXPECT_ATTN_ERROR(cache.append(tracked, tracked),
-                    "KVCache: the cache holds inference state and cannot carry gradients; decode under "
-                    "torch::NoGradGuard");
+  EXPECT_ATTN_ERROR(
+      cache.append(tracked, tracked),
+      "KVCache: the cache holds inference state and cannot carry gradients; decode under "
+      "torch::NoGradGuard");
   EXPECT_EQ(cache.length(), 4); // failed appends change nothing
 }
 
 struct DecodeCase {
   int64_t kv_heads;
   bool rotary;
-  int64_t window; // 0: none
+  int64_t window;     // 0: none
   int64_t max_length; // 0: growing cache
   bool need_weights;
 };
@@ -132,8 +140,8 @@ TEST_P(KVCacheDecoding, PrefillThenTokenByTokenEqualsOneCausalForward) {
   torch::NoGradGuard no_grad;
   constexpr int64_t B = 3, T = 21, prefill = 6;
   const auto x = torch::randn({B, T, 32});
-  auto forward_options =
-      attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(c.need_weights);
+  auto forward_options = attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(
+      c.need_weights);
   if (c.window > 0) {
     forward_options.window(c.window);
   }
@@ -144,12 +152,14 @@ TEST_P(KVCacheDecoding, PrefillThenTokenByTokenEqualsOneCausalForward) {
   for (int64_t t = 0; t < T;) {
     const int64_t n = t == 0 ? prefill : 1; // a prompt, then one token per step
     const auto chunk = x.narrow(1, t, n);
-    const auto [out, w] =
-        mha(chunk, chunk, chunk, attn::MultiHeadAttentionForwardOptions(forward_options).kv_cache(&cache));
+    const auto [out, w] = mha(
+        chunk, chunk, chunk,
+        attn::MultiHeadAttentionForwardOptions(forward_options).kv_cache(&cache));
     outputs.push_back(out);
     if (c.need_weights) {
       ASSERT_EQ(w.sizes(), torch::IntArrayRef({B, 4, n, t + n}));
-      EXPECT_CLOSE(w, full_w.narrow(2, t, n).narrow(3, 0, t + n), attn::testing::Tolerance{1e-6}) << "t=" << t;
+      EXPECT_CLOSE(w, full_w.narrow(2, t, n).narrow(3, 0, t + n), attn::testing::Tolerance{1e-6})
+          << "t=" << t;
     }
     t += n;
     EXPECT_EQ(cache.length(), t);
@@ -159,10 +169,16 @@ TEST_P(KVCacheDecoding, PrefillThenTokenByTokenEqualsOneCausalForward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Cases, KVCacheDecoding,
-    ::testing::Values(DecodeCase{4, false, 0, 0, false}, DecodeCase{4, false, 0, 21, true},
-                      DecodeCase{2, false, 0, 0, true}, DecodeCase{1, true, 0, 32, false},
-                      DecodeCase{4, true, 0, 0, true}, DecodeCase{2, true, 0, 0, false},
-                      DecodeCase{2, true, 5, 0, false}, DecodeCase{4, false, 3, 0, true}));
+    Cases,
+    KVCacheDecoding,
+    ::testing::Values(
+        DecodeCase{4, false, 0, 0, false},
+        DecodeCase{4, false, 0, 21, true},
+        DecodeCase{2, false, 0, 0, true},
+        DecodeCase{1, true, 0, 32, false},
+        DecodeCase{4, true, 0, 0, true},
+        DecodeCase{2, true, 0, 0, false},
+        DecodeCase{2, true, 5, 0, false},
+        DecodeCase{4, false, 3, 0, true}));
 
 } // namespace

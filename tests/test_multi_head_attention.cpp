@@ -96,8 +96,8 @@ TEST(MultiHeadAttention, AveragedWeightsAreTheMeanOverHeads) {
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4));
   const auto x = torch::randn({2, 5, 16});
   const auto [out, per_head] = mha(x, x, x);
-  const auto [out_avg, averaged] =
-      mha(x, x, x, MultiHeadAttentionForwardOptions().average_attn_weights(true));
+  const auto [out_avg, averaged] = mha(
+      x, x, x, MultiHeadAttentionForwardOptions().average_attn_weights(true));
   EXPECT_EQ(per_head.sizes(), torch::IntArrayRef({2, 4, 5, 5}));
   EXPECT_EQ(averaged.sizes(), torch::IntArrayRef({2, 5, 5}));
   EXPECT_TRUE(torch::equal(out, out_avg));
@@ -109,7 +109,8 @@ TEST(MultiHeadAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOutput) {
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2));
   const auto x = torch::randn({2, 5, 16});
   const auto [out, w] = mha(x, x, x);
-  const auto [out_only, no_w] = mha(x, x, x, MultiHeadAttentionForwardOptions().need_weights(false));
+  const auto [out_only, no_w] = mha(
+      x, x, x, MultiHeadAttentionForwardOptions().need_weights(false));
   EXPECT_FALSE(no_w.defined());
   EXPECT_CLOSE(out, out_only, Tolerance{1e-6}); // fused vs materialised kernel
 }
@@ -129,8 +130,8 @@ TEST(MultiHeadAttention, FullyMaskedQueriesGetZeroAttentionAndFiniteGradients) {
   auto allowed = torch::ones({5, 5}, torch::kBool);
   allowed[2].fill_(false); // query 2 may attend to nothing
 
-  const auto [out, w] = mha(x, x, x,
-      MultiHeadAttentionForwardOptions().key_padding_mask(padding).attn_mask(allowed));
+  const auto [out, w] = mha(
+      x, x, x, MultiHeadAttentionForwardOptions().key_padding_mask(padding).attn_mask(allowed));
   const auto bias = mha->out_proj->bias.expand({5, 16});
   EXPECT_CLOSE(out[1], bias, Tolerance{1e-7});
   EXPECT_CLOSE(out[0][2], mha->out_proj->bias, Tolerance{1e-7});
@@ -160,14 +161,16 @@ TEST(MultiHeadAttention, BoolAndFloatMasksAgree) {
     return mha(q, kv, kv, MultiHeadAttentionForwardOptions().key_padding_mask(pad).attn_mask(mask));
   };
   const auto [out, w] = run(padding, allowed);
-  for (const auto& [pad, mask] : {std::pair{padding_float, allowed}, std::pair{padding, allowed_float},
-                                  std::pair{padding_float, allowed_float}}) {
+  for (const auto& [pad, mask] :
+       {std::pair{padding_float, allowed}, std::pair{padding, allowed_float},
+        std::pair{padding_float, allowed_float}}) {
     const auto [out2, w2] = run(pad, mask);
     EXPECT_CLOSE(out2, out, Tolerance{1e-7});
     EXPECT_CLOSE(w2, w, Tolerance{1e-7});
   }
   // Padding keys get no weight from any query.
-  EXPECT_EQ(w.masked_select(padding.view({3, 1, 1, 6}).expand_as(w)).abs().max().item<float>(), 0.0f);
+  EXPECT_EQ(
+      w.masked_select(padding.view({3, 1, 1, 6}).expand_as(w)).abs().max().item<float>(), 0.0f);
 }
 
 TEST(MultiHeadAttention, AttnMaskShapesAreEquivalent) {
@@ -189,7 +192,8 @@ TEST(MultiHeadAttention, AttnMaskShapesAreEquivalent) {
   auto per_head = torch::zeros({B, H, L, S}, torch::kBool).logical_not();
   per_head[1][2][0].fill_(false);
   per_head[1][2][0][4] = true; // batch 1, head 2, query 0 sees only key 4
-  const auto [out, w] = mha(q, kv, kv, MultiHeadAttentionForwardOptions().attn_mask(per_head.view({B * H, L, S})));
+  const auto [out, w] = mha(
+      q, kv, kv, MultiHeadAttentionForwardOptions().attn_mask(per_head.view({B * H, L, S})));
   EXPECT_FLOAT_EQ(w[1][2][0][4].item<float>(), 1.0f);
   EXPECT_LT(w[0][2][0][4].item<float>(), 1.0f);
 }
@@ -198,7 +202,8 @@ TEST(MultiHeadAttention, CausalEqualsALowerTriangularMask) {
   torch::manual_seed(27);
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2));
   const auto x = torch::randn({2, 6, 16});
-  const auto [out_causal, w_causal] = mha(x, x, x, MultiHeadAttentionForwardOptions().is_causal(true));
+  const auto [out_causal, w_causal] = mha(
+      x, x, x, MultiHeadAttentionForwardOptions().is_causal(true));
   const auto lower = torch::ones({6, 6}, torch::kBool).tril();
   const auto [out_mask, w_mask] = mha(x, x, x, MultiHeadAttentionForwardOptions().attn_mask(lower));
   EXPECT_TRUE(torch::equal(out_causal, out_mask));
@@ -226,7 +231,8 @@ TEST(MultiHeadAttention, FollowsToDtypeAndRejectsInputsOfAnotherDtype) {
   const auto [out, w] = mha(x, x, x);
   EXPECT_EQ(out.scalar_type(), torch::kDouble);
   const auto x32 = x.to(torch::kFloat);
-  EXPECT_ATTN_ERROR(mha(x32, x32, x32),
+  EXPECT_ATTN_ERROR(
+      mha(x32, x32, x32),
       "MultiHeadAttention: inputs must have the module's dtype Double, got query Float, key Float, value Float (convert one with .to())");
 }
 
@@ -234,7 +240,9 @@ TEST(MultiHeadAttention, RejectsInputsOnAnotherDevice) {
   ATTN_SKIP_IF_UNAVAILABLE(torch::Device(torch::kCUDA));
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2));
   const auto x = torch::randn({2, 3, 16}, torch::kCUDA);
-  EXPECT_ATTN_ERROR(mha(x, x, x), "MultiHeadAttention: inputs must be on the module's device cpu, got query on cuda:0");
+  EXPECT_ATTN_ERROR(
+      mha(x, x, x),
+      "MultiHeadAttention: inputs must be on the module's device cpu, got query on cuda:0");
 }
 
 TEST(MultiHeadAttention, CloneHasEqualButIndependentParameters) {
@@ -269,7 +277,8 @@ TEST(MultiHeadAttention, InitialisesLikeTheBuiltin) {
 TEST(MultiHeadAttention, PrettyPrintsLikeATorchModule) {
   std::ostringstream printed;
   printed << *MultiHeadAttention(MultiHeadAttentionOptions(512, 8).dropout(0.1).kdim(256));
-  EXPECT_EQ(printed.str(),
+  EXPECT_EQ(
+      printed.str(),
       "attn::MultiHeadAttention(embed_dim=512, num_heads=8, dropout=0.1, bias=true, kdim=256, vdim=512, batch_first=true)(\n"
       "  (q_proj): torch::nn::Linear(in_features=512, out_features=512, bias=true)\n"
       "  (k_proj): torch::nn::Linear(in_features=256, out_features=512, bias=true)\n"
@@ -285,15 +294,16 @@ TEST(MultiHeadAttention, PrettyPrintsTheModernOptions) {
                                      .rotary(RotaryEmbeddingOptions(8))
                                      .add_bias_kv(true)
                                      .add_zero_attn(true));
-  EXPECT_EQ(printed.str(),
-            "attn::MultiHeadAttention(embed_dim=64, num_heads=8, num_kv_heads=2, dropout=0, bias=true, "
-            "kdim=64, vdim=64, batch_first=true, rotary_dim=8, add_bias_kv=true, add_zero_attn=true)(\n"
-            "  (q_proj): torch::nn::Linear(in_features=64, out_features=64, bias=true)\n"
-            "  (k_proj): torch::nn::Linear(in_features=64, out_features=16, bias=true)\n"
-            "  (v_proj): torch::nn::Linear(in_features=64, out_features=16, bias=true)\n"
-            "  (out_proj): torch::nn::Linear(in_features=64, out_features=64, bias=true)\n"
-            "  (rotary): attn::RotaryEmbedding(dim=8, base=10000, interleaved=false)\n"
-            ")");
+  EXPECT_EQ(
+      printed.str(),
+      "attn::MultiHeadAttention(embed_dim=64, num_heads=8, num_kv_heads=2, dropout=0, bias=true, "
+      "kdim=64, vdim=64, batch_first=true, rotary_dim=8, add_bias_kv=true, add_zero_attn=true)(\n"
+      "  (q_proj): torch::nn::Linear(in_features=64, out_features=64, bias=true)\n"
+      "  (k_proj): torch::nn::Linear(in_features=64, out_features=16, bias=true)\n"
+      "  (v_proj): torch::nn::Linear(in_features=64, out_features=16, bias=true)\n"
+      "  (out_proj): torch::nn::Linear(in_features=64, out_features=64, bias=true)\n"
+      "  (rotary): attn::RotaryEmbedding(dim=8, base=10000, interleaved=false)\n"
+      ")");
 }
 
 // `grouped`'s K/V projections with every kv head's rows repeated for the
@@ -331,16 +341,19 @@ TEST(GroupedQueryAttention, EqualsMultiHeadAttentionWithRepeatedKeyValueWeights)
   for (const int64_t kv_heads : {1, 2, 4}) {
     for (const bool self : {true, false}) {
       SCOPED_TRACE(::testing::Message() << "num_kv_heads=" << kv_heads << " self=" << self);
-      MultiHeadAttention grouped(
-          MultiHeadAttentionOptions(32, 8).num_kv_heads(kv_heads).kdim(self ? 32 : 12).vdim(self ? 32 : 20));
-      EXPECT_EQ(grouped->k_proj->weight.sizes(), torch::IntArrayRef({kv_heads * 4, self ? 32 : 12}));
+      MultiHeadAttention grouped(MultiHeadAttentionOptions(32, 8)
+                                     .num_kv_heads(kv_heads)
+                                     .kdim(self ? 32 : 12)
+                                     .vdim(self ? 32 : 20));
+      EXPECT_EQ(
+          grouped->k_proj->weight.sizes(), torch::IntArrayRef({kv_heads * 4, self ? 32 : 12}));
       auto full = with_repeated_kv_heads(*grouped);
       auto x = torch::randn({3, 9, 32}, torch::requires_grad());
       auto k = self ? x : torch::randn({3, 11, 12}, torch::requires_grad());
       auto v = self ? x : torch::randn({3, 11, 20}, torch::requires_grad());
       for (const bool need_weights : {true, false}) {
-        const auto options =
-            MultiHeadAttentionForwardOptions().is_causal(true).need_weights(need_weights);
+        const auto options = MultiHeadAttentionForwardOptions().is_causal(true).need_weights(
+            need_weights);
         const auto [out, w] = grouped(x, k, v, options);
         const auto [expected, expected_w] = full(x, k, v, options);
         EXPECT_CLOSE(out, expected, Tolerance{1e-5});
@@ -373,29 +386,34 @@ TEST(RotaryMultiHeadAttention, RotatesQueriesAndKeysOfEveryHeadBeforeAttention) 
   const auto v = heads(mha->v_proj(x));
   const auto causal = additive_bias(band_mask(7, 7, 0, /*causal=*/true, 0));
   const auto [ref_heads, ref_w] = attn::testing::reference_attention(
-      q.reshape({8, 7, 8}), k.reshape({8, 7, 8}), v.reshape({8, 7, 8}),
-      causal.expand({8, 7, 7}), 1.0 / std::sqrt(8.0));
-  const auto expected = mha->out_proj(ref_heads.view({2, 4, 7, 8}).transpose(1, 2).reshape({2, 7, 32}));
+      q.reshape({8, 7, 8}), k.reshape({8, 7, 8}), v.reshape({8, 7, 8}), causal.expand({8, 7, 7}),
+      1.0 / std::sqrt(8.0));
+  const auto expected = mha->out_proj(
+      ref_heads.view({2, 4, 7, 8}).transpose(1, 2).reshape({2, 7, 32}));
   EXPECT_CLOSE(out, expected, kFloat64Tolerance);
   EXPECT_CLOSE(w, ref_w.view({2, 4, 7, 7}), kFloat64Tolerance);
 }
 
-
 TEST(SlidingWindowAttention, EqualsAnExplicitBandMask) {
   torch::manual_seed(4);
   for (const bool extra_keys : {false, true}) {
-    MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2).add_bias_kv(extra_keys).add_zero_attn(extra_keys));
+    MultiHeadAttention mha(
+        MultiHeadAttentionOptions(16, 2).add_bias_kv(extra_keys).add_zero_attn(extra_keys));
     const auto x = torch::randn({2, 140, 16});
     for (const bool causal : {true, false}) {
       for (const bool need_weights : {true, false}) {
-        SCOPED_TRACE(::testing::Message() << "extra_keys=" << extra_keys << " causal=" << causal
-                                          << " need_weights=" << need_weights);
+        SCOPED_TRACE(
+            ::testing::Message() << "extra_keys=" << extra_keys << " causal=" << causal
+                                 << " need_weights=" << need_weights);
         const auto [windowed, w] = mha(
             x, x, x,
-            MultiHeadAttentionForwardOptions().is_causal(causal).window(9).need_weights(need_weights));
+            MultiHeadAttentionForwardOptions().is_causal(causal).window(9).need_weights(
+                need_weights));
         const auto [masked, w_masked] = mha(
             x, x, x,
-            MultiHeadAttentionForwardOptions().attn_mask(band_mask(140, 140, 0, causal, 9)).need_weights(need_weights));
+            MultiHeadAttentionForwardOptions()
+                .attn_mask(band_mask(140, 140, 0, causal, 9))
+                .need_weights(need_weights));
         EXPECT_CLOSE(windowed, masked, Tolerance{1e-6});
         if (need_weights) {
           EXPECT_CLOSE(w, w_masked, Tolerance{1e-7});
@@ -403,7 +421,8 @@ TEST(SlidingWindowAttention, EqualsAnExplicitBandMask) {
           const auto S = 140 + (extra_keys ? 2 : 0);
           EXPECT_EQ(w.size(3), S);
           const auto outside_window = band_mask(140, 140, 0, causal, 9).logical_not();
-          EXPECT_EQ(w.narrow(3, 0, 140).masked_select(outside_window).abs().max().item<float>(), 0.0f);
+          EXPECT_EQ(
+              w.narrow(3, 0, 140).masked_select(outside_window).abs().max().item<float>(), 0.0f);
         }
       }
     }
@@ -426,28 +445,36 @@ TEST(MultiHeadAttentionErrors, CallsWithAKVCacheNameWhatWasExpectedAndWhatArrive
   const auto x = torch::randn({2, 3, 16});
   KVCache small(4);
   mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&small));
-  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&small)),
-                    "KVCache: appending 3 tokens to the 3 cached would exceed max_length 4");
+  EXPECT_ATTN_ERROR(
+      mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&small)),
+      "KVCache: appending 3 tokens to the 3 cached would exceed max_length 4");
   KVCache cache;
   mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache));
   const auto other_batch = torch::randn({5, 1, 16});
-  EXPECT_ATTN_ERROR(mha(other_batch, other_batch, other_batch, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
-                    "KVCache: keys must be (B, H, T, D) = (2, 2, T, 4)");
+  EXPECT_ATTN_ERROR(
+      mha(other_batch, other_batch, other_batch,
+          MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+      "KVCache: keys must be (B, H, T, D) = (2, 2, T, 4)");
   const auto as_double = x.to(torch::kDouble);
   mha->to(torch::kDouble);
-  EXPECT_ATTN_ERROR(mha(as_double, as_double, as_double, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
-                    "KVCache: keys and values must have the cached dtype Float");
+  EXPECT_ATTN_ERROR(
+      mha(as_double, as_double, as_double, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+      "KVCache: keys and values must have the cached dtype Float");
   mha->to(torch::kFloat);
-  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).attn_mask(torch::ones({3, 3}, torch::kBool))),
-                    "attn_mask must be (L, S) = [3, 6], (B·H, L, S) = [8, 3, 6] or (B, H, L, S) = [2, 4, 3, 6] "
-                    "(B and H may be 1), S counting the cached keys, got [3, 3]");
-  EXPECT_ATTN_ERROR(mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).window(0)),
-                    "MultiHeadAttention: window must be a positive number of keys, got 0");
+  EXPECT_ATTN_ERROR(
+      mha(x, x, x,
+          MultiHeadAttentionForwardOptions().kv_cache(&cache).attn_mask(
+              torch::ones({3, 3}, torch::kBool))),
+      "attn_mask must be (L, S) = [3, 6], (B·H, L, S) = [8, 3, 6] or (B, H, L, S) = [2, 4, 3, 6] "
+      "(B and H may be 1), S counting the cached keys, got [3, 3]");
+  EXPECT_ATTN_ERROR(
+      mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).window(0)),
+      "MultiHeadAttention: window must be a positive number of keys, got 0");
   EXPECT_EQ(cache.length(), 3); // a call that fails leaves the cache as it was
   MultiHeadAttention extra(MultiHeadAttentionOptions(16, 4).add_bias_kv(true));
-  EXPECT_ATTN_ERROR(extra(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
-                    "MultiHeadAttention: a kv_cache cannot be combined with add_bias_kv or add_zero_attn");
+  EXPECT_ATTN_ERROR(
+      extra(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+      "MultiHeadAttention: a kv_cache cannot be combined with add_bias_kv or add_zero_attn");
 }
 
 } // namespace
-

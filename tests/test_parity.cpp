@@ -31,11 +31,9 @@ struct ParityCase {
 std::string name(const ParityCase& c) {
   std::ostringstream s;
   s << "B" << c.B << "_L" << c.L << "_S" << c.S << "_E" << c.E << "_H" << c.H
-    << (c.bias ? "_bias" : "_nobias") << "_kv" << c.kvdim
-    << (c.self_attention ? "_self" : "_cross")
+    << (c.bias ? "_bias" : "_nobias") << "_kv" << c.kvdim << (c.self_attention ? "_self" : "_cross")
     << (c.key_padding ? "_padding" : "") << (c.float_attn_mask ? "_floatmask" : "")
-    << (c.average ? "_averaged" : "_perhead")
-    << (c.batch_first ? "_batchfirst" : "_seqfirst")
+    << (c.average ? "_averaged" : "_perhead") << (c.batch_first ? "_batchfirst" : "_seqfirst")
     << (c.bias_kv ? "_biaskv" : "") << (c.zero_attn ? "_zeroattn" : "");
   return s.str();
 }
@@ -75,35 +73,36 @@ Tolerance gradient_tolerance(torch::ScalarType dtype) {
 }
 
 // The built-in's Q/K/V weight blocks, read plainly from its layout.
-std::vector<torch::Tensor> builtin_qkv(
-    const torch::nn::MultiheadAttentionImpl& m, bool grad) {
+std::vector<torch::Tensor> builtin_qkv(const torch::nn::MultiheadAttentionImpl& m, bool grad) {
   const auto pick = [grad](const torch::Tensor& t) { return grad ? t.grad() : t; };
   const auto E = m.options.embed_dim();
   if (m.options.kdim() == E && m.options.vdim() == E) {
     const auto packed = pick(m.in_proj_weight);
-    return {packed.slice(0, 0, E), packed.slice(0, E, 2 * E),
-            packed.slice(0, 2 * E, 3 * E)};
+    return {packed.slice(0, 0, E), packed.slice(0, E, 2 * E), packed.slice(0, 2 * E, 3 * E)};
   }
   return {pick(m.q_proj_weight), pick(m.k_proj_weight), pick(m.v_proj_weight)};
 }
 
-class Parity : public ::testing::TestWithParam<
-                   std::tuple<ParityCase, torch::ScalarType, torch::Device>> {};
+class Parity
+    : public ::testing::TestWithParam<std::tuple<ParityCase, torch::ScalarType, torch::Device>> {};
 
 // Runs both modules on the same inputs and compares the outputs, the
 // weights (when requested) and the gradients of every input and parameter.
 // With need_weights the CPU runs our materialising path; without, the
 // fused kernel and its backward.
-void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device device, bool need_weights) {
+void expect_parity(
+    const ParityCase& c,
+    torch::ScalarType dtype,
+    torch::Device device,
+    bool need_weights) {
   torch::manual_seed(42);
 
-  torch::nn::MultiheadAttention builtin(
-      torch::nn::MultiheadAttentionOptions(c.E, c.H)
-          .bias(c.bias)
-          .kdim(c.kvdim)
-          .vdim(c.kvdim)
-          .add_bias_kv(c.bias_kv)
-          .add_zero_attn(c.zero_attn));
+  torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(c.E, c.H)
+                                            .bias(c.bias)
+                                            .kdim(c.kvdim)
+                                            .vdim(c.kvdim)
+                                            .add_bias_kv(c.bias_kv)
+                                            .add_zero_attn(c.zero_attn));
   attn::MultiHeadAttention ours(attn::MultiHeadAttentionOptions(c.E, c.H)
                                     .bias(c.bias)
                                     .kdim(c.kvdim)
@@ -140,7 +139,8 @@ void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device d
   }
   if (c.float_attn_mask) {
     attn_mask = torch::randn({c.L, c.S}, opts);
-    attn_mask.masked_fill_(torch::rand({c.L, c.S}, opts) > 0.7, -std::numeric_limits<double>::infinity());
+    attn_mask.masked_fill_(
+        torch::rand({c.L, c.S}, opts) > 0.7, -std::numeric_limits<double>::infinity());
     attn_mask.select(1, 0).fill_(0.0);
   }
 
@@ -177,15 +177,19 @@ void expect_parity(const ParityCase& c, torch::ScalarType dtype, torch::Device d
   loss_ours.backward();
 
   double largest_relative_gradient_difference = 0.0;
-  const auto expect_grad = [&](const torch::Tensor& our_grad, const torch::Tensor& their_grad, const char* what) {
+  const auto expect_grad = [&](const torch::Tensor& our_grad, const torch::Tensor& their_grad,
+                               const char* what) {
     EXPECT_CLOSE(our_grad, their_grad, gradient_tolerance(dtype)) << what;
     if (our_grad.defined()) {
       largest_relative_gradient_difference = std::max(
           largest_relative_gradient_difference,
-          max_abs_diff(our_grad, their_grad) / std::max(1.0, their_grad.abs().max().item<double>()));
+          max_abs_diff(our_grad, their_grad) /
+              std::max(1.0, their_grad.abs().max().item<double>()));
     }
   };
-  const auto in_our_layout = [&](const torch::Tensor& g) { return c.batch_first ? g.transpose(0, 1) : g; };
+  const auto in_our_layout = [&](const torch::Tensor& g) {
+    return c.batch_first ? g.transpose(0, 1) : g;
+  };
   expect_grad(q_ours.grad(), in_our_layout(q_theirs.grad()), "d query");
   if (!c.self_attention) {
     expect_grad(k_ours.grad(), in_our_layout(k_theirs.grad()), "d key");
@@ -242,10 +246,17 @@ TEST_P(DropoutParity, MatchesBuiltinInTrainingFromTheSameSeed) {
   const auto& [c, dtype, device] = GetParam();
   ATTN_SKIP_IF_UNAVAILABLE(device);
   torch::manual_seed(43);
-  torch::nn::MultiheadAttention builtin(
-      torch::nn::MultiheadAttentionOptions(c.E, c.H).bias(c.bias).kdim(c.kvdim).vdim(c.kvdim).dropout(0.25));
-  attn::MultiHeadAttention ours(
-      attn::MultiHeadAttentionOptions(c.E, c.H).bias(c.bias).kdim(c.kvdim).vdim(c.kvdim).dropout(0.25).batch_first(false));
+  torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(c.E, c.H)
+                                            .bias(c.bias)
+                                            .kdim(c.kvdim)
+                                            .vdim(c.kvdim)
+                                            .dropout(0.25));
+  attn::MultiHeadAttention ours(attn::MultiHeadAttentionOptions(c.E, c.H)
+                                    .bias(c.bias)
+                                    .kdim(c.kvdim)
+                                    .vdim(c.kvdim)
+                                    .dropout(0.25)
+                                    .batch_first(false));
   attn::copy_weights(*builtin, *ours);
   builtin->to(device, dtype);
   ours->to(device, dtype);
@@ -254,7 +265,8 @@ TEST_P(DropoutParity, MatchesBuiltinInTrainingFromTheSameSeed) {
   const auto kv = torch::randn({c.S, c.B, c.kvdim}, opts);
 
   torch::manual_seed(7);
-  const auto [out_theirs, w_theirs] = builtin(q, kv, kv, torch::Tensor(), true, torch::Tensor(), false);
+  const auto [out_theirs, w_theirs] = builtin(
+      q, kv, kv, torch::Tensor(), true, torch::Tensor(), false);
   torch::manual_seed(7);
   const auto [out_ours, w_ours] = ours(q, kv, kv);
   EXPECT_GT((w_ours == 0).sum().item<int64_t>(), 0);

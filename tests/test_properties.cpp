@@ -53,13 +53,17 @@ Tolerance tolerance(torch::ScalarType dtype, bool gradient) {
 // How an input is laid out in memory; every layout must give the same result.
 enum class Layout { contiguous, transposed, expanded };
 const char* const kLayoutNames[] = {"contiguous", "transposed", "expanded"};
-const char* name(Layout layout) { return kLayoutNames[static_cast<int>(layout)]; }
+const char* name(Layout layout) {
+  return kLayoutNames[static_cast<int>(layout)];
+}
 
 // A random tensor of `shape` in `layout`: transposed stores the last two
 // dims swapped (no unit stride); expanded repeats one slice of dim 0
 // (stride 0) when there is a dim to spare.
 torch::Tensor random_tensor(
-    const std::vector<int64_t>& shape, torch::ScalarType dtype, Layout layout) {
+    const std::vector<int64_t>& shape,
+    torch::ScalarType dtype,
+    Layout layout) {
   const auto opts = torch::TensorOptions(dtype);
   const auto n = static_cast<int64_t>(shape.size());
   if (layout == Layout::transposed) {
@@ -79,18 +83,20 @@ torch::Tensor random_tensor(
 // The function and the ScaledDotProductAttention module.
 
 enum class SdpaMask { none, bool_pairs, bool_keys, float_full, float_pairs };
-const char* const kSdpaMaskNames[] = {"none", "bool (L, S)", "bool (..., 1, S)", "float (..., L, S)",
-                                      "float (L, S)"};
-const char* name(SdpaMask mask) { return kSdpaMaskNames[static_cast<int>(mask)]; }
+const char* const kSdpaMaskNames[] = {
+    "none", "bool (L, S)", "bool (..., 1, S)", "float (..., L, S)", "float (L, S)"};
+const char* name(SdpaMask mask) {
+  return kSdpaMaskNames[static_cast<int>(mask)];
+}
 
 struct SdpaCase {
   uint64_t seed;
-  bool module;                 // through attn::ScaledDotProductAttention
-  std::vector<int64_t> batch;  // leading dims, possibly none
+  bool module;                // through attn::ScaledDotProductAttention
+  std::vector<int64_t> batch; // leading dims, possibly none
   int64_t L, S, E, Ev;
   SdpaMask mask;
-  bool masked_row;             // one query row with every key masked
-  bool mask_requires_grad;     // a float mask that is itself learned
+  bool masked_row;         // one query row with every key masked
+  bool mask_requires_grad; // a float mask that is itself learned
   bool causal;
   bool need_weights;
   bool requires_grad;
@@ -100,12 +106,13 @@ struct SdpaCase {
 
   std::string describe() const {
     std::ostringstream s;
-    s << "seed=" << seed << (module ? " module" : " function") << " batch=" << torch::IntArrayRef(batch)
-      << " L=" << L << " S=" << S << " E=" << E << " Ev=" << Ev << " mask=" << name(mask)
-      << " masked_row=" << masked_row << " mask_requires_grad=" << mask_requires_grad
-      << " causal=" << causal << " need_weights=" << need_weights
-      << " requires_grad=" << requires_grad << " scale=" << (scale ? std::to_string(*scale) : "default")
-      << " dtype=" << dtype << " layout=" << name(layout);
+    s << "seed=" << seed << (module ? " module" : " function")
+      << " batch=" << torch::IntArrayRef(batch) << " L=" << L << " S=" << S << " E=" << E
+      << " Ev=" << Ev << " mask=" << name(mask) << " masked_row=" << masked_row
+      << " mask_requires_grad=" << mask_requires_grad << " causal=" << causal
+      << " need_weights=" << need_weights << " requires_grad=" << requires_grad
+      << " scale=" << (scale ? std::to_string(*scale) : "default") << " dtype=" << dtype
+      << " layout=" << name(layout);
     return s.str();
   }
 };
@@ -124,8 +131,10 @@ SdpaCase draw_sdpa_case(uint64_t seed) {
   c.S = long_keys ? pick<int64_t>(rng, {511, 512, 513}) : pick<int64_t>(rng, {1, 2, 6, 31});
   c.E = pick<int64_t>(rng, {1, 3, 8});
   c.Ev = pick<int64_t>(rng, {c.E, 5});
-  c.mask = pick(rng, {SdpaMask::none, SdpaMask::bool_pairs, SdpaMask::bool_keys,
-                      SdpaMask::float_full, SdpaMask::float_pairs});
+  c.mask = pick(
+      rng,
+      {SdpaMask::none, SdpaMask::bool_pairs, SdpaMask::bool_keys, SdpaMask::float_full,
+       SdpaMask::float_pairs});
   c.masked_row = c.mask != SdpaMask::none && c.mask != SdpaMask::bool_keys && coin(rng);
   c.causal = coin(rng);
   c.need_weights = c.module || coin(rng);
@@ -146,14 +155,9 @@ torch::Tensor make_sdpa_mask(const SdpaCase& c) {
   keys.insert(keys.end(), {1, c.S});
   torch::Tensor mask;
   switch (c.mask) {
-    case SdpaMask::none:
-      return {};
-    case SdpaMask::bool_pairs:
-      mask = torch::rand({c.L, c.S}) > 0.3;
-      break;
-    case SdpaMask::bool_keys:
-      mask = torch::rand(keys) > 0.3;
-      break;
+    case SdpaMask::none: return {};
+    case SdpaMask::bool_pairs: mask = torch::rand({c.L, c.S}) > 0.3; break;
+    case SdpaMask::bool_keys: mask = torch::rand(keys) > 0.3; break;
     case SdpaMask::float_full:
     case SdpaMask::float_pairs: {
       const auto shape = c.mask == SdpaMask::float_full ? full : std::vector<int64_t>{c.L, c.S};
@@ -204,8 +208,8 @@ void check_sdpa_case(const SdpaCase& c) {
   } else {
     std::tie(out, weights) = attn::scaled_dot_product_attention(
         q, k, v,
-        attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale)
-            .need_weights(c.need_weights));
+        attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale).need_weights(
+            c.need_weights));
   }
 
   const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
@@ -213,8 +217,8 @@ void check_sdpa_case(const SdpaCase& c) {
     return t.reshape({-1, t.size(-2), t.size(-1)});
   };
   const auto bias = reference_bias(c, mask);
-  const auto [ref_out, ref_weights] =
-      attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, scale);
+  const auto [ref_out, ref_weights] = attn::testing::reference_attention(
+      flat(q), flat(k), flat(v), bias, scale);
   EXPECT_CLOSE(flat(out), ref_out, tolerance(c.dtype, false)) << "output";
   if (c.need_weights) {
     EXPECT_CLOSE(flat(weights), ref_weights, tolerance(c.dtype, false)) << "weights";
@@ -248,14 +252,31 @@ TEST(PropertySweep, FunctionAndModuleMatchTheFloat64Reference) {
 // ---------------------------------------------------------------------------
 // MultiHeadAttention.
 
-enum class MhaMask { none, bool_pairs, float_pairs, bool_per_head_3d, float_full_4d,
-                     bool_heads_4d, float_batch_4d };
-const char* const kMhaMaskNames[] = {"none", "bool (L, S)", "float (L, S)", "bool (B*H, L, S)",
-                                     "float (B, H, L, S)", "bool (1, H, L, S)", "float (B, 1, L, S)"};
-const char* name(MhaMask mask) { return kMhaMaskNames[static_cast<int>(mask)]; }
+enum class MhaMask {
+  none,
+  bool_pairs,
+  float_pairs,
+  bool_per_head_3d,
+  float_full_4d,
+  bool_heads_4d,
+  float_batch_4d
+};
+const char* const kMhaMaskNames[] = {
+    "none",
+    "bool (L, S)",
+    "float (L, S)",
+    "bool (B*H, L, S)",
+    "float (B, H, L, S)",
+    "bool (1, H, L, S)",
+    "float (B, 1, L, S)"};
+const char* name(MhaMask mask) {
+  return kMhaMaskNames[static_cast<int>(mask)];
+}
 enum class Padding { none, bool_keys, float_keys };
 const char* const kPaddingNames[] = {"none", "bool", "float"};
-const char* name(Padding padding) { return kPaddingNames[static_cast<int>(padding)]; }
+const char* name(Padding padding) {
+  return kPaddingNames[static_cast<int>(padding)];
+}
 
 struct MhaCase {
   uint64_t seed;
@@ -303,9 +324,10 @@ MhaCase draw_mha_case(uint64_t seed) {
   c.vdim = c.self_attention ? c.E : pick<int64_t>(rng, {c.E, 5});
   c.batch_first = coin(rng);
   c.bias = pick(rng, {0, 1, 1}) == 1;
-  c.mask = pick(rng, {MhaMask::none, MhaMask::bool_pairs, MhaMask::float_pairs,
-                      MhaMask::bool_per_head_3d, MhaMask::float_full_4d, MhaMask::bool_heads_4d,
-                      MhaMask::float_batch_4d});
+  c.mask = pick(
+      rng,
+      {MhaMask::none, MhaMask::bool_pairs, MhaMask::float_pairs, MhaMask::bool_per_head_3d,
+       MhaMask::float_full_4d, MhaMask::bool_heads_4d, MhaMask::float_batch_4d});
   c.padding = pick(rng, {Padding::none, Padding::bool_keys, Padding::float_keys});
   c.padded_batch = c.padding != Padding::none && pick(rng, {0, 0, 1}) == 1;
   c.causal = coin(rng);
@@ -352,8 +374,11 @@ torch::Tensor make_padding(const MhaCase& c) {
 void check_mha_case(const MhaCase& c) {
   torch::manual_seed(c.seed);
   attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(c.E, c.H)
-                                   .kdim(c.kdim).vdim(c.vdim).bias(c.bias)
-                                   .batch_first(c.batch_first).dropout(0.2));
+                                   .kdim(c.kdim)
+                                   .vdim(c.vdim)
+                                   .bias(c.bias)
+                                   .batch_first(c.batch_first)
+                                   .dropout(0.2));
   mha->to(c.dtype);
   mha->eval(); // dropout off
   {
@@ -365,7 +390,8 @@ void check_mha_case(const MhaCase& c) {
   const auto input = [&](int64_t T, int64_t F) {
     std::vector<int64_t> shape = c.batch_first ? std::vector<int64_t>{c.B, T, F}
                                                : std::vector<int64_t>{T, c.B, F};
-    return random_tensor(shape, c.dtype, c.transposed_inputs ? Layout::transposed : Layout::contiguous)
+    return random_tensor(
+               shape, c.dtype, c.transposed_inputs ? Layout::transposed : Layout::contiguous)
         .requires_grad_(c.requires_grad);
   };
   const auto query = input(c.L, c.E);
@@ -380,11 +406,13 @@ void check_mha_case(const MhaCase& c) {
   const auto [out, weights] = mha(query, key, value, options);
 
   const auto upstream = c.requires_grad ? torch::randn(out.sizes(), c.dtype) : torch::Tensor();
-  const auto ref = attn::testing::reference_multi_head_attention(*mha, query, key, value, options, upstream);
+  const auto ref = attn::testing::reference_multi_head_attention(
+      *mha, query, key, value, options, upstream);
   EXPECT_CLOSE(out, ref.output, tolerance(c.dtype, false)) << "output";
   if (c.need_weights) {
-    EXPECT_CLOSE(weights, c.average_weights ? ref.weights.mean(1) : ref.weights,
-                 tolerance(c.dtype, false)) << "weights";
+    EXPECT_CLOSE(
+        weights, c.average_weights ? ref.weights.mean(1) : ref.weights, tolerance(c.dtype, false))
+        << "weights";
   } else {
     EXPECT_FALSE(weights.defined()) << "weights without need_weights";
   }
@@ -394,7 +422,8 @@ void check_mha_case(const MhaCase& c) {
   const auto& ref_grads = ref.input_gradients;
   if (c.self_attention) {
     const auto grad = torch::autograd::grad({out}, {query}, {upstream})[0];
-    EXPECT_CLOSE(grad, ref_grads[0] + ref_grads[1] + ref_grads[2], tolerance(c.dtype, true)) << "d x";
+    EXPECT_CLOSE(grad, ref_grads[0] + ref_grads[1] + ref_grads[2], tolerance(c.dtype, true))
+        << "d x";
     return;
   }
   const auto grads = torch::autograd::grad({out}, {query, key, value}, {upstream});

@@ -60,8 +60,10 @@ TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath
   for (const auto dtype : {torch::kFloat, torch::kDouble}) {
     for (const auto& route : kRoutes) {
       SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
-      const auto q = torch::randint(-100, 101, {2, 130, 2}, dtype).requires_grad_(route.requires_grad);
-      const auto k = torch::randint(-100, 101, {2, 600, 2}, dtype).requires_grad_(route.requires_grad);
+      const auto q =
+          torch::randint(-100, 101, {2, 130, 2}, dtype).requires_grad_(route.requires_grad);
+      const auto k =
+          torch::randint(-100, 101, {2, 600, 2}, dtype).requires_grad_(route.requires_grad);
       const auto v = torch::randn({2, 600, 3}, dtype).requires_grad_(route.requires_grad);
       const auto [out, weights] = attn::scaled_dot_product_attention(
           q, k, v, SDPAOptions().scale(1.0).is_causal(true).need_weights(route.need_weights));
@@ -116,8 +118,8 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
       const auto v = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto mask = torch::randn({70, 40}).masked_fill(torch::rand({70, 40}) > 0.7, -kInf);
       const auto options = SDPAOptions().need_weights(route.need_weights).is_causal(true);
-      const auto [out, weights] =
-          attn::scaled_dot_product_attention(q, k, v, SDPAOptions(options).attn_mask(mask.to(dtype)));
+      const auto [out, weights] = attn::scaled_dot_product_attention(
+          q, k, v, SDPAOptions(options).attn_mask(mask.to(dtype)));
       const auto as_float = [](const torch::Tensor& t) {
         return t.detach().to(torch::kFloat).requires_grad_(t.requires_grad());
       };
@@ -136,7 +138,8 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
       if (route.requires_grad) {
         const auto upstream = torch::randn(out.sizes()).to(dtype);
         const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
-        const auto grads32 = torch::autograd::grad({out32}, {q32, k32, v32}, {upstream.to(torch::kFloat)});
+        const auto grads32 = torch::autograd::grad(
+            {out32}, {q32, k32, v32}, {upstream.to(torch::kFloat)});
         for (int i = 0; i < 3; ++i) {
           EXPECT_TRUE(within_half_ulp(grads[i], grads32[i])) << "gradient " << i;
         }
@@ -154,7 +157,8 @@ TEST(NumericalRobustness, BFloat16MultiHeadAttentionStaysNearItsFloat32Result) {
   mha->to(torch::kFloat);
   const auto x = torch::randn({2, 20, 32}).to(torch::kBFloat16);
   const auto padding = torch::rand({2, 20}) > 0.8;
-  const auto options = attn::MultiHeadAttentionForwardOptions().key_padding_mask(padding).is_causal(true);
+  const auto options = attn::MultiHeadAttentionForwardOptions().key_padding_mask(padding).is_causal(
+      true);
   const auto [out, weights] = low->forward(x, x, x, options);
   const auto x32 = x.to(torch::kFloat);
   const auto [out32, weights32] = mha(x32, x32, x32, options);
@@ -185,8 +189,9 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
   for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16}) {
     for (const bool bool_mask : {true, false}) {
       for (const auto& route : kRoutes) {
-        SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype) +
-                     (bool_mask ? " bool mask" : " float mask"));
+        SCOPED_TRACE(
+            route.describe() + " dtype=" + c10::toString(dtype) +
+            (bool_mask ? " bool mask" : " float mask"));
         const auto q = torch::randn({2, 140, 8}).to(dtype).requires_grad_(route.requires_grad);
         const auto k = torch::randn({2, 520, 8}).to(dtype).requires_grad_(route.requires_grad);
         const auto v = torch::randn({2, 520, 8}).to(dtype).requires_grad_(route.requires_grad);
@@ -221,8 +226,9 @@ TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPa
   };
   for (const Sizes sizes : {Sizes{2, 0, 5}, Sizes{2, 4, 0}, Sizes{0, 4, 5}, Sizes{2, 0, 0}}) {
     for (const auto& route : kRoutes) {
-      SCOPED_TRACE(route.describe() + " B=" + std::to_string(sizes.B) + " L=" +
-                   std::to_string(sizes.L) + " S=" + std::to_string(sizes.S));
+      SCOPED_TRACE(
+          route.describe() + " B=" + std::to_string(sizes.B) + " L=" + std::to_string(sizes.L) +
+          " S=" + std::to_string(sizes.S));
       const auto q = torch::randn({sizes.B, sizes.L, 8}).requires_grad_(route.requires_grad);
       const auto k = torch::randn({sizes.B, sizes.S, 8}).requires_grad_(route.requires_grad);
       const auto v = torch::randn({sizes.B, sizes.S, 3}).requires_grad_(route.requires_grad);
@@ -240,7 +246,9 @@ TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPa
         const auto grads = torch::autograd::grad(
             {out.sum()}, {q, k, v}, {}, c10::nullopt, false, /*allow_unused=*/true);
         for (const auto& grad : grads) {
-          EXPECT_TRUE(!grad.defined() || (all_finite(grad) && (grad.numel() == 0 || grad.abs().max().item<float>() == 0.0f)));
+          EXPECT_TRUE(
+              !grad.defined() ||
+              (all_finite(grad) && (grad.numel() == 0 || grad.abs().max().item<float>() == 0.0f)));
         }
       }
     }
@@ -268,7 +276,8 @@ TEST(NonContiguousInputs, TransposedAndBroadcastMasksGiveTheContiguousResult) {
           q, k, v, SDPAOptions().attn_mask(mask).need_weights(need_weights)));
     };
     EXPECT_TRUE(torch::equal(run(allowed.t()), run(allowed.t().contiguous())));
-    EXPECT_TRUE(torch::equal(run(bias.transpose(-1, -2)), run(bias.transpose(-1, -2).contiguous())));
+    EXPECT_TRUE(
+        torch::equal(run(bias.transpose(-1, -2)), run(bias.transpose(-1, -2).contiguous())));
   }
 }
 
@@ -335,9 +344,12 @@ Forward shared_multi_head_attention(const SharedModuleInputs& inputs) {
   mha->eval();
   return [mha, &inputs](int t) mutable {
     const auto& x = inputs.x[t];
-    return mha(x, x, x, attn::MultiHeadAttentionForwardOptions()
-                            .key_padding_mask(inputs.padding[t]).is_causal(t % 2 == 0)
-                            .need_weights(t % 2 == 1));
+    return mha(
+        x, x, x,
+        attn::MultiHeadAttentionForwardOptions()
+            .key_padding_mask(inputs.padding[t])
+            .is_causal(t % 2 == 0)
+            .need_weights(t % 2 == 1));
   };
 }
 
@@ -404,8 +416,10 @@ TEST(Determinism, SameSeedGivesBitwiseIdenticalResultsOnEveryPath) {
     for (const bool training : {true, false}) { // math path with dropout; fused
       mha->train(training);
       for (const bool need_weights : {true, false}) {
-        const auto [out, weights] = mha(x, x, x,
-            attn::MultiHeadAttentionForwardOptions().key_padding_mask(padding).need_weights(need_weights));
+        const auto [out, weights] = mha(
+            x, x, x,
+            attn::MultiHeadAttentionForwardOptions().key_padding_mask(padding).need_weights(
+                need_weights));
         results.push_back(out);
         results.push_back(torch::autograd::grad({out.pow(2).sum()}, {x})[0]);
         if (weights.defined()) {

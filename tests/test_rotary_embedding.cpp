@@ -20,8 +20,12 @@ using attn::testing::Tolerance;
 // features, (a, b), at position p becomes (a cos θ - b sin θ, b cos θ +
 // a sin θ) with θ = p · base^(-2i / dim). The pair is (i, i + dim/2), or
 // (2i, 2i + 1) when interleaved. x is (N, T, F); token t at offset + t.
-torch::Tensor rope_by_formula(const torch::Tensor& x, int64_t dim, double base,
-                              bool interleaved, int64_t offset) {
+torch::Tensor rope_by_formula(
+    const torch::Tensor& x,
+    int64_t dim,
+    double base,
+    bool interleaved,
+    int64_t offset) {
   auto in = x.to(torch::kDouble).contiguous();
   auto out = in.clone();
   const auto a_in = in.accessor<double, 3>();
@@ -63,16 +67,21 @@ TEST_P(RotaryFormula, MatchesTheFormulaInFloat64AndFloat32) {
   EXPECT_CLOSE(rope(x.to(torch::kFloat), c.offset), expected, Tolerance{2e-6});
   // Features past dim pass through untouched.
   if (c.features > c.dim) {
-    EXPECT_TRUE(torch::equal(rope(x, c.offset).narrow(-1, c.dim, c.features - c.dim),
-                             x.narrow(-1, c.dim, c.features - c.dim)));
+    EXPECT_TRUE(torch::equal(
+        rope(x, c.offset).narrow(-1, c.dim, c.features - c.dim),
+        x.narrow(-1, c.dim, c.features - c.dim)));
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Cases, RotaryFormula,
-    ::testing::Values(RopeCase{8, 8, 10000.0, false, 0}, RopeCase{8, 8, 10000.0, true, 0},
-                      RopeCase{4, 10, 500.0, false, 3}, RopeCase{6, 16, 10000.0, true, 1000},
-                      RopeCase{64, 64, 500000.0, false, 70000}));
+    Cases,
+    RotaryFormula,
+    ::testing::Values(
+        RopeCase{8, 8, 10000.0, false, 0},
+        RopeCase{8, 8, 10000.0, true, 0},
+        RopeCase{4, 10, 500.0, false, 3},
+        RopeCase{6, 16, 10000.0, true, 1000},
+        RopeCase{64, 64, 500000.0, false, 70000}));
 
 TEST(RotaryEmbedding, ScoresDependOnlyOnRelativePosition) {
   torch::manual_seed(2);
@@ -142,17 +151,21 @@ TEST(RotaryEmbedding, PrettyPrintsItsOptions) {
 }
 
 TEST(RotaryEmbeddingErrors, NameWhatWasExpectedAndWhatArrived) {
-  EXPECT_ATTN_ERROR(RotaryEmbedding(7),
-                    "RotaryEmbedding: dim must be a positive even number of features (they rotate in pairs), got 7");
+  EXPECT_ATTN_ERROR(
+      RotaryEmbedding(7),
+      "RotaryEmbedding: dim must be a positive even number of features (they rotate in pairs), got 7");
   EXPECT_ATTN_ERROR(RotaryEmbedding(0), "dim must be a positive even number of features");
-  EXPECT_ATTN_ERROR(RotaryEmbedding(RotaryEmbeddingOptions(8).base(-1)),
-                    "RotaryEmbedding: base must be a positive finite number, got -1");
+  EXPECT_ATTN_ERROR(
+      RotaryEmbedding(RotaryEmbeddingOptions(8).base(-1)),
+      "RotaryEmbedding: base must be a positive finite number, got -1");
   RotaryEmbedding rope(8);
-  EXPECT_ATTN_ERROR(rope(torch::randn({2, 3, 6})),
-                    "RotaryEmbedding: x must be (..., T, F) with F >= dim = 8, got [2, 3, 6]");
+  EXPECT_ATTN_ERROR(
+      rope(torch::randn({2, 3, 6})),
+      "RotaryEmbedding: x must be (..., T, F) with F >= dim = 8, got [2, 3, 6]");
   EXPECT_ATTN_ERROR(rope(torch::randn({8})), "x must be (..., T, F) with F >= dim = 8, got [8]");
-  EXPECT_ATTN_ERROR(rope(torch::ones({2, 8}, torch::kLong)),
-                    "RotaryEmbedding: x must have a floating-point dtype, got Long");
+  EXPECT_ATTN_ERROR(
+      rope(torch::ones({2, 8}, torch::kLong)),
+      "RotaryEmbedding: x must have a floating-point dtype, got Long");
   EXPECT_ATTN_ERROR(rope(torch::randn({2, 8}), -1), "RotaryEmbedding: offset must be >= 0, got -1");
   EXPECT_ATTN_ERROR(rope(torch::Tensor()), "RotaryEmbedding: x must be a defined tensor");
 }

@@ -17,8 +17,7 @@ using attn::SDPAOptions;
 
 TEST(ScaledDotProductAttentionModule, AppliesDropoutOnlyInTrainingMode) {
   torch::manual_seed(11);
-  ScaledDotProductAttention sdpa(
-      ScaledDotProductAttentionOptions().dropout(0.5));
+  ScaledDotProductAttention sdpa(ScaledDotProductAttentionOptions().dropout(0.5));
   const auto q = torch::randn({2, 16, 8});
   const auto [without_dropout, w_without_dropout] = attn::scaled_dot_product_attention(q, q, q);
 
@@ -34,8 +33,7 @@ TEST(ScaledDotProductAttentionModule, AppliesDropoutOnlyInTrainingMode) {
 
 TEST(ScaledDotProductAttentionModule, ForwardsMaskCausalAndScale) {
   torch::manual_seed(12);
-  ScaledDotProductAttention sdpa(
-      ScaledDotProductAttentionOptions().scale(0.5));
+  ScaledDotProductAttention sdpa(ScaledDotProductAttentionOptions().scale(0.5));
   const auto q = torch::randn({2, 5, 8});
   const auto allowed = torch::rand({5, 5}) > 0.2;
   const auto [out, w] = sdpa(q, q, q, allowed, /*is_causal=*/true);
@@ -47,8 +45,7 @@ TEST(ScaledDotProductAttentionModule, ForwardsMaskCausalAndScale) {
 
 TEST(ScaledDotProductAttentionModule, PrettyPrintsItsOptions) {
   std::ostringstream printed;
-  printed << *ScaledDotProductAttention(
-      ScaledDotProductAttentionOptions().dropout(0.25));
+  printed << *ScaledDotProductAttention(ScaledDotProductAttentionOptions().dropout(0.25));
   EXPECT_EQ(printed.str(), "attn::ScaledDotProductAttention(dropout=0.25, scale=1/sqrt(E))");
 }
 

@@ -57,8 +57,8 @@ Tolerance tolerance_for(torch::ScalarType dtype) {
   }
   return ::testing::AssertionFailure()
       << actual_text << " differs from " << expected_text << " by up to " << difference
-      << ", more than the " << allowed << " that " << tolerance_text << " (atol "
-      << tolerance.atol << ", rtol " << tolerance.rtol << ") allows";
+      << ", more than the " << allowed << " that " << tolerance_text << " (atol " << tolerance.atol
+      << ", rtol " << tolerance.rtol << ") allows";
 }
 
 torch::Tensor additive_bias(const torch::Tensor& mask) {
@@ -160,7 +160,8 @@ MultiHeadReference reference_multi_head_attention(
   auto bias = torch::zeros({B, H, L, S}, torch::kDouble);
   const auto& attn_mask = options.attn_mask();
   if (attn_mask.defined()) {
-    const auto m = attn_mask.dim() == 3 ? attn_mask.reshape({B, H, L, S}) : attn_mask; // from (B·H, L, S)
+    const auto m = attn_mask.dim() == 3 ? attn_mask.reshape({B, H, L, S})
+                                        : attn_mask; // from (B·H, L, S)
     bias = bias + additive_bias(m);
   }
   const auto& padding = options.key_padding_mask();
@@ -210,8 +211,7 @@ torch::Tensor band_mask(int64_t L, int64_t S, int64_t offset, bool causal, int64
   return allowed;
 }
 
-torch::Tensor numerical_gradient(
-    const std::function<torch::Tensor()>& loss, torch::Tensor x) {
+torch::Tensor numerical_gradient(const std::function<torch::Tensor()>& loss, torch::Tensor x) {
   torch::NoGradGuard no_grad;
   constexpr double kStep = 1e-6;
   auto flat = x.view(-1);

@@ -19,9 +19,9 @@ namespace attn::testing {
 
 // Asserts that `statement` throws a c10::Error whose message contains
 // `needle`.
-#define EXPECT_ATTN_ERROR(statement, needle)                     \
-  EXPECT_THAT(                                                   \
-      [&] { (void)(statement); },                                \
+#define EXPECT_ATTN_ERROR(statement, needle) \
+  EXPECT_THAT(                               \
+      [&] { (void)(statement); },            \
       ::testing::ThrowsMessage<c10::Error>(::testing::HasSubstr(needle)))
 
 // Largest |a - b| over all elements (both moved to CPU float64).
@@ -113,8 +113,7 @@ torch::Tensor band_mask(int64_t L, int64_t S, int64_t offset, bool causal, int64
 
 // d loss / d x by central differences; `x` must be a float64 CPU tensor
 // that `loss` reads. Entries are perturbed in place and restored.
-torch::Tensor numerical_gradient(
-    const std::function<torch::Tensor()>& loss, torch::Tensor x);
+torch::Tensor numerical_gradient(const std::function<torch::Tensor()>& loss, torch::Tensor x);
 
 // Sets ATen's intra-op thread count while alive (for the calling thread:
 // with OpenMP the setting is per thread), then restores it.

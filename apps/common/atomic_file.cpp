@@ -19,9 +19,8 @@ UsageError cannot_write(
     const std::string& path,
     const std::string& what,
     const std::string& reason) {
-  return UsageError(fmt::format(
-      "cannot write {} '{}': {}; expected a writable file path", what, path,
-      reason));
+  return UsageError(
+      fmt::format("cannot write {} '{}': {}; expected a writable file path", what, path, reason));
 }
 
 } // namespace

@@ -37,16 +37,14 @@ std::string describe_unexpected(const CLI::App& app) {
   const bool is_option = unexpected.rfind('-', 0) == 0;
   return fmt::format(
       "{} '{}': see {} --help for the accepted options",
-      is_option ? "unknown option" : "unexpected argument", unexpected,
-      app.get_name());
+      is_option ? "unknown option" : "unexpected argument", unexpected, app.get_name());
 }
 
 } // namespace
 
 void use_app_conventions(CLI::App& app) {
   app.set_help_flag("--help", "show this help and exit");
-  app.option_defaults()->multi_option_policy(
-      CLI::MultiOptionPolicy::TakeLast);
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   auto formatter = std::make_shared<HelpFormatter>();
   formatter->column_width(kHelpColumn);
   app.formatter(formatter);
@@ -86,10 +84,7 @@ CLI::Validator decimal_integer(uint64_t maximum) {
 }
 
 CLI::Option* add_device_option(CLI::App& app, std::string& device) {
-  return app
-      .add_option(
-          "--device", device,
-          "auto (CUDA when available), cpu, cuda\nor cuda:N")
+  return app.add_option("--device", device, "auto (CUDA when available), cpu, cuda\nor cuda:N")
       ->type_name("D")
       ->capture_default_str();
 }

@@ -13,15 +13,12 @@ std::string one_line(std::string message) {
   return message;
 }
 
-int run_reporting_failures(
-    const char* program,
-    const std::function<int()>& run) {
+int run_reporting_failures(const char* program, const std::function<int()>& run) {
   try {
     return run();
   } catch (const c10::Error& error) {
     // what() would add the C++ backtrace, which tells a user nothing.
-    fmt::print(
-        stderr, "{}: {}\n", program, one_line(error.what_without_backtrace()));
+    fmt::print(stderr, "{}: {}\n", program, one_line(error.what_without_backtrace()));
   } catch (const std::exception& error) {
     fmt::print(stderr, "{}: {}\n", program, one_line(error.what()));
   }

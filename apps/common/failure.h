@@ -24,8 +24,6 @@ std::string one_line(std::string message);
 /// Runs `run`, an app's main, and returns its exit code. Any exception it
 /// throws is printed as "<program>: <message>" on one line of stderr, and
 /// the run exits with kFailureExitCode.
-int run_reporting_failures(
-    const char* program,
-    const std::function<int()>& run);
+int run_reporting_failures(const char* program, const std::function<int()>& run);
 
 } // namespace apps

@@ -34,20 +34,15 @@ constexpr const char* kDescription =
 
 // The sizes of the problem: B, L, S, E and H.
 void add_size_options(CLI::App& app, DemoArguments& arguments) {
-  apps::add_integer_option(
-      app, "--batch", arguments.batch, "sequences per batch B", int64_t{1});
-  apps::add_integer_option(
-      app, "--seq", arguments.seq, "query length L in tokens", int64_t{1});
+  apps::add_integer_option(app, "--batch", arguments.batch, "sequences per batch B", int64_t{1});
+  apps::add_integer_option(app, "--seq", arguments.seq, "query length L in tokens", int64_t{1});
   apps::add_integer_option(
       app, "--kv-seq", arguments.kv_seq,
-      "key/value length S: cross-attention to\na second sequence of N tokens",
-      int64_t{1})
+      "key/value length S: cross-attention to\na second sequence of N tokens", int64_t{1})
       ->default_str("L, self-attention");
+  apps::add_integer_option(app, "--d-model", arguments.d_model, "model width E", int64_t{1});
   apps::add_integer_option(
-      app, "--d-model", arguments.d_model, "model width E", int64_t{1});
-  apps::add_integer_option(
-      app, "--heads", arguments.heads, "attention heads H, dividing E",
-      int64_t{1});
+      app, "--heads", arguments.heads, "attention heads H, dividing E", int64_t{1});
 }
 
 // Where and how it runs: device, dtype, masks and the seed.
@@ -61,22 +56,17 @@ void add_run_options(CLI::App& app, DemoArguments& arguments) {
   }
   app.add_option_function<std::string>(
          "--dtype",
-         [&arguments, dtypes](const std::string& name) {
-           arguments.dtype = dtypes.at(name);
-         },
+         [&arguments, dtypes](const std::string& name) { arguments.dtype = dtypes.at(name); },
          dtype_names(demo_dtypes()))
       ->type_name("T")
       ->check(CLI::IsMember(names).description(""))
       ->default_str(dtype_name(arguments.dtype));
-  app.add_flag(
-         "--causal", arguments.causal, "query i attends only to keys j <= i")
+  app.add_flag("--causal", arguments.causal, "query i attends only to keys j <= i")
       ->default_str("off");
   apps::add_integer_option(
-      app, "--pad", arguments.pad,
-      "mask the last N keys of each sequence\nas padding", int64_t{0});
+      app, "--pad", arguments.pad, "mask the last N keys of each sequence\nas padding", int64_t{0});
   apps::add_integer_option(
-      app, "--seed", arguments.seed, "seed for the weights and inputs",
-      uint64_t{0});
+      app, "--seed", arguments.seed, "seed for the weights and inputs", uint64_t{0});
 }
 
 // `--head`: a head index, or all of them.
@@ -87,8 +77,7 @@ CLI::Validator head_or_all() {
     if (text == "all" || index(text).empty()) {
       return {};
     }
-    return fmt::format(
-        "expected a head index (0, 1, ...) or all, got '{}'", text);
+    return fmt::format("expected a head index (0, 1, ...) or all, got '{}'", text);
   };
   return CLI::Validator(check, /*validator_desc=*/"");
 }
@@ -98,9 +87,7 @@ void add_output_options(CLI::App& app, DemoArguments& arguments) {
   app.add_option_function<std::string>(
          "--head",
          [&arguments](const std::string& head) {
-           arguments.head = head == "all"
-               ? std::nullopt
-               : std::optional<int64_t>(std::stoll(head));
+           arguments.head = head == "all" ? std::nullopt : std::optional<int64_t>(std::stoll(head));
          },
          "head whose attention map is shown:\n0 to H-1, or all")
       ->type_name("H")
@@ -112,9 +99,7 @@ void add_output_options(CLI::App& app, DemoArguments& arguments) {
          "image")
       ->type_name("FILE")
       ->default_str("none");
-  app.add_flag(
-      "--json", arguments.json,
-      "print one JSON object instead of the\ntext report");
+  app.add_flag("--json", arguments.json, "print one JSON object instead of the\ntext report");
 }
 
 // The product as a double: exact far beyond the limits it is compared with,
@@ -142,14 +127,11 @@ void check_heads(const DemoArguments& arguments) {
     throw UsageError(fmt::format(
         "--d-model {} is not divisible by --heads {}: expected a multiple of "
         "{}, such as {}",
-        E, H, H,
-        below > 0 ? fmt::format("{} or {}", below, below + H)
-                  : fmt::to_string(H)));
+        E, H, H, below > 0 ? fmt::format("{} or {}", below, below + H) : fmt::to_string(H)));
   }
   if (arguments.head && *arguments.head >= H) {
-    throw UsageError(fmt::format(
-        "--head {} is out of range: expected 0 to {} or all", *arguments.head,
-        H - 1));
+    throw UsageError(
+        fmt::format("--head {} is out of range: expected 0 to {} or all", *arguments.head, H - 1));
   }
 }
 
@@ -162,11 +144,9 @@ void check_sizes(const DemoArguments& arguments) {
         "to: expected 0 to {}",
         arguments.pad, S, S - 1));
   }
-  const auto B = arguments.batch, L = arguments.seq, E = arguments.d_model,
-             H = arguments.heads;
+  const auto B = arguments.batch, L = arguments.seq, E = arguments.d_model, H = arguments.heads;
   const auto largest = std::max(
-      {product({B, H, L, S}), product({B, L, E}), product({B, S, E}),
-       product({E, E})});
+      {product({B, H, L, S}), product({B, L, E}), product({B, S, E}), product({E, E})});
   if (largest > static_cast<double>(kMaxTensorElements)) {
     throw UsageError(fmt::format(
         "B={} L={} S={} E={} H={} need a tensor of {:.0f} elements: expected "
@@ -182,8 +162,7 @@ void check_heatmap(const DemoArguments& arguments) {
   if (path.size() <= suffix.size() ||
       path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0) {
     throw UsageError(fmt::format(
-        "--heatmap writes SVG: expected a file name ending in {}, got '{}'",
-        suffix, path));
+        "--heatmap writes SVG: expected a file name ending in {}, got '{}'", suffix, path));
   }
   const auto L = arguments.seq, S = arguments.key_length();
   const auto cells = arguments.shown_head_count() * L * S;
@@ -206,9 +185,7 @@ void validate(const DemoArguments& arguments) {
 
 } // namespace
 
-std::optional<DemoArguments> parse_arguments(
-    int argc,
-    const char* const* argv) {
+std::optional<DemoArguments> parse_arguments(int argc, const char* const* argv) {
   auto arguments = apps::parse_command_line<DemoArguments>(
       "attn_demo", kDescription, argc, argv, add_options);
   if (arguments) {
@@ -225,16 +202,11 @@ const std::vector<torch::ScalarType>& demo_dtypes() {
 
 std::string dtype_name(torch::ScalarType dtype) {
   switch (dtype) {
-    case torch::kFloat32:
-      return "float32";
-    case torch::kFloat64:
-      return "float64";
-    case torch::kBFloat16:
-      return "bfloat16";
-    case torch::kFloat16:
-      return "float16";
-    default:
-      return c10::toString(dtype);
+    case torch::kFloat32: return "float32";
+    case torch::kFloat64: return "float64";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kFloat16: return "float16";
+    default: return c10::toString(dtype);
   }
 }
 

@@ -44,9 +44,7 @@ struct DemoArguments {
 /// number a plain decimal integer in range, and checks what the flags mean
 /// together (divisibility, ranges, sizes). Returns nothing, having printed
 /// the help, where `--help` was given. Throws `apps::UsageError`.
-std::optional<DemoArguments> parse_arguments(
-    int argc,
-    const char* const* argv);
+std::optional<DemoArguments> parse_arguments(int argc, const char* const* argv);
 
 /// The dtypes `--dtype` accepts, in the order `--help` lists them.
 const std::vector<torch::ScalarType>& demo_dtypes();

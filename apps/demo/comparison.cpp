@@ -39,8 +39,7 @@ struct Inputs {
     Inputs moved;
     moved.query = query.to(options);
     // Self-attention hands one tensor to all three arguments.
-    moved.key_value =
-        key_value.is_same(query) ? moved.query : key_value.to(options);
+    moved.key_value = key_value.is_same(query) ? moved.query : key_value.to(options);
     if (key_padding_mask.defined()) {
       moved.key_padding_mask = key_padding_mask.to(device);
     }
@@ -71,23 +70,19 @@ struct Problem {
 // Everything starts as float32 on the CPU, so a seed gives the same numbers
 // on every device and in every dtype.
 Problem make_problem(const DemoArguments& arguments) {
-  const auto B = arguments.batch, L = arguments.seq,
-             S = arguments.key_length(), E = arguments.d_model,
-             H = arguments.heads;
+  const auto B = arguments.batch, L = arguments.seq, S = arguments.key_length(),
+             E = arguments.d_model, H = arguments.heads;
   torch::manual_seed(arguments.seed);
   Problem problem{
       attn::MultiHeadAttention(attn::MultiHeadAttentionOptions(E, H)),
-      torch::nn::MultiheadAttention(
-          torch::nn::MultiheadAttentionOptions(E, H)),
-      Inputs{}};
+      torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(E, H)), Inputs{}};
   attn::copy_weights(*problem.attn, *problem.builtin);
   problem.attn->eval();
   problem.builtin->eval();
 
   auto& inputs = problem.inputs;
   inputs.query = torch::randn({B, L, E});
-  inputs.key_value =
-      arguments.cross_attention() ? torch::randn({B, S, E}) : inputs.query;
+  inputs.key_value = arguments.cross_attention() ? torch::randn({B, S, E}) : inputs.query;
   if (arguments.pad > 0) {
     inputs.key_padding_mask = torch::zeros({B, S}, torch::kBool);
     inputs.key_padding_mask.slice(/*dim=*/1, S - arguments.pad).fill_(true);
@@ -100,10 +95,7 @@ Problem make_problem(const DemoArguments& arguments) {
   return problem;
 }
 
-Outputs run_attn(
-    attn::MultiHeadAttentionImpl& module,
-    const Inputs& inputs,
-    bool causal) {
+Outputs run_attn(attn::MultiHeadAttentionImpl& module, const Inputs& inputs, bool causal) {
   auto [output, weights] = module.forward(
       inputs.query, inputs.key_value, inputs.key_value,
       attn::MultiHeadAttentionForwardOptions()
@@ -113,9 +105,7 @@ Outputs run_attn(
 }
 
 // The built-in is sequence-first: (L, B, E) in and out.
-Outputs run_builtin(
-    torch::nn::MultiheadAttentionImpl& module,
-    const Inputs& inputs) {
+Outputs run_builtin(torch::nn::MultiheadAttentionImpl& module, const Inputs& inputs) {
   const auto query = inputs.query.transpose(0, 1);         // (L, B, E)
   const auto key_value = inputs.key_value.transpose(0, 1); // (S, B, E)
   auto [output, weights] = module.forward(
@@ -126,8 +116,7 @@ Outputs run_builtin(
 }
 
 std::string describe_module_error(const char* module, const c10::Error& error) {
-  return fmt::format(
-      "{}: {}", module, apps::one_line(error.what_without_backtrace()));
+  return fmt::format("{}: {}", module, apps::one_line(error.what_without_backtrace()));
 }
 
 // Why `dtype` cannot run on `device` with these flags, if it cannot. Whether
@@ -169,8 +158,7 @@ void check_dtype_runs(const DemoArguments& arguments, torch::Device device) {
   }
   std::vector<torch::ScalarType> runnable;
   for (const auto dtype : demo_dtypes()) {
-    if (dtype != arguments.dtype &&
-        !why_dtype_cannot_run(arguments, device, dtype)) {
+    if (dtype != arguments.dtype && !why_dtype_cannot_run(arguments, device, dtype)) {
       runnable.push_back(dtype);
     }
   }
@@ -189,9 +177,7 @@ DeviceChoice choose_device(const std::string& request) {
   if (!torch::cuda::is_available()) {
     return {device, "CUDA not available"};
   }
-  return {
-      device,
-      fmt::format("{} CUDA device(s) visible", torch::cuda::device_count())};
+  return {device, fmt::format("{} CUDA device(s) visible", torch::cuda::device_count())};
 }
 
 struct TimedForward {
@@ -205,10 +191,7 @@ struct TimedForward {
 // `runs` timed ones; without `runs`, as many as fit in kTimingBudgetMs
 // judging from the first (at most kMaxTimedRuns).
 template <typename Forward>
-TimedForward time_forward(
-    Forward&& forward,
-    torch::Device device,
-    std::optional<int> runs) {
+TimedForward time_forward(Forward&& forward, torch::Device device, std::optional<int> runs) {
   using Clock = std::chrono::steady_clock;
   // CUDA kernels run asynchronously: a run is over when the device is idle.
   const auto wait_for_device = [&] {
@@ -223,12 +206,9 @@ TimedForward time_forward(
     const auto start = Clock::now();
     timed.outputs = forward();
     wait_for_device();
-    times_ms.push_back(
-        std::chrono::duration<double, std::milli>(Clock::now() - start)
-            .count());
+    times_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
     if (!runs) {
-      const auto fitting = static_cast<int>(
-          kTimingBudgetMs / std::max(times_ms.front(), 1e-3));
+      const auto fitting = static_cast<int>(kTimingBudgetMs / std::max(times_ms.front(), 1e-3));
       runs = std::clamp(fitting, 1, kMaxTimedRuns);
     }
   } while (static_cast<int>(times_ms.size()) < *runs);
@@ -240,10 +220,7 @@ TimedForward time_forward(
 }
 
 double max_abs_difference(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64))
-      .abs()
-      .max()
-      .item<double>();
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
 }
 
 std::vector<std::string> token_labels(char prefix, int64_t count) {
@@ -254,11 +231,8 @@ std::vector<std::string> token_labels(char prefix, int64_t count) {
   return labels;
 }
 
-AttentionMap first_sequence_map(
-    const DemoArguments& arguments,
-    const torch::Tensor& weights) {
-  const auto all_heads =
-      weights[0].to(torch::kCPU, torch::kFloat64); // (H, L, S)
+AttentionMap first_sequence_map(const DemoArguments& arguments, const torch::Tensor& weights) {
+  const auto all_heads = weights[0].to(torch::kCPU, torch::kFloat64); // (H, L, S)
   AttentionMap map;
   if (arguments.head) {
     const auto head = *arguments.head;
@@ -271,8 +245,7 @@ AttentionMap first_sequence_map(
     }
   }
   map.query_labels = token_labels('x', arguments.seq);
-  map.key_labels = token_labels(
-      arguments.cross_attention() ? 'y' : 'x', arguments.key_length());
+  map.key_labels = token_labels(arguments.cross_attention() ? 'y' : 'x', arguments.key_length());
   return map;
 }
 
@@ -283,9 +256,7 @@ Outputs rerun_in_float64(
     const torch::nn::MultiheadAttentionImpl& builtin,
     const Inputs& inputs,
     torch::Device device) {
-  const auto module =
-      std::dynamic_pointer_cast<torch::nn::MultiheadAttentionImpl>(
-          builtin.clone());
+  const auto module = std::dynamic_pointer_cast<torch::nn::MultiheadAttentionImpl>(builtin.clone());
   module->to(torch::kFloat64);
   return run_builtin(*module, inputs.to(device, torch::kFloat64));
 }
@@ -303,15 +274,10 @@ Comparison compare_with_builtin(const DemoArguments& arguments) {
   const auto inputs = problem.inputs.to(device, arguments.dtype);
 
   torch::NoGradGuard no_grad;
-  const auto forward_attn = [&] {
-    return run_attn(*problem.attn, inputs, arguments.causal);
-  };
-  const auto forward_builtin = [&] {
-    return run_builtin(*problem.builtin, inputs);
-  };
+  const auto forward_attn = [&] { return run_attn(*problem.attn, inputs, arguments.causal); };
+  const auto forward_builtin = [&] { return run_builtin(*problem.builtin, inputs); };
   const auto timed_attn = time_forward(forward_attn, device, std::nullopt);
-  const auto timed_builtin =
-      time_forward(forward_builtin, device, timed_attn.runs);
+  const auto timed_builtin = time_forward(forward_builtin, device, timed_attn.runs);
   const auto& ours = timed_attn.outputs;
   const auto& builtin = timed_builtin.outputs;
 

@@ -10,8 +10,7 @@
 namespace demo {
 namespace {
 
-constexpr const char* kAxesNote =
-    "row: query token, column: key token; each row sums to 1";
+constexpr const char* kAxesNote = "row: query token, column: key token; each row sums to 1";
 
 // Sizes in pixels. Text widths are estimated from a 12 px sans-serif digit.
 constexpr int kCharWidth = 7;
@@ -54,16 +53,13 @@ std::string hex_colour(const std::array<int, 3>& rgb) {
 
 // `fraction` in [0, 1].
 std::string viridis(double fraction) {
-  const double position =
-      std::clamp(fraction, 0.0, 1.0) * (kViridis.size() - 1);
-  const auto below = std::min<size_t>(
-      static_cast<size_t>(position), kViridis.size() - 2);
+  const double position = std::clamp(fraction, 0.0, 1.0) * (kViridis.size() - 1);
+  const auto below = std::min<size_t>(static_cast<size_t>(position), kViridis.size() - 2);
   const double weight = position - below;
   std::array<int, 3> rgb{};
   for (size_t channel = 0; channel < 3; ++channel) {
     rgb[channel] = static_cast<int>(std::lround(
-        kViridis[below][channel] * (1 - weight) +
-        kViridis[below + 1][channel] * weight));
+        kViridis[below][channel] * (1 - weight) + kViridis[below + 1][channel] * weight));
   }
   return hex_colour(rgb);
 }
@@ -110,32 +106,22 @@ struct Layout {
     panel_columns = static_cast<int>(std::ceil(std::sqrt(panels)));
     panel_rows = ceil_div(panels, panel_columns);
 
-    const int panels_width =
-        panel_columns * panel_width + (panel_columns - 1) * kPanelGap;
-    const int panels_height =
-        panel_rows * panel_height + (panel_rows - 1) * kPanelGap;
+    const int panels_width = panel_columns * panel_width + (panel_columns - 1) * kPanelGap;
+    const int panels_height = panel_rows * panel_height + (panel_rows - 1) * kPanelGap;
     bar_x = kMargin + panels_width + kBarGap;
     bar_y = panel_top(0) + kPanelTitleHeight + kColumnLabelHeight;
-    bar_height = std::max(
-        kMinBarHeight,
-        panels_height - kPanelTitleHeight - kColumnLabelHeight);
-    const auto longest_line =
-        std::max(caption.size(), std::char_traits<char>::length(kAxesNote));
-    const int caption_width =
-        static_cast<int>(longest_line) * kCharWidth + 2 * kMargin;
-    width = std::max(
-        bar_x + kBarWidth + kBarLabelWidth + kMargin, caption_width);
-    height = std::max(
-                 kMargin + kTitleHeight + panels_height, bar_y + bar_height) +
-        kMargin;
+    bar_height = std::max(kMinBarHeight, panels_height - kPanelTitleHeight - kColumnLabelHeight);
+    const auto longest_line = std::max(caption.size(), std::char_traits<char>::length(kAxesNote));
+    const int caption_width = static_cast<int>(longest_line) * kCharWidth + 2 * kMargin;
+    width = std::max(bar_x + kBarWidth + kBarLabelWidth + kMargin, caption_width);
+    height = std::max(kMargin + kTitleHeight + panels_height, bar_y + bar_height) + kMargin;
   }
 
   int panel_left(int panel) const {
     return kMargin + (panel % panel_columns) * (panel_width + kPanelGap);
   }
   int panel_top(int panel) const {
-    return kMargin + kTitleHeight +
-        (panel / panel_columns) * (panel_height + kPanelGap);
+    return kMargin + kTitleHeight + (panel / panel_columns) * (panel_height + kPanelGap);
   }
 };
 
@@ -153,16 +139,12 @@ Grid panel_grid(const Layout& layout, int panel) {
 }
 
 // The panel's title, and every row_step-th query and column_step-th key.
-void draw_labels(
-    std::string& svg,
-    const Layout& layout,
-    const AttentionMap& map,
-    int panel) {
+void draw_labels(std::string& svg, const Layout& layout, const AttentionMap& map, int panel) {
   const auto grid = panel_grid(layout, panel);
   const int cell = layout.cell;
   svg += fmt::format(
-      "<text x=\"{}\" y=\"{}\" font-weight=\"bold\">head {}</text>\n",
-      grid.left, layout.panel_top(panel) + 12, map.heads[panel]);
+      "<text x=\"{}\" y=\"{}\" font-weight=\"bold\">head {}</text>\n", grid.left,
+      layout.panel_top(panel) + 12, map.heads[panel]);
   const int S = static_cast<int>(map.key_labels.size());
   for (int key = 0; key < S; key += layout.column_step) {
     svg += fmt::format(
@@ -172,9 +154,8 @@ void draw_labels(
   const int L = static_cast<int>(map.query_labels.size());
   for (int query = 0; query < L; query += layout.row_step) {
     svg += fmt::format(
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n",
-        grid.left - 6, grid.top + query * cell + cell / 2 + 4,
-        map.query_labels[query]);
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n", grid.left - 6,
+        grid.top + query * cell + cell / 2 + 4, map.query_labels[query]);
   }
 }
 
@@ -203,15 +184,14 @@ void draw_panel(
       svg += fmt::format(
           "<rect class=\"cell\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" "
           "fill=\"{}\"><title>{} → {}: {:.4f}</title></rect>\n",
-          x, y, cell, cell, viridis(fraction), map.query_labels[query],
-          map.key_labels[key], weight);
+          x, y, cell, cell, viridis(fraction), map.query_labels[query], map.key_labels[key],
+          weight);
       if (cell >= kValueCell) {
         // Dark text on the bright (yellow-green) end of the scale.
         svg += fmt::format(
             "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"10\" "
             "fill=\"{}\">{:.2f}</text>\n",
-            x + cell / 2, y + cell / 2 + 4, fraction > 0.6 ? "black" : "white",
-            weight);
+            x + cell / 2, y + cell / 2 + 4, fraction > 0.6 ? "black" : "white", weight);
       }
     }
   }
@@ -225,20 +205,16 @@ void draw_colour_bar(std::string& svg, const Layout& layout, double scale_max) {
   for (size_t stop = 0; stop < kViridis.size(); ++stop) {
     svg += fmt::format(
         "<stop offset=\"{:.4f}\" stop-color=\"{}\"/>",
-        static_cast<double>(stop) / (kViridis.size() - 1),
-        hex_colour(kViridis[stop]));
+        static_cast<double>(stop) / (kViridis.size() - 1), hex_colour(kViridis[stop]));
   }
   svg += "</linearGradient></defs>\n";
-  svg += fmt::format(
-      "<text x=\"{}\" y=\"{}\">weight</text>\n", layout.bar_x,
-      layout.bar_y - 12);
+  svg += fmt::format("<text x=\"{}\" y=\"{}\">weight</text>\n", layout.bar_x, layout.bar_y - 12);
   svg += fmt::format(
       "<rect class=\"colour-bar\" x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" "
       "fill=\"url(#scale)\" stroke=\"#444\"/>\n",
       layout.bar_x, layout.bar_y, kBarWidth, layout.bar_height);
   for (const double fraction : {0.0, 0.5, 1.0}) {
-    const int y = layout.bar_y +
-        static_cast<int>(std::lround((1 - fraction) * layout.bar_height));
+    const int y = layout.bar_y + static_cast<int>(std::lround((1 - fraction) * layout.bar_height));
     const int right = layout.bar_x + kBarWidth;
     svg += fmt::format(
         "<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#444\"/>"
@@ -264,8 +240,8 @@ std::string heatmap_svg(const AttentionMap& map, const std::string& caption) {
       "Attention weights of the first sequence</text>\n"
       "<text x=\"{2}\" y=\"{4}\">{5}</text>\n"
       "<text x=\"{2}\" y=\"{6}\">{7}</text>\n",
-      layout.width, layout.height, kMargin, kMargin + 14, kMargin + 32,
-      caption, kMargin + 48, kAxesNote);
+      layout.width, layout.height, kMargin, kMargin + 14, kMargin + 32, caption, kMargin + 48,
+      kAxesNote);
   for (int panel = 0; panel < static_cast<int>(map.heads.size()); ++panel) {
     draw_panel(svg, layout, map, panel, scale_max);
   }

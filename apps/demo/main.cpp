@@ -19,15 +19,12 @@ namespace {
 
 // Written before anything is printed, so that a path that cannot be written
 // fails the run before a report claims it.
-void write_heatmap(
-    const demo::DemoArguments& arguments,
-    const demo::Comparison& comparison) {
+void write_heatmap(const demo::DemoArguments& arguments, const demo::Comparison& comparison) {
   const auto caption = fmt::format(
-      "{}, {}, seed {}", demo::describe_attention(arguments),
-      demo::dtype_name(arguments.dtype), arguments.seed);
+      "{}, {}, seed {}", demo::describe_attention(arguments), demo::dtype_name(arguments.dtype),
+      arguments.seed);
   apps::write_file_atomically(
-      arguments.heatmap_path, "--heatmap",
-      demo::heatmap_svg(comparison.map, caption));
+      arguments.heatmap_path, "--heatmap", demo::heatmap_svg(comparison.map, caption));
 }
 
 int run(int argc, const char* const* argv) {
@@ -49,6 +46,5 @@ int run(int argc, const char* const* argv) {
 } // namespace
 
 int main(int argc, char** argv) {
-  return apps::run_reporting_failures(
-      "attn_demo", [&] { return run(argc, argv); });
+  return apps::run_reporting_failures("attn_demo", [&] { return run(argc, argv); });
 }

@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 namespace demo {
 namespace {
@@ -19,9 +19,7 @@ std::string format_shape(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
 
-std::string describe_device(
-    const DemoArguments& arguments,
-    const DeviceChoice& choice) {
+std::string describe_device(const DemoArguments& arguments, const DeviceChoice& choice) {
   if (arguments.device == "auto") {
     return fmt::format("auto → {} ({})", choice.device.str(), choice.reason);
   }
@@ -29,15 +27,13 @@ std::string describe_device(
 }
 
 std::string describe_input(const DemoArguments& arguments) {
-  const auto query = format_shape(
-      {arguments.batch, arguments.seq, arguments.d_model});
+  const auto query = format_shape({arguments.batch, arguments.seq, arguments.d_model});
   if (!arguments.cross_attention()) {
     return fmt::format("x {} as query, key and value", query);
   }
   return fmt::format(
       "x {} as query, y {} as key and value", query,
-      format_shape(
-          {arguments.batch, arguments.key_length(), arguments.d_model}));
+      format_shape({arguments.batch, arguments.key_length(), arguments.d_model}));
 }
 
 // The attention map of one head of the first sequence, as a table:
@@ -70,14 +66,11 @@ std::string attention_table(const AttentionMap& map, int64_t panel) {
 
 // "one run" or "median of 10 runs".
 std::string describe_timing(const ForwardTime& time) {
-  return time.runs == 1 ? std::string("one run")
-                        : fmt::format("median of {} runs", time.runs);
+  return time.runs == 1 ? std::string("one run") : fmt::format("median of {} runs", time.runs);
 }
 
 // The report's first lines: what ran, the shapes, the times and errors.
-std::string summary(
-    const DemoArguments& arguments,
-    const Comparison& comparison) {
+std::string summary(const DemoArguments& arguments, const Comparison& comparison) {
   const auto dtype = dtype_name(arguments.dtype);
   return fmt::format(
       "Device:          {}\n"
@@ -93,31 +86,24 @@ std::string summary(
       "Max |output - float64 reference|: attn {:.3g}, built-in {:.3g}\n"
       "  (reference: the built-in rerun in float64 on the same weights and "
       "inputs)\n",
-      describe_device(arguments, comparison.device), dtype,
-      describe_attention(arguments), describe_input(arguments),
-      format_shape(comparison.output_shape),
-      format_shape(comparison.weights_shape),
-      format_shape(comparison.builtin_output_shape), comparison.time.attn_ms,
-      comparison.time.builtin_ms, describe_timing(comparison.time),
-      comparison.max_output_difference, dtype,
-      comparison.max_weights_difference, comparison.attn_error_vs_float64,
-      comparison.builtin_error_vs_float64);
+      describe_device(arguments, comparison.device), dtype, describe_attention(arguments),
+      describe_input(arguments), format_shape(comparison.output_shape),
+      format_shape(comparison.weights_shape), format_shape(comparison.builtin_output_shape),
+      comparison.time.attn_ms, comparison.time.builtin_ms, describe_timing(comparison.time),
+      comparison.max_output_difference, dtype, comparison.max_weights_difference,
+      comparison.attn_error_vs_float64, comparison.builtin_error_vs_float64);
 }
 
 // The shown head(s) as tables, or where to draw them when they are long.
-std::string attention_tables(
-    const DemoArguments& arguments,
-    const AttentionMap& map) {
-  if (arguments.seq > kMaxTableTokens ||
-      arguments.key_length() > kMaxTableTokens) {
+std::string attention_tables(const DemoArguments& arguments, const AttentionMap& map) {
+  if (arguments.seq > kMaxTableTokens || arguments.key_length() > kMaxTableTokens) {
     return fmt::format(
         "\nThe attention map ({} x {}) is printed as a table for up to {} "
         "tokens;\ndraw it with --heatmap FILE.svg.\n",
         arguments.seq, arguments.key_length(), kMaxTableTokens);
   }
   std::string tables;
-  for (int64_t panel = 0; panel < static_cast<int64_t>(map.heads.size());
-       ++panel) {
+  for (int64_t panel = 0; panel < static_cast<int64_t>(map.heads.size()); ++panel) {
     tables += '\n';
     tables += attention_table(map, panel);
   }
@@ -132,10 +118,7 @@ Json shapes_json(const Comparison& comparison) {
 }
 
 Json timing_json(const ForwardTime& time) {
-  return {
-      {"attn", time.attn_ms},
-      {"builtin", time.builtin_ms},
-      {"runs", time.runs}};
+  return {{"attn", time.attn_ms}, {"builtin", time.builtin_ms}, {"runs", time.runs}};
 }
 
 } // namespace
@@ -143,8 +126,8 @@ Json timing_json(const ForwardTime& time) {
 std::string describe_attention(const DemoArguments& arguments) {
   std::string text = fmt::format(
       "{}, {} heads of width {}",
-      arguments.cross_attention() ? "cross-attention" : "self-attention",
-      arguments.heads, arguments.d_model / arguments.heads);
+      arguments.cross_attention() ? "cross-attention" : "self-attention", arguments.heads,
+      arguments.d_model / arguments.heads);
   if (arguments.causal) {
     text += ", causal";
   }
@@ -157,9 +140,7 @@ std::string describe_attention(const DemoArguments& arguments) {
   return text;
 }
 
-std::string text_report(
-    const DemoArguments& arguments,
-    const Comparison& comparison) {
+std::string text_report(const DemoArguments& arguments, const Comparison& comparison) {
   auto report = summary(arguments, comparison);
   if (!arguments.heatmap_path.empty()) {
     report += fmt::format("Heatmap:         {}\n", arguments.heatmap_path);
@@ -167,9 +148,7 @@ std::string text_report(
   return report + attention_tables(arguments, comparison.map);
 }
 
-std::string json_report(
-    const DemoArguments& arguments,
-    const Comparison& comparison) {
+std::string json_report(const DemoArguments& arguments, const Comparison& comparison) {
   const Json report = {
       {"batch", arguments.batch},
       {"seq", arguments.seq},
@@ -192,9 +171,7 @@ std::string json_report(
       {"max_abs_error_vs_float64",
        {{"attn", comparison.attn_error_vs_float64},
         {"builtin", comparison.builtin_error_vs_float64}}},
-      {"heatmap",
-       arguments.heatmap_path.empty() ? Json(nullptr)
-                                      : Json(arguments.heatmap_path)},
+      {"heatmap", arguments.heatmap_path.empty() ? Json(nullptr) : Json(arguments.heatmap_path)},
   };
   // A path or device name that is not UTF-8 is printed with U+FFFD in
   // place of its bad bytes rather than failing the run.

@@ -14,13 +14,9 @@ std::string describe_attention(const DemoArguments& arguments);
 
 /// Device, dtype, shapes, forward times, the differences from the built-in,
 /// and the attention map of the shown head(s) as a table when it is short.
-std::string text_report(
-    const DemoArguments& arguments,
-    const Comparison& comparison);
+std::string text_report(const DemoArguments& arguments, const Comparison& comparison);
 
 /// The same facts, less the table, as one JSON object on one line.
-std::string json_report(
-    const DemoArguments& arguments,
-    const Comparison& comparison);
+std::string json_report(const DemoArguments& arguments, const Comparison& comparison);
 
 } // namespace demo

@@ -32,42 +32,32 @@ CLI::Validator non_empty() {
 
 void add_options(CLI::App& app, TrainArguments& arguments) {
   apps::add_device_option(app, arguments.device);
+  apps::add_integer_option(app, "--steps", arguments.steps, "train up to step N", int64_t{1});
   apps::add_integer_option(
-      app, "--steps", arguments.steps, "train up to step N", int64_t{1});
-  apps::add_integer_option(
-      app, "--seed", arguments.seed, "seed for the weights and the data",
-      uint64_t{0});
+      app, "--seed", arguments.seed, "seed for the weights and the data", uint64_t{0});
   apps::add_integer_option(
       app, "--digits", arguments.digits,
-      fmt::format(
-          "length of the strings, {} to {}", ReversalTask::kMinDigits,
-          kMaxDigits),
+      fmt::format("length of the strings, {} to {}", ReversalTask::kMinDigits, kMaxDigits),
       ReversalTask::kMinDigits, kMaxDigits);
   apps::add_integer_option(
-      app, "--batch", arguments.batch, "sequences per step", int64_t{1},
-      kMaxBatch);
+      app, "--batch", arguments.batch, "sequences per step", int64_t{1}, kMaxBatch);
   apps::add_integer_option(
-      app, "--eval-every", arguments.eval_every,
-      "steps between evaluations and\ncheckpoints", int64_t{1});
+      app, "--eval-every", arguments.eval_every, "steps between evaluations and\ncheckpoints",
+      int64_t{1});
   // Saving the run, and carrying on from it.
-  auto* checkpoint =
-      app.add_option(
-             "--checkpoint", arguments.checkpoint,
-             "save the model, the optimizer and the\nstep there at every "
-             "evaluation")
-          ->type_name("FILE")
-          ->check(non_empty())
-          ->default_str("none");
-  app.add_flag(
-         "--resume", arguments.resume, "continue from --checkpoint FILE")
-      ->needs(checkpoint);
+  auto* checkpoint = app.add_option(
+                            "--checkpoint", arguments.checkpoint,
+                            "save the model, the optimizer and the\nstep there at every "
+                            "evaluation")
+                         ->type_name("FILE")
+                         ->check(non_empty())
+                         ->default_str("none");
+  app.add_flag("--resume", arguments.resume, "continue from --checkpoint FILE")->needs(checkpoint);
 }
 
 } // namespace
 
-std::optional<TrainArguments> parse_arguments(
-    int argc,
-    const char* const* argv) {
+std::optional<TrainArguments> parse_arguments(int argc, const char* const* argv) {
   return apps::parse_command_line<TrainArguments>(
       "train_transformer", kDescription, argc, argv, add_options);
 }

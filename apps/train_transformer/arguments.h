@@ -30,8 +30,6 @@ struct TrainArguments {
 
 /// Parses and checks `argv`. Returns nothing, having printed the help,
 /// where `--help` was given. Throws `apps::UsageError`.
-std::optional<TrainArguments> parse_arguments(
-    int argc,
-    const char* const* argv);
+std::optional<TrainArguments> parse_arguments(int argc, const char* const* argv);
 
 } // namespace train

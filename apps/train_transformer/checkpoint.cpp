@@ -41,8 +41,7 @@ void save_checkpoint(
   archive.write("optimizer", optimizer_archive);
 
   apps::replace_file_atomically(
-      path, "the checkpoint",
-      [&](const std::string& temporary) { archive.save_to(temporary); });
+      path, "the checkpoint", [&](const std::string& temporary) { archive.save_to(temporary); });
 }
 
 int64_t load_checkpoint(
@@ -51,9 +50,7 @@ int64_t load_checkpoint(
     const torch::Device& device,
     Transformer& model,
     torch::optim::Optimizer& optimizer) {
-  TORCH_CHECK(
-      std::ifstream(path).good(), "cannot resume: no readable checkpoint '",
-      path, "'");
+  TORCH_CHECK(std::ifstream(path).good(), "cannot resume: no readable checkpoint '", path, "'");
   torch::serialize::InputArchive archive;
   try {
     archive.load_from(path, device);
@@ -63,10 +60,9 @@ int64_t load_checkpoint(
   const auto seed = static_cast<uint64_t>(read_scalar(archive, "seed"));
   const auto digits = read_scalar(archive, "digits");
   TORCH_CHECK(
-      seed == identity.seed && digits == identity.digits,
-      "cannot resume: '", path, "' holds a run with --seed ", seed,
-      " --digits ", digits, ", not --seed ", identity.seed, " --digits ",
-      identity.digits);
+      seed == identity.seed && digits == identity.digits, "cannot resume: '", path,
+      "' holds a run with --seed ", seed, " --digits ", digits, ", not --seed ", identity.seed,
+      " --digits ", identity.digits);
   torch::serialize::InputArchive model_archive;
   archive.read("model", model_archive);
   model->load(model_archive);

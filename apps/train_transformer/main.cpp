@@ -29,6 +29,5 @@ int run(int argc, const char* const* argv) {
 } // namespace
 
 int main(int argc, char** argv) {
-  return apps::run_reporting_failures(
-      "train_transformer", [&] { return run(argc, argv); });
+  return apps::run_reporting_failures("train_transformer", [&] { return run(argc, argv); });
 }

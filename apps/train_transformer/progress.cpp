@@ -20,8 +20,7 @@ constexpr auto kRedrawInterval = std::chrono::milliseconds(100);
 Progress::Progress() : terminal_(isatty(fileno(stdout)) != 0) {}
 
 void Progress::update(const std::string& text) {
-  if (terminal_ &&
-      std::chrono::steady_clock::now() - last_redraw_ >= kRedrawInterval) {
+  if (terminal_ && std::chrono::steady_clock::now() - last_redraw_ >= kRedrawInterval) {
     redraw(text);
   }
 }

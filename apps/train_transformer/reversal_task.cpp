@@ -30,8 +30,7 @@ ReversalTask::ReversalTask(int64_t digits) : digits_(digits) {
   // Of the ten one-digit strings none is held out: there would be nothing
   // to evaluate on. Every longer length has strings in both splits.
   TORCH_CHECK(
-      digits >= kMinDigits, "ReversalTask: digits must be at least ",
-      kMinDigits, ", got ", digits);
+      digits >= kMinDigits, "ReversalTask: digits must be at least ", kMinDigits, ", got ", digits);
 }
 
 ReversalBatch ReversalTask::batch(int64_t size, uint64_t seed, Split split) const {

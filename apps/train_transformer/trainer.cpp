@@ -34,8 +34,7 @@ double seconds_since(Clock::time_point start) {
 }
 
 double learning_rate(int64_t step) {
-  return kLearningRate *
-      std::min(1.0, static_cast<double>(step) / kWarmupSteps);
+  return kLearningRate * std::min(1.0, static_cast<double>(step) / kWarmupSteps);
 }
 
 // The training strings of `step`: a different, reproducible draw for every
@@ -45,29 +44,19 @@ uint64_t batch_seed(uint64_t seed, int64_t step) {
 }
 
 // The weights are drawn here, so the seed is set here.
-Transformer seeded_model(
-    uint64_t seed,
-    const ReversalTask& task,
-    const torch::Device& device) {
+Transformer seeded_model(uint64_t seed, const ReversalTask& task, const torch::Device& device) {
   torch::manual_seed(seed);
-  Transformer model(
-      TransformerConfig{ReversalTask::kVocabularySize, task.input_length()});
+  Transformer model(TransformerConfig{ReversalTask::kVocabularySize, task.input_length()});
   model->to(device);
   return model;
 }
 
-ReversalBatch held_out_batch(
-    const ReversalTask& task,
-    uint64_t seed,
-    const torch::Device& device) {
+ReversalBatch held_out_batch(const ReversalTask& task, uint64_t seed, const torch::Device& device) {
   auto held_out = task.batch(kHeldOutSequences, seed, Split::kHeldOut);
   return {held_out.inputs.to(device), held_out.targets.to(device)};
 }
 
-Evaluation evaluate(
-    Transformer& model,
-    const ReversalTask& task,
-    const ReversalBatch& held_out) {
+Evaluation evaluate(Transformer& model, const ReversalTask& task, const ReversalBatch& held_out) {
   torch::NoGradGuard no_grad;
   model->eval();
   const auto logits = task.answer_logits(model(held_out.inputs)); // (B, N, V)
@@ -83,9 +72,7 @@ torch::Tensor next_token(
     Transformer& model,
     const torch::Tensor& tokens,
     std::vector<attn::KVCache>& caches) {
-  return model->decode(tokens, caches)
-      .select(1, -1)
-      .argmax(-1, /*keepdim=*/true);
+  return model->decode(tokens, caches).select(1, -1).argmax(-1, /*keepdim=*/true);
 }
 
 // The model's own reversal of the strings (B, N): it writes one token at a
@@ -139,20 +126,19 @@ void Trainer::print_setup() const {
   fmt::print(
       "Reversing {} digits with a causal transformer: {} blocks, d_model {}, "
       "{} heads, {} parameters, on {}, seed {}\n",
-      arguments_.digits, config.layers, config.d_model, config.heads,
-      parameter_count, device_.str(), arguments_.seed);
+      arguments_.digits, config.layers, config.d_model, config.heads, parameter_count,
+      device_.str(), arguments_.seed);
 }
 
 void Trainer::resume_if_asked() {
   if (!arguments_.resume) {
     return;
   }
-  step_ = load_checkpoint(
-      arguments_.checkpoint, identity_, device_, model_, optimizer_);
+  step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, model_, optimizer_);
   if (step_ > arguments_.steps) {
     throw apps::UsageError(fmt::format(
-        "--steps {} is before the checkpoint's step {}: expected at least {}",
-        arguments_.steps, step_, step_));
+        "--steps {} is before the checkpoint's step {}: expected at least {}", arguments_.steps,
+        step_, step_));
   }
   first_step_ = step_ + 1;
   fmt::print("Resumed from step {} of '{}'\n", step_, arguments_.checkpoint);
@@ -192,8 +178,7 @@ double Trainer::train_step() {
 }
 
 bool Trainer::is_milestone() const {
-  return step_ == first_step_ || step_ % arguments_.eval_every == 0 ||
-      step_ == arguments_.steps;
+  return step_ == first_step_ || step_ % arguments_.eval_every == 0 || step_ == arguments_.steps;
 }
 
 void Trainer::reach_milestone() {
@@ -202,8 +187,7 @@ void Trainer::reach_milestone() {
     target_reached_ = Milestone{step_, training_seconds_};
   }
   if (!arguments_.checkpoint.empty()) {
-    save_checkpoint(
-        arguments_.checkpoint, identity_, step_, model_, optimizer_);
+    save_checkpoint(arguments_.checkpoint, identity_, step_, model_, optimizer_);
   }
   progress_.milestone(status());
   window_ = Window{};
@@ -212,9 +196,8 @@ void Trainer::reach_milestone() {
 std::string Trainer::status() const {
   const auto step_width = fmt::to_string(arguments_.steps).size();
   return fmt::format(
-      "step {:>{}}/{}  loss {:.4f}  accuracy {:6.2f} %  {:>6.0f} tokens/s",
-      step_, step_width, arguments_.steps, window_.loss / window_.steps,
-      100.0 * evaluation_.token_accuracy,
+      "step {:>{}}/{}  loss {:.4f}  accuracy {:6.2f} %  {:>6.0f} tokens/s", step_, step_width,
+      arguments_.steps, window_.loss / window_.steps, 100.0 * evaluation_.token_accuracy,
       tokens_per_step() * window_.steps / window_.seconds);
 }
 
@@ -235,31 +218,27 @@ void Trainer::print_results() {
 void Trainer::print_training_time() {
   const auto trained_steps = step_ - first_step_ + 1;
   progress_.line(fmt::format(
-      "Trained steps {} to {} in {:.1f} s ({:.0f} tokens/s)", first_step_,
-      step_, training_seconds_,
+      "Trained steps {} to {} in {:.1f} s ({:.0f} tokens/s)", first_step_, step_, training_seconds_,
       tokens_per_step() * trained_steps / training_seconds_));
 }
 
 void Trainer::print_decoding() {
   const auto strings = held_out_.inputs.narrow(1, 0, task_.digits()); // (B, N)
   const auto reversed = reverse_greedily(model_, task_, strings);
-  const auto strings_right =
-      (reversed == held_out_.targets).all(1).to(torch::kDouble).mean();
+  const auto strings_right = (reversed == held_out_.targets).all(1).to(torch::kDouble).mean();
   progress_.line(fmt::format(
       "Held-out strings: token accuracy {:.2f} %, loss {:.6f}; reversed "
       "whole by greedy decoding {:.2f} %",
-      100.0 * evaluation_.token_accuracy, evaluation_.loss,
-      100.0 * strings_right.item<double>()));
+      100.0 * evaluation_.token_accuracy, evaluation_.loss, 100.0 * strings_right.item<double>()));
   if (target_reached_) {
     progress_.line(fmt::format(
         "{:.0f} % token accuracy first reached at step {}, after {:.1f} s of "
         "training",
-        100.0 * kTargetAccuracy, target_reached_->step,
-        target_reached_->training_seconds));
+        100.0 * kTargetAccuracy, target_reached_->step, target_reached_->training_seconds));
   }
   progress_.line(fmt::format(
-      "Example: {} -> {} (right: {})", digit_string(strings[0]),
-      digit_string(reversed[0]), digit_string(held_out_.targets[0])));
+      "Example: {} -> {} (right: {})", digit_string(strings[0]), digit_string(reversed[0]),
+      digit_string(held_out_.targets[0])));
 }
 
 } // namespace train

@@ -32,16 +32,12 @@ namespace attn {
 /// attn::MultiHeadAttention ours(512, 8);
 /// attn::copy_weights(*builtin, *ours);
 /// ```
-void copy_weights(
-    const torch::nn::MultiheadAttentionImpl& source,
-    MultiHeadAttentionImpl& target);
+void copy_weights(const torch::nn::MultiheadAttentionImpl& source, MultiHeadAttentionImpl& target);
 
 /// Copies `source`'s weights into the built-in.
 ///
 /// Example: `attn::copy_weights(*ours, *builtin);`
-void copy_weights(
-    const MultiHeadAttentionImpl& source,
-    torch::nn::MultiheadAttentionImpl& target);
+void copy_weights(const MultiHeadAttentionImpl& source, torch::nn::MultiheadAttentionImpl& target);
 
 /// Loads into `target` the `state_dict` of a Python
 /// `torch.nn.MultiheadAttention` saved with `torch.save` (PyTorch 1.6 to 2.x),

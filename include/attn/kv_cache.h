@@ -63,7 +63,8 @@ class KVCache {
   /// `(B, H, length(), Dv)`: views of the cache's storage, valid until the
   /// next append or reset.
   std::pair<torch::Tensor, torch::Tensor> append(
-      const torch::Tensor& keys, const torch::Tensor& values);
+      const torch::Tensor& keys,
+      const torch::Tensor& values);
 
   /// Tokens cached so far.
   int64_t length() const { return length_; }

@@ -71,8 +71,9 @@ void parallel_query_tiles(
     auto scratch = make_scratch();
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t i0 = unit % tiles * tile_rows;
-      body(scratch, QueryTile{unit / (H * tiles), unit / tiles % H, i0,
-                              std::min(tile_rows, L - i0)});
+      body(
+          scratch,
+          QueryTile{unit / (H * tiles), unit / tiles % H, i0, std::min(tile_rows, L - i0)});
     }
   });
 }
@@ -80,7 +81,11 @@ void parallel_query_tiles(
 // (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
 // writing head h of token t lands where merged heads expect it.
 torch::Tensor empty_heads_interleaved(
-    int64_t B, int64_t H, int64_t T, int64_t F, const torch::TensorOptions& options) {
+    int64_t B,
+    int64_t H,
+    int64_t T,
+    int64_t F,
+    const torch::TensorOptions& options) {
   return torch::empty({B, T, H, F}, options).permute({0, 2, 1, 3});
 }
 
@@ -166,9 +171,17 @@ struct KernelInputs {
       const torch::Tensor& k,
       const torch::Tensor& v,
       const CpuAttentionConfig& config)
-      : q(q), k(k), v(v), B(q.size(0)), H(q.size(1)), L(q.size(2)), S(k.size(2)),
-        group(kv_group(q, k)), key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
-        mask(config, S), scale(static_cast<scalar_t>(config.scale)) {}
+      : q(q),
+        k(k),
+        v(v),
+        B(q.size(0)),
+        H(q.size(1)),
+        L(q.size(2)),
+        S(k.size(2)),
+        group(kv_group(q, k)),
+        key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
+        mask(config, S),
+        scale(static_cast<scalar_t>(config.scale)) {}
 
   const torch::Tensor& q;
   const torch::Tensor& k;
@@ -192,8 +205,13 @@ struct ForwardScratch {
 // r's running maximum and sum, turning the scores into exp(score - max) and
 // rescaling the output row accumulated under the previous maximum.
 template <typename scalar_t>
-void online_softmax_row(ForwardScratch<scalar_t>& scratch, int64_t r, scalar_t* row,
-                        int64_t cols, scalar_t* out_row, int64_t Dv) {
+void online_softmax_row(
+    ForwardScratch<scalar_t>& scratch,
+    int64_t r,
+    scalar_t* row,
+    int64_t cols,
+    scalar_t* out_row,
+    int64_t Dv) {
   scalar_t& running_max = scratch.running_max[r];
   const scalar_t new_max = std::max(running_max, row_max(row, cols));
   if (new_max == kNegativeInfinity<scalar_t>) {
@@ -201,7 +219,8 @@ void online_softmax_row(ForwardScratch<scalar_t>& scratch, int64_t r, scalar_t* 
     return;
   }
   const scalar_t correction = std::exp(running_max - new_max);
-  scratch.running_sum[r] = scratch.running_sum[r] * correction + exp_shifted_sum(row, cols, new_max);
+  scratch.running_sum[r] = scratch.running_sum[r] * correction +
+      exp_shifted_sum(row, cols, new_max);
   running_max = new_max;
   if (correction != scalar_t(1)) {
     scale_row(out_row, Dv, correction);
@@ -210,45 +229,52 @@ void online_softmax_row(ForwardScratch<scalar_t>& scratch, int64_t r, scalar_t* 
 
 // Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L).
 template <typename scalar_t>
-void flash_forward(const KernelInputs<scalar_t>& in, const torch::Tensor& out, const torch::Tensor& lse) {
+void flash_forward(
+    const KernelInputs<scalar_t>& in,
+    const torch::Tensor& out,
+    const torch::Tensor& lse) {
   const int64_t Dv = in.v.size(3);
 
   const auto make_scratch = [&] {
-    return ForwardScratch<scalar_t>{torch::empty({std::min(kQueryTile, in.L), in.key_block}, in.q.options()),
-                                    std::vector<scalar_t>(kQueryTile),
-                                    std::vector<scalar_t>(kQueryTile)};
+    return ForwardScratch<scalar_t>{
+        torch::empty({std::min(kQueryTile, in.L), in.key_block}, in.q.options()),
+        std::vector<scalar_t>(kQueryTile), std::vector<scalar_t>(kQueryTile)};
   };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
-  parallel_query_tiles(in.B, in.H, in.L, kQueryTile, flops_per_tile, make_scratch,
-                       [&](ForwardScratch<scalar_t>& scratch, const QueryTile& tile) {
-    const auto [b, h, i0, rows] = tile;
-    const auto q_tile = in.q[b][h].narrow(0, i0, rows); // (rows, D)
-    auto out_tile = out[b][h].narrow(0, i0, rows);   // (rows, Dv)
-    out_tile.zero_();
-    std::fill(scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
-    std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
+  parallel_query_tiles(
+      in.B, in.H, in.L, kQueryTile, flops_per_tile, make_scratch,
+      [&](ForwardScratch<scalar_t>& scratch, const QueryTile& tile) {
+        const auto [b, h, i0, rows] = tile;
+        const auto q_tile = in.q[b][h].narrow(0, i0, rows); // (rows, D)
+        auto out_tile = out[b][h].narrow(0, i0, rows);      // (rows, Dv)
+        out_tile.zero_();
+        std::fill(
+            scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
+        std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
 
-    const auto k_head = in.k[b][h / in.group], v_head = in.v[b][h / in.group];
-    const int64_t key_end = in.mask.tile_key_end(tile);
-    for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
-      const int64_t cols = std::min(in.key_block, key_end - j0);
-      auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
-      at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, in.scale);
-      for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * in.key_block;
-        in.mask.apply(row, cols, b, h, i0 + r, j0);
-        online_softmax_row(scratch, r, row, cols, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
-      }
-      at::addmm_out(out_tile, out_tile, block, v_head.narrow(0, j0, cols));
-    }
+        const auto k_head = in.k[b][h / in.group], v_head = in.v[b][h / in.group];
+        const int64_t key_end = in.mask.tile_key_end(tile);
+        for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
+          const int64_t cols = std::min(in.key_block, key_end - j0);
+          auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
+          at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, in.scale);
+          for (int64_t r = 0; r < rows; ++r) {
+            scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * in.key_block;
+            in.mask.apply(row, cols, b, h, i0 + r, j0);
+            online_softmax_row(scratch, r, row, cols, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
+          }
+          at::addmm_out(out_tile, out_tile, block, v_head.narrow(0, j0, cols));
+        }
 
-    scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t sum = scratch.running_sum[r];
-      scale_row(row_ptr<scalar_t>(out, b, h, i0 + r), Dv, sum > 0 ? scalar_t(1) / sum : scalar_t(0));
-      lse_row[r] = sum > 0 ? scratch.running_max[r] + std::log(sum) : kNegativeInfinity<scalar_t>;
-    }
-  });
+        scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t sum = scratch.running_sum[r];
+          scale_row(
+              row_ptr<scalar_t>(out, b, h, i0 + r), Dv, sum > 0 ? scalar_t(1) / sum : scalar_t(0));
+          lse_row[r] = sum > 0 ? scratch.running_max[r] + std::log(sum)
+                               : kNegativeInfinity<scalar_t>;
+        }
+      });
 }
 
 // A backward task's working memory: one tile's probabilities and their
@@ -279,54 +305,55 @@ void flash_backward(
   };
   // A whole head per task, in query tiles: five GEMMs of L·S·D.
   const double flops_per_head = 10.0 * in.L * in.S * in.q.size(3);
-  parallel_query_tiles(in.B, in.H, in.L, std::max<int64_t>(in.L, 1), flops_per_head, make_scratch,
-                       [&](BackwardScratch& scratch, const QueryTile& head) {
-    const int64_t b = head.b, h = head.h;
-    const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
-    const scalar_t* delta_bh = delta[b][h].data_ptr<scalar_t>();
-    for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
-      const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
-      const int64_t rows = tile.rows;
-      const auto q_tile = in.q[b][h].narrow(0, i0, rows);
-      const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
-      auto dq_tile = dq[b][h].narrow(0, i0, rows);
-      const int64_t key_end = in.mask.tile_key_end(tile);
-      for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
-        const int64_t cols = std::min(in.key_block, key_end - j0);
-        const auto k_block = in.k[b][h / in.group].narrow(0, j0, cols);
-        const auto v_block = in.v[b][h / in.group].narrow(0, j0, cols);
-        auto dk_block = dk[b][h].narrow(0, j0, cols);
-        auto dv_block = dv[b][h].narrow(0, j0, cols);
-        auto p = scratch.probs.narrow(0, 0, rows).narrow(1, 0, cols);
-        auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
+  parallel_query_tiles(
+      in.B, in.H, in.L, std::max<int64_t>(in.L, 1), flops_per_head, make_scratch,
+      [&](BackwardScratch& scratch, const QueryTile& head) {
+        const int64_t b = head.b, h = head.h;
+        const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
+        const scalar_t* delta_bh = delta[b][h].data_ptr<scalar_t>();
+        for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
+          const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
+          const int64_t rows = tile.rows;
+          const auto q_tile = in.q[b][h].narrow(0, i0, rows);
+          const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
+          auto dq_tile = dq[b][h].narrow(0, i0, rows);
+          const int64_t key_end = in.mask.tile_key_end(tile);
+          for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
+            const int64_t cols = std::min(in.key_block, key_end - j0);
+            const auto k_block = in.k[b][h / in.group].narrow(0, j0, cols);
+            const auto v_block = in.v[b][h / in.group].narrow(0, j0, cols);
+            auto dk_block = dk[b][h].narrow(0, j0, cols);
+            auto dv_block = dv[b][h].narrow(0, j0, cols);
+            auto p = scratch.probs.narrow(0, 0, rows).narrow(1, 0, cols);
+            auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
 
-        // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
-        at::addmm_out(p, p, q_tile, k_block.t(), 0, in.scale);
-        for (int64_t r = 0; r < rows; ++r) {
-          scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
-          in.mask.apply(row, cols, b, h, i0 + r, j0);
-          if (lse_bh[i0 + r] == kNegativeInfinity<scalar_t>) {
-            std::fill(row, row + cols, scalar_t(0)); // fully masked row
-          } else {
-            exp_shifted_sum(row, cols, lse_bh[i0 + r]);
-          }
-        }
-        at::addmm_out(dv_block, dv_block, p.t(), go_tile);            // dV += Pᵀ dO
-        at::addmm_out(ds, ds, go_tile, v_block.t(), 0, 1);             // dP = dO Vᵀ
-        for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
-          scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
-          const scalar_t d = delta_bh[i0 + r];
+            // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
+            at::addmm_out(p, p, q_tile, k_block.t(), 0, in.scale);
+            for (int64_t r = 0; r < rows; ++r) {
+              scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
+              in.mask.apply(row, cols, b, h, i0 + r, j0);
+              if (lse_bh[i0 + r] == kNegativeInfinity<scalar_t>) {
+                std::fill(row, row + cols, scalar_t(0)); // fully masked row
+              } else {
+                exp_shifted_sum(row, cols, lse_bh[i0 + r]);
+              }
+            }
+            at::addmm_out(dv_block, dv_block, p.t(), go_tile); // dV += Pᵀ dO
+            at::addmm_out(ds, ds, go_tile, v_block.t(), 0, 1); // dP = dO Vᵀ
+            for (int64_t r = 0; r < rows; ++r) {
+              const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
+              scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
+              const scalar_t d = delta_bh[i0 + r];
 #pragma omp simd
-          for (int64_t j = 0; j < cols; ++j) {
-            ds_row[j] = p_row[j] * (ds_row[j] - d);                    // dS
+              for (int64_t j = 0; j < cols; ++j) {
+                ds_row[j] = p_row[j] * (ds_row[j] - d); // dS
+              }
+            }
+            at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, in.scale);      // dQ += s·dS K
+            at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, in.scale); // dK += s·dSᵀ Q
           }
         }
-        at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, in.scale);        // dQ += s·dS K
-        at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, in.scale);   // dK += s·dSᵀ Q
-      }
-    }
-  });
+      });
 }
 
 // Weights materialised in (B, H, L, S): each query tile's rows are scored
@@ -336,43 +363,45 @@ void forward_with_weights(
     const KernelInputs<scalar_t>& in,
     const torch::Tensor& out,
     const torch::Tensor& weights) {
-
   const auto no_scratch = [] { return 0; };
-  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + in.v.size(3));
-  parallel_query_tiles(in.B, in.H, in.L, kQueryTile, flops_per_tile, no_scratch,
-                       [&](int /*scratch*/, const QueryTile& tile) {
-    const auto [b, h, i0, rows] = tile;
-    auto out_tile = out[b][h].narrow(0, i0, rows);
-    auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
-    // Keys outside [key_begin, key_end) are invisible to every row.
-    const int64_t key_begin = in.mask.tile_key_begin(tile);
-    const int64_t key_end = in.mask.tile_key_end(tile);
-    const int64_t cols = key_end - key_begin;
-    w_tile.narrow(1, 0, key_begin).zero_();
-    w_tile.narrow(1, key_end, in.S - key_end).zero_();
-    if (cols == 0) {
-      out_tile.zero_();
-      return;
-    }
-    auto visible = w_tile.narrow(1, key_begin, cols);
-    at::addmm_out(visible, visible, in.q[b][h].narrow(0, i0, rows),
-                  in.k[b][h / in.group].narrow(0, key_begin, cols).t(), 0, in.scale);
-    for (int64_t r = 0; r < rows; ++r) {
-      scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
-      in.mask.apply(row, cols, b, h, i0 + r, key_begin);
-      const scalar_t largest = row_max(row, cols);
-      if (largest == kNegativeInfinity<scalar_t>) {
-        std::fill(row, row + cols, scalar_t(0));
-        continue;
-      }
-      scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
-    }
-    at::addmm_out(out_tile, out_tile, visible, in.v[b][h / in.group].narrow(0, key_begin, cols), 0, 1);
-  });
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S *
+      (in.q.size(3) + in.v.size(3));
+  parallel_query_tiles(
+      in.B, in.H, in.L, kQueryTile, flops_per_tile, no_scratch,
+      [&](int /*scratch*/, const QueryTile& tile) {
+        const auto [b, h, i0, rows] = tile;
+        auto out_tile = out[b][h].narrow(0, i0, rows);
+        auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
+        // Keys outside [key_begin, key_end) are invisible to every row.
+        const int64_t key_begin = in.mask.tile_key_begin(tile);
+        const int64_t key_end = in.mask.tile_key_end(tile);
+        const int64_t cols = key_end - key_begin;
+        w_tile.narrow(1, 0, key_begin).zero_();
+        w_tile.narrow(1, key_end, in.S - key_end).zero_();
+        if (cols == 0) {
+          out_tile.zero_();
+          return;
+        }
+        auto visible = w_tile.narrow(1, key_begin, cols);
+        at::addmm_out(
+            visible, visible, in.q[b][h].narrow(0, i0, rows),
+            in.k[b][h / in.group].narrow(0, key_begin, cols).t(), 0, in.scale);
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
+          in.mask.apply(row, cols, b, h, i0 + r, key_begin);
+          const scalar_t largest = row_max(row, cols);
+          if (largest == kNegativeInfinity<scalar_t>) {
+            std::fill(row, row + cols, scalar_t(0));
+            continue;
+          }
+          scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
+        }
+        at::addmm_out(
+            out_tile, out_tile, visible, in.v[b][h / in.group].narrow(0, key_begin, cols), 0, 1);
+      });
 }
 
-class FlashAttentionFunction
-    : public torch::autograd::Function<FlashAttentionFunction> {
+class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFunction> {
  public:
   // q, k, v (B, H, ·, ·); returns the output as (B, L, H, Dv).
   static torch::Tensor forward(
@@ -432,9 +461,10 @@ void CpuAttentionConfig::save_to(torch::autograd::AutogradContext& ctx) const {
 }
 
 CpuAttentionConfig CpuAttentionConfig::restore_from(torch::autograd::AutogradContext& ctx) {
-  return {ctx.saved_data.at("mask").toTensor(), ctx.saved_data.at("scale").toDouble(),
-          ctx.saved_data.at("causal").toBool(), ctx.saved_data.at("query_offset").toInt(),
-          ctx.saved_data.at("window").toInt()};
+  return {
+      ctx.saved_data.at("mask").toTensor(), ctx.saved_data.at("scale").toDouble(),
+      ctx.saved_data.at("causal").toBool(), ctx.saved_data.at("query_offset").toInt(),
+      ctx.saved_data.at("window").toInt()};
 }
 
 torch::Tensor cpu_flash_attention(
@@ -458,8 +488,8 @@ std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(
   const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
   const auto weights = torch::empty({B, H, L, S}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_attention_with_weights", [&] {
-    forward_with_weights<scalar_t>({q.contiguous(), k.contiguous(), v.contiguous(), config}, out,
-                                   weights);
+    forward_with_weights<scalar_t>(
+        {q.contiguous(), k.contiguous(), v.contiguous(), config}, out, weights);
   });
   return {out, weights};
 }

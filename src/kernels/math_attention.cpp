@@ -19,8 +19,7 @@ torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
     return scores;
   }
   const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kNegativeInfinity;
-  return torch::softmax(scores.masked_fill(fully_masked, 0.0), -1)
-      .masked_fill(fully_masked, 0.0);
+  return torch::softmax(scores.masked_fill(fully_masked, 0.0), -1).masked_fill(fully_masked, 0.0);
 }
 
 } // namespace
@@ -51,16 +50,14 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(
   const auto& window = options.window();
   if (options.is_causal() || window) {
     scores = scores.masked_fill(
-        visible_band(L, S, options.query_offset(), options.is_causal(), window,
-                     query.device())
+        visible_band(L, S, options.query_offset(), options.is_causal(), window, query.device())
             .logical_not(),
         kNegativeInfinity);
   }
 
   // Causal masking alone with a non-negative offset always leaves key 0
   // visible; other masks can empty a row.
-  const bool rows_may_be_empty =
-      mask.defined() || window || options.query_offset() < 0;
+  const bool rows_may_be_empty = mask.defined() || window || options.query_offset() < 0;
   auto weights = rows_may_be_empty ? softmax_allowing_masked_rows(scores)
                                    : torch::softmax(scores, -1);
   if (options.training() && options.dropout_p() > 0.0) {

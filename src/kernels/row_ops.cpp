@@ -70,7 +70,9 @@ __attribute__((target("avx2,fma"))) float horizontal_sum(__m256 v) {
 }
 
 __attribute__((target("avx2,fma"))) float exp_shifted_sum_avx2_impl(
-    float* x, int64_t n, float shift) {
+    float* x,
+    int64_t n,
+    float shift) {
   const __m256 shift8 = _mm256_set1_ps(shift);
   __m256 sum8 = _mm256_setzero_ps();
   int64_t j = 0;

@@ -8,12 +8,8 @@
 
 namespace attn {
 
-MultiHeadAttentionOptions::MultiHeadAttentionOptions(
-    int64_t embed_dim, int64_t num_heads)
-    : embed_dim_(embed_dim),
-      num_heads_(num_heads),
-      kdim_(embed_dim),
-      vdim_(embed_dim) {}
+MultiHeadAttentionOptions::MultiHeadAttentionOptions(int64_t embed_dim, int64_t num_heads)
+    : embed_dim_(embed_dim), num_heads_(num_heads), kdim_(embed_dim), vdim_(embed_dim) {}
 
 namespace {
 
@@ -21,8 +17,7 @@ constexpr const char* kCaller = "MultiHeadAttention";
 
 } // namespace
 
-MultiHeadAttentionImpl::MultiHeadAttentionImpl(
-    const MultiHeadAttentionOptions& options_)
+MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options_)
     : options(options_) {
   reset();
 }
@@ -34,36 +29,32 @@ void MultiHeadAttentionImpl::reset() {
   TORCH_CHECK(E > 0, kCaller, ": embed_dim must be positive, got ", E);
   TORCH_CHECK(H > 0, kCaller, ": num_heads must be positive, got ", H);
   TORCH_CHECK(
-      E % H == 0, kCaller, ": embed_dim must be divisible by num_heads, got ",
-      "embed_dim=", E, " and num_heads=", H, " (remainder ", E % H, ")");
+      E % H == 0, kCaller, ": embed_dim must be divisible by num_heads, got ", "embed_dim=", E,
+      " and num_heads=", H, " (remainder ", E % H, ")");
   TORCH_CHECK(
       H_kv > 0 && H % H_kv == 0, kCaller,
-      ": num_kv_heads must be positive and divide num_heads, got num_heads=",
-      H, " and num_kv_heads=", H_kv);
+      ": num_kv_heads must be positive and divide num_heads, got num_heads=", H,
+      " and num_kv_heads=", H_kv);
   TORCH_CHECK(
       options.kdim() > 0 && options.vdim() > 0, kCaller,
-      ": kdim and vdim must be positive, got kdim=", options.kdim(),
-      " and vdim=", options.vdim());
+      ": kdim and vdim must be positive, got kdim=", options.kdim(), " and vdim=", options.vdim());
   TORCH_CHECK(
       options.dropout() >= 0.0 && options.dropout() < 1.0, kCaller,
       ": dropout must be in [0, 1), got ", options.dropout());
   const auto D = E / H;
   TORCH_CHECK(
       !options.rotary() || options.rotary()->dim() <= D, kCaller,
-      ": rotary dim must be at most the head width embed_dim / num_heads = ", D,
-      ", got ", options.rotary() ? options.rotary()->dim() : 0);
+      ": rotary dim must be at most the head width embed_dim / num_heads = ", D, ", got ",
+      options.rotary() ? options.rotary()->dim() : 0);
 
   using torch::nn::Linear;
   using torch::nn::LinearOptions;
   const bool bias = options.bias();
   const auto E_kv = H_kv * D;
   q_proj = register_module("q_proj", Linear(LinearOptions(E, E).bias(bias)));
-  k_proj = register_module(
-      "k_proj", Linear(LinearOptions(options.kdim(), E_kv).bias(bias)));
-  v_proj = register_module(
-      "v_proj", Linear(LinearOptions(options.vdim(), E_kv).bias(bias)));
-  out_proj =
-      register_module("out_proj", Linear(LinearOptions(E, E).bias(bias)));
+  k_proj = register_module("k_proj", Linear(LinearOptions(options.kdim(), E_kv).bias(bias)));
+  v_proj = register_module("v_proj", Linear(LinearOptions(options.vdim(), E_kv).bias(bias)));
+  out_proj = register_module("out_proj", Linear(LinearOptions(E, E).bias(bias)));
   if (options.add_bias_kv()) {
     bias_k = register_parameter("bias_k", torch::empty({1, 1, E_kv}));
     bias_v = register_parameter("bias_v", torch::empty({1, 1, E_kv}));
@@ -128,8 +119,7 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
-  stream << std::boolalpha
-         << "attn::MultiHeadAttention(embed_dim=" << options.embed_dim()
+  stream << std::boolalpha << "attn::MultiHeadAttention(embed_dim=" << options.embed_dim()
          << ", num_heads=" << options.num_heads();
   if (options.num_kv_heads()) {
     stream << ", num_kv_heads=" << *options.num_kv_heads();

@@ -48,8 +48,8 @@ BatchFirstInputs batch_first_inputs(
   inputs.L = inputs.query.size(1);
   TORCH_CHECK(
       inputs.key.size(0) == inputs.B && inputs.value.size(0) == inputs.B, kCaller,
-      ": query, key and value must have the same batch size B, got query ", query.sizes(),
-      ", key ", key.sizes(), ", value ", value.sizes());
+      ": query, key and value must have the same batch size B, got query ", query.sizes(), ", key ",
+      key.sizes(), ", value ", value.sizes());
   TORCH_CHECK(
       inputs.value.size(1) == inputs.key.size(1), kCaller,
       ": key and value must have the same length S, got key ", key.sizes(), ", value ",
@@ -86,8 +86,7 @@ void check_window_and_cache(
     const MultiHeadAttentionForwardOptions& forward_options) {
   const auto& window = forward_options.window();
   TORCH_CHECK(
-      !window || *window > 0, kCaller, ": window must be a positive number of keys, got ",
-      *window);
+      !window || *window > 0, kCaller, ": window must be a positive number of keys, got ", *window);
   TORCH_CHECK(
       forward_options.kv_cache() == nullptr || extra_keys(options) == 0, kCaller,
       ": a kv_cache cannot be combined with add_bias_kv or add_zero_attn ",
@@ -123,8 +122,8 @@ void check_masks(
          (sizes[1] == H || sizes[1] == 1) && sizes[2] == L && sizes[3] == S);
     TORCH_CHECK(
         valid, kCaller, ": attn_mask must be (L, S) = ", torch::IntArrayRef({L, S}),
-        ", (B·H, L, S) = ", torch::IntArrayRef({B * H, L, S}), " or (B, H, L, S) = ",
-        torch::IntArrayRef({B, H, L, S}), " (B and H may be 1)",
+        ", (B·H, L, S) = ", torch::IntArrayRef({B * H, L, S}),
+        " or (B, H, L, S) = ", torch::IntArrayRef({B, H, L, S}), " (B and H may be 1)",
         past > 0 ? ", S counting the cached keys" : "", ", got ", sizes);
   }
 }
@@ -142,9 +141,9 @@ Heads split_heads(
     const MultiHeadParameters& parameters) {
   const int64_t H = parameters.num_heads, H_kv = parameters.num_kv_heads;
   const int64_t B = q.size(0), D = parameters.head_dim;
-  return {q.view({B, q.size(1), H, D}).transpose(1, 2),
-          k.view({B, k.size(1), H_kv, D}).transpose(1, 2),
-          v.view({B, v.size(1), H_kv, D}).transpose(1, 2)};
+  return {
+      q.view({B, q.size(1), H, D}).transpose(1, 2), k.view({B, k.size(1), H_kv, D}).transpose(1, 2),
+      v.view({B, v.size(1), H_kv, D}).transpose(1, 2)};
 }
 
 Heads project_heads(
@@ -159,17 +158,18 @@ Heads project_heads(
   // the weights on every call, which only pays off once the inputs are at
   // least as large: a decoding step projects separately.
   if (!self_attention || inputs.B * inputs.L < options.embed_dim()) {
-    return split_heads(F::linear(inputs.query, p.q_weight, p.q_bias),
-                       F::linear(inputs.key, p.k_weight, p.k_bias),
-                       F::linear(inputs.value, p.v_weight, p.v_bias), p);
+    return split_heads(
+        F::linear(inputs.query, p.q_weight, p.q_bias), F::linear(inputs.key, p.k_weight, p.k_bias),
+        F::linear(inputs.value, p.v_weight, p.v_bias), p);
   }
   const auto weight = torch::cat({p.q_weight, p.k_weight, p.v_weight});
-  const auto bias =
-      p.q_bias.defined() ? torch::cat({p.q_bias, p.k_bias, p.v_bias}) : torch::Tensor();
+  const auto bias = p.q_bias.defined() ? torch::cat({p.q_bias, p.k_bias, p.v_bias})
+                                       : torch::Tensor();
   const auto qkv = F::linear(inputs.query, weight, bias);
   const int64_t q_features = p.q_weight.size(0), kv_features = p.k_weight.size(0);
-  return split_heads(qkv.narrow(2, 0, q_features), qkv.narrow(2, q_features, kv_features),
-                     qkv.narrow(2, q_features + kv_features, kv_features), p);
+  return split_heads(
+      qkv.narrow(2, 0, q_features), qkv.narrow(2, q_features, kv_features),
+      qkv.narrow(2, q_features + kv_features, kv_features), p);
 }
 
 // Rotary positions start after the `past` cached tokens.
@@ -224,7 +224,7 @@ SDPAOptions attention_options(
       ? attn_mask.reshape({B, H, L, S})
       : attn_mask;
   // key_padding_mask marks padding with true; SDPA masks mark allowed pairs.
-  const auto per_key = !padding.defined() ? torch::Tensor()
+  const auto per_key = !padding.defined()     ? torch::Tensor()
       : padding.scalar_type() == torch::kBool ? padding.logical_not().reshape({B, 1, 1, S})
                                               : padding.reshape({B, 1, 1, S});
   auto sdpa_options = SDPAOptions()
@@ -240,12 +240,14 @@ SDPAOptions attention_options(
     return sdpa_options.attn_mask(intersect_masks({per_pair, per_key}, query.scalar_type()));
   }
   const bool banded = forward_options.is_causal() || forward_options.window();
-  const auto band = banded ? visible_band(L, S, past, forward_options.is_causal(),
-                                          forward_options.window(), query.device())
-                           : torch::Tensor();
+  const auto band = banded
+      ? visible_band(
+            L, S, past, forward_options.is_causal(), forward_options.window(), query.device())
+      : torch::Tensor();
   auto mask = intersect_masks({per_pair, per_key, band}, query.scalar_type());
-  return sdpa_options.is_causal(false).window(c10::nullopt).attn_mask(
-      mask.defined() ? allow_extra_keys(mask, extra) : mask);
+  return sdpa_options.is_causal(false)
+      .window(c10::nullopt)
+      .attn_mask(mask.defined() ? allow_extra_keys(mask, extra) : mask);
 }
 
 // (B, H, L, D) heads merged straight into the caller's layout, so that the

@@ -21,13 +21,13 @@ namespace attn::detail {
 // undefined: a projection without one (`out_bias`: or one that the caller
 // adds itself, once, after summing partial outputs).
 struct MultiHeadParameters {
-  int64_t num_heads = 0;    // H: query heads
-  int64_t num_kv_heads = 0; // H_kv: key/value heads, dividing H
-  int64_t head_dim = 0;     // D
-  torch::Tensor q_weight, q_bias; // (H·D, E), (H·D)
-  torch::Tensor k_weight, k_bias; // (H_kv·D, kdim), (H_kv·D)
-  torch::Tensor v_weight, v_bias; // (H_kv·D, vdim), (H_kv·D)
-  torch::Tensor bias_k, bias_v;   // (1, 1, H_kv·D) with add_bias_kv
+  int64_t num_heads = 0;              // H: query heads
+  int64_t num_kv_heads = 0;           // H_kv: key/value heads, dividing H
+  int64_t head_dim = 0;               // D
+  torch::Tensor q_weight, q_bias;     // (H·D, E), (H·D)
+  torch::Tensor k_weight, k_bias;     // (H_kv·D, kdim), (H_kv·D)
+  torch::Tensor v_weight, v_bias;     // (H_kv·D, vdim), (H_kv·D)
+  torch::Tensor bias_k, bias_v;       // (1, 1, H_kv·D) with add_bias_kv
   torch::Tensor out_weight, out_bias; // (E, H·D), (E)
   RotaryEmbedding rotary = nullptr;   // null: no rotary positions
 };

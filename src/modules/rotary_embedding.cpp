@@ -40,8 +40,7 @@ void RotaryEmbeddingImpl::reset() {
   const auto dim = options.dim();
   TORCH_CHECK(
       dim > 0 && dim % 2 == 0, kCaller,
-      ": dim must be a positive even number of features (they rotate in ",
-      "pairs), got ", dim);
+      ": dim must be a positive even number of features (they rotate in ", "pairs), got ", dim);
   TORCH_CHECK(
       std::isfinite(options.base()) && options.base() > 0.0, kCaller,
       ": base must be a positive finite number, got ", options.base());
@@ -52,11 +51,11 @@ torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offse
   const auto dim = options.dim();
   TORCH_CHECK(x.defined(), kCaller, ": x must be a defined tensor");
   TORCH_CHECK(
-      x.dim() >= 2 && x.size(-1) >= dim, kCaller,
-      ": x must be (..., T, F) with F >= dim = ", dim, ", got ", x.sizes());
+      x.dim() >= 2 && x.size(-1) >= dim, kCaller, ": x must be (..., T, F) with F >= dim = ", dim,
+      ", got ", x.sizes());
   TORCH_CHECK(
-      torch::isFloatingType(x.scalar_type()), kCaller,
-      ": x must have a floating-point dtype, got ", x.scalar_type());
+      torch::isFloatingType(x.scalar_type()), kCaller, ": x must have a floating-point dtype, got ",
+      x.scalar_type());
   TORCH_CHECK(offset >= 0, kCaller, ": offset must be >= 0, got ", offset);
   const auto T = x.size(-2);
 
@@ -76,8 +75,8 @@ torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offse
       // Angles in float64: position · base^(-2i/dim), exact for integer
       // positions up to 2^53 before the one rounding to x's dtype.
       const auto f64 = torch::TensorOptions(torch::kDouble);
-      const auto inverse_frequency =
-          torch::pow(options.base(), torch::arange(0, dim, 2, f64) / -static_cast<double>(dim));
+      const auto inverse_frequency = torch::pow(
+          options.base(), torch::arange(0, dim, 2, f64) / -static_cast<double>(dim));
       const auto angles = torch::outer(torch::arange(length, f64), inverse_frequency);
       const auto target = torch::TensorOptions(x.scalar_type()).device(x.device());
       Table fresh{x.device(), x.scalar_type(), angles.cos().to(target), angles.sin().to(target)};
@@ -104,9 +103,8 @@ torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offse
   }
   const auto new_first = first * cos - second * sin;
   const auto new_second = second * cos + first * sin;
-  auto result = options.interleaved()
-      ? torch::stack({new_first, new_second}, -1).flatten(-2)
-      : torch::cat({new_first, new_second}, -1);
+  auto result = options.interleaved() ? torch::stack({new_first, new_second}, -1).flatten(-2)
+                                      : torch::cat({new_first, new_second}, -1);
   if (dim == x.size(-1)) {
     return result;
   }

@@ -17,8 +17,7 @@ ScaledDotProductAttentionImpl::ScaledDotProductAttentionImpl(
 void ScaledDotProductAttentionImpl::reset() {
   TORCH_CHECK(
       options.dropout() >= 0.0 && options.dropout() < 1.0,
-      "ScaledDotProductAttention: dropout must be in [0, 1), got ",
-      options.dropout());
+      "ScaledDotProductAttention: dropout must be in [0, 1), got ", options.dropout());
 }
 
 std::tuple<torch::Tensor, torch::Tensor> ScaledDotProductAttentionImpl::forward(
@@ -38,8 +37,7 @@ std::tuple<torch::Tensor, torch::Tensor> ScaledDotProductAttentionImpl::forward(
 }
 
 void ScaledDotProductAttentionImpl::pretty_print(std::ostream& stream) const {
-  stream << "attn::ScaledDotProductAttention(dropout=" << options.dropout()
-         << ", scale=";
+  stream << "attn::ScaledDotProductAttention(dropout=" << options.dropout() << ", scale=";
   if (options.scale()) {
     stream << *options.scale();
   } else {

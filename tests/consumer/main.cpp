@@ -19,29 +19,25 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (std::string(ATTN_VERSION) != argv[1]) {
-    std::cerr << "headers say attn " << ATTN_VERSION << ", expected "
-              << argv[1] << "\n";
+    std::cerr << "headers say attn " << ATTN_VERSION << ", expected " << argv[1] << "\n";
     return 1;
   }
 
   attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(16, 4));
   const auto x = torch::randn({2, 5, 16}); // (B, T, E)
-  const auto [out, weights] =
-      mha(x, x, x, attn::MultiHeadAttentionForwardOptions().is_causal(true));
+  const auto [out, weights] = mha(
+      x, x, x, attn::MultiHeadAttentionForwardOptions().is_causal(true));
 
   // Each query's weights form a distribution over the keys up to itself.
   const auto row_sums = weights.sum(-1);
   const auto future = torch::ones({5, 5}, torch::kBool).triu(1);
   const bool shapes_right = out.sizes() == x.sizes() &&
       weights.sizes() == torch::IntArrayRef({2, 4, 5, 5});
-  const bool rows_sum_to_one =
-      torch::allclose(row_sums, torch::ones_like(row_sums));
+  const bool rows_sum_to_one = torch::allclose(row_sums, torch::ones_like(row_sums));
   const bool future_ignored =
       weights.masked_select(future.expand_as(weights)).abs().max().item<float>() == 0.0f;
-  std::cout << "attn " << ATTN_VERSION << ": output " << out.sizes()
-            << ", weights " << weights.sizes()
-            << (rows_sum_to_one ? ", rows sum to 1" : ", rows do NOT sum to 1")
-            << (future_ignored ? ", future keys ignored" : ", future keys ATTENDED")
-            << "\n";
+  std::cout << "attn " << ATTN_VERSION << ": output " << out.sizes() << ", weights "
+            << weights.sizes() << (rows_sum_to_one ? ", rows sum to 1" : ", rows do NOT sum to 1")
+            << (future_ignored ? ", future keys ignored" : ", future keys ATTENDED") << "\n";
   return shapes_right && rows_sum_to_one && future_ignored ? 0 : 1;
 }

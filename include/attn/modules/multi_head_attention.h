@@ -37,14 +37,12 @@ namespace attn {
 /// auto [out, w] = mha(x, x, x);  // x: (B, T, 512) -> out (B, T, 512),
 ///                                //                   w (B, 8, T, T)
 /// ```
-class MultiHeadAttentionImpl
-    : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
+class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
  public:
   /// `embed_dim` E split into `num_heads` H heads; every other option at
   /// its default.
   MultiHeadAttentionImpl(int64_t embed_dim, int64_t num_heads)
-      : MultiHeadAttentionImpl(
-            MultiHeadAttentionOptions(embed_dim, num_heads)) {}
+      : MultiHeadAttentionImpl(MultiHeadAttentionOptions(embed_dim, num_heads)) {}
   /// Checks the options (E and H positive, H dividing E, num_kv_heads
   /// dividing H, dropout in [0, 1), rotary dim even and at most E / H) and
   /// creates the projections.
@@ -96,8 +94,7 @@ class MultiHeadAttentionImpl
   RotaryEmbedding rotary = nullptr;
 
  protected:
-  FORWARD_HAS_DEFAULT_ARGS(
-      {3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})
+  FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})
 };
 
 /// Holder of `MultiHeadAttentionImpl`, as `TORCH_MODULE` defines it.

@@ -29,8 +29,7 @@ namespace attn {
 class RotaryEmbeddingImpl : public torch::nn::Cloneable<RotaryEmbeddingImpl> {
  public:
   /// Rotates `dim` features with every other option at its default.
-  explicit RotaryEmbeddingImpl(int64_t dim)
-      : RotaryEmbeddingImpl(RotaryEmbeddingOptions(dim)) {}
+  explicit RotaryEmbeddingImpl(int64_t dim) : RotaryEmbeddingImpl(RotaryEmbeddingOptions(dim)) {}
   /// Checks the options (dim positive and even, base positive and finite).
   explicit RotaryEmbeddingImpl(const RotaryEmbeddingOptions& options);
 

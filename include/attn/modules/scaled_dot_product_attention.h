@@ -22,12 +22,10 @@ namespace attn {
 ///     attn::ScaledDotProductAttentionOptions().dropout(0.1));
 /// auto [out, w] = sdpa(q, k, v, /*attn_mask=*/{}, /*is_causal=*/true);
 /// ```
-class ScaledDotProductAttentionImpl
-    : public torch::nn::Cloneable<ScaledDotProductAttentionImpl> {
+class ScaledDotProductAttentionImpl : public torch::nn::Cloneable<ScaledDotProductAttentionImpl> {
  public:
   /// A module with these options, checked by `reset()`.
-  explicit ScaledDotProductAttentionImpl(
-      const ScaledDotProductAttentionOptions& options = {});
+  explicit ScaledDotProductAttentionImpl(const ScaledDotProductAttentionOptions& options = {});
 
   /// Returns `(output (..., L, Ev), weights (..., L, S))`.
   std::tuple<torch::Tensor, torch::Tensor> forward(
