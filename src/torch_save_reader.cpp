@@ -106,6 +106,7 @@ const DtypeTable& tensor_dtypes() {
 template <typename Table>
 std::string names_of(const Table& table) {
   std::vector<std::string> names;
+  names.reserve(table.size());
   for (const auto& entry : table) {
     names.push_back(entry.first);
   }
@@ -220,6 +221,7 @@ class Unpickler {
     memo_[index] = stack_.back();
   }
 
+  // NOLINTNEXTLINE(readability-function-size): one case per pickle opcode, read as a table.
   void step(unsigned char opcode) {
     using Kind = Object::Kind;
     switch (opcode) {
