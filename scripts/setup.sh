@@ -35,7 +35,9 @@ cd "$(dirname "$0")/.."
 
 packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
           libcli11-dev nlohmann-json3-dev cmake ninja-build g++)
-[ "$libtorch" = debian ] && packages+=(libtorch-dev)
+# libgloo-dev: the Gloo headers that c10d's ProcessGroupGloo.hpp includes
+# (LibTorch ships Gloo compiled in, without them), for attn::distributed.
+[ "$libtorch" = debian ] && packages+=(libtorch-dev libgloo-dev)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
