@@ -45,7 +45,8 @@ struct Case {
   std::string name;
   MultiHeadAttentionOptions options;
   bool is_causal = false;
-  bool masked = false;
+  // 0: no attn_mask; 3: (B·H, L, S); 4: (B, H, L, S), with key padding.
+  int mask_dims = 0;
 };
 
 // gtest names a failing case by this instead of its bytes.
@@ -62,10 +63,13 @@ std::vector<Case> cases() {
   auto causal = make_case("causal", base);
   causal.is_causal = true;
   auto masked = make_case("masked", base);
-  masked.masked = true;
+  masked.mask_dims = 4;
+  auto masked_flat = make_case("masked_flat_heads", base);
+  masked_flat.mask_dims = 3;
   return {make_case("plain", base),
           causal,
           masked,
+          masked_flat,
           make_case("grouped_query", MultiHeadAttentionOptions(32, 8).num_kv_heads(2)),
           make_case("rotary", MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(8))),
           make_case("bias_kv_zero_attn",
@@ -86,7 +90,9 @@ TEST_P(TensorParallelAttention, OutputAndGatheredGradientsMatchOneProcess) {
   const auto x = torch::randn({B, L, E}, dtype).requires_grad_();
   const auto x_parallel = x.detach().clone().requires_grad_();
   auto forward_options = MultiHeadAttentionForwardOptions().is_causal(test_case.is_causal);
-  if (test_case.masked) {
+  if (test_case.mask_dims == 3) {
+    forward_options.attn_mask(torch::rand({B * H, L, L}, dtype) > 0.3);
+  } else if (test_case.mask_dims == 4) {
     forward_options.attn_mask(torch::rand({B, H, L, L}, dtype))
         .key_padding_mask(torch::tensor({{false, false, false, true, true},
                                          {false, false, false, false, false}}));

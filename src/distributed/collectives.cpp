@@ -83,6 +83,18 @@ void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group
               described.str());
 }
 
+void save_group(torch::autograd::AutogradContext* ctx, const Group& group) {
+  ctx->saved_data["process_group"] = c10::IValue::make_capsule(group.process_group());
+  ctx->saved_data["timeout_ms"] = static_cast<int64_t>(group.timeout().count());
+}
+
+Group saved_group(torch::autograd::AutogradContext* ctx) {
+  return Group(
+      c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(
+          ctx->saved_data["process_group"].toCapsule()),
+      std::chrono::milliseconds(ctx->saved_data["timeout_ms"].toInt()));
+}
+
 } // namespace attn::distributed::detail
 
 namespace attn::distributed {

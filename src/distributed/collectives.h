@@ -6,6 +6,7 @@
 
 #include <attn/distributed/process_group.h>
 
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/types.h>
 
 #include <vector>
@@ -22,5 +23,11 @@ std::vector<torch::Tensor> all_gather(const torch::Tensor& input, const Group& g
 // rank passes a tensor of the same sizes: a collective on tensors of
 // different sizes would fail far from the cause, or not at all.
 void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group);
+
+// A Group kept in an autograd context for the backward: the process group
+// as a capsule (its class is not registered with TorchScript), the timeout
+// in milliseconds.
+void save_group(torch::autograd::AutogradContext* ctx, const Group& group);
+Group saved_group(torch::autograd::AutogradContext* ctx);
 
 } // namespace attn::distributed::detail

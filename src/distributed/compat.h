@@ -23,6 +23,22 @@ constexpr bool kHasNccl = true;
 constexpr bool kHasNccl = false;
 #endif
 
+#if TORCH_VERSION_MAJOR >= 2
+// The dispatching group that runs `backend` for tensors on `device_type`.
+inline c10::intrusive_ptr<c10d::ProcessGroup> group_of(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    const c10::intrusive_ptr<c10d::Backend>& backend,
+    c10::DeviceType device_type,
+    c10d::ProcessGroup::BackendType backend_type) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  group->setBackend(device_type, backend_type, backend);
+  group->setDefaultBackend(backend_type);
+  return group;
+}
+#endif
+
 // A Gloo group of `size` ranks over `store`, its transport bound to
 // `device`, failing any collective that waits longer than `timeout`.
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
@@ -37,10 +53,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
   options->threads = 2;
   auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 #if TORCH_VERSION_MAJOR >= 2
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-  group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  return group;
+  return group_of(store, rank, size, gloo, c10::DeviceType::CPU,
+                  c10d::ProcessGroup::BackendType::GLOO);
 #else
   return gloo;
 #endif
@@ -57,10 +71,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
   options->timeout = timeout;
   auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 #if TORCH_VERSION_MAJOR >= 2
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-  group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
-  group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-  return group;
+  return group_of(store, rank, size, nccl, c10::DeviceType::CUDA,
+                  c10d::ProcessGroup::BackendType::NCCL);
 #else
   return nccl;
 #endif

@@ -10,20 +10,8 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// A Group in an autograd context, for the backward: the process group as a
-// capsule (its class is not registered with TorchScript), the timeout in ms.
-void save_group(AutogradContext* ctx, const Group& group) {
-  ctx->saved_data["process_group"] = c10::IValue::make_capsule(group.process_group());
-  ctx->saved_data["timeout_ms"] = static_cast<int64_t>(group.timeout().count());
-}
-
-Group saved_group(AutogradContext* ctx) {
-  return Group(
-      c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(
-          ctx->saved_data["process_group"].toCapsule()),
-      std::chrono::milliseconds(ctx->saved_data["timeout_ms"].toInt()));
-}
+using detail::save_group;
+using detail::saved_group;
 
 torch::Tensor own_part(const torch::Tensor& input, int64_t dim, const Group& group) {
   TORCH_CHECK(

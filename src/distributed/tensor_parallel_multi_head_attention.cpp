@@ -29,15 +29,11 @@ struct SumOverCopies : torch::autograd::Function<SumOverCopies> {
       const Group& group) {
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["slots"] = slots;
-    ctx->saved_data["process_group"] = c10::IValue::make_capsule(group.process_group());
-    ctx->saved_data["timeout_ms"] = static_cast<int64_t>(group.timeout().count());
+    detail::save_group(ctx, group);
     return parameter.view_as(parameter);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Group group(
-        c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(
-            ctx->saved_data["process_group"].toCapsule()),
-        std::chrono::milliseconds(ctx->saved_data["timeout_ms"].toInt()));
+    const auto group = detail::saved_group(ctx);
     const auto slot = ctx->saved_data["slot"].toInt();
     auto sizes = grads[0].sizes().vec();
     sizes.insert(sizes.begin(), ctx->saved_data["slots"].toInt());
@@ -144,19 +140,8 @@ TensorParallelMultiHeadAttentionImpl::Split TensorParallelMultiHeadAttentionImpl
   return {0, group_.size()};
 }
 
-std::tuple<torch::Tensor, torch::Tensor> TensorParallelMultiHeadAttentionImpl::forward(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const MultiHeadAttentionForwardOptions& forward_options) {
-  detail::check_same_sizes(query, "the query", group_);
-  // One copy_to_parallel per distinct tensor: self-attention's input gets
-  // one all-reduce of its gradient, not three.
-  const auto q = copy_to_parallel(query, group_);
-  const auto k = key.is_same(query) ? q : copy_to_parallel(key, group_);
-  const auto v = value.is_same(key) ? k : value.is_same(query) ? q : copy_to_parallel(value, group_);
-
-  const auto H = options.num_heads(), D = options.embed_dim() / H;
+::attn::detail::MultiHeadParameters TensorParallelMultiHeadAttentionImpl::local_parameters() {
+  const auto H = options.num_heads();
   const auto H_kv = options.num_kv_heads().value_or(H);
   // A key/value head copied on several ranks sums its copies' gradients.
   const auto kv_ranks = kv_ranks_per_head();
@@ -169,7 +154,7 @@ std::tuple<torch::Tensor, torch::Tensor> TensorParallelMultiHeadAttentionImpl::f
   ::attn::detail::MultiHeadParameters parameters;
   parameters.num_heads = local_heads();
   parameters.num_kv_heads = local_kv_heads();
-  parameters.head_dim = D;
+  parameters.head_dim = options.embed_dim() / H;
   parameters.q_weight = q_proj->weight;
   parameters.q_bias = q_proj->bias;
   parameters.k_weight = kv(k_proj->weight);
@@ -180,13 +165,29 @@ std::tuple<torch::Tensor, torch::Tensor> TensorParallelMultiHeadAttentionImpl::f
   parameters.bias_v = kv(bias_v);
   parameters.out_weight = out_proj->weight; // out_bias: added once, after the sum
   parameters.rotary = rotary;
+  return parameters;
+}
 
-  const auto B = options.batch_first() ? query.size(0) : query.size(1);
+std::tuple<torch::Tensor, torch::Tensor> TensorParallelMultiHeadAttentionImpl::forward(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const MultiHeadAttentionForwardOptions& forward_options) {
+  detail::check_same_sizes(query, "the query", group_);
+  // One copy_to_parallel per distinct tensor: self-attention's input gets
+  // one all-reduce of its gradient, not three.
+  const auto q = copy_to_parallel(query, group_);
+  const auto k = key.is_same(query) ? q : copy_to_parallel(key, group_);
+  const auto v = value.is_same(key) ? k : value.is_same(query) ? q : copy_to_parallel(value, group_);
+
+  const auto H = options.num_heads();
+  // A query of another rank fails in the forward's checks, which name it.
+  const auto B = query.dim() != 3 ? 0 : options.batch_first() ? query.size(0) : query.size(1);
   auto local_options = forward_options;
   local_options.average_attn_weights(false).attn_mask(heads_of_mask(
       forward_options.attn_mask(), B, H, group_.rank() * local_heads(), local_heads()));
   auto [partial, weights] = ::attn::detail::multi_head_attention_forward(
-      q, k, v, options, parameters, local_options, is_training());
+      q, k, v, options, local_parameters(), local_options, is_training());
 
   auto output = reduce_from_parallel(partial, group_);
   if (out_proj->bias.defined()) {

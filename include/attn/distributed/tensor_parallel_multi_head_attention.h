@@ -11,6 +11,10 @@
 #include <string>
 #include <tuple>
 
+namespace attn::detail {
+struct MultiHeadParameters;
+} // namespace attn::detail
+
 namespace attn::distributed {
 
 /// `attn::MultiHeadAttention` split by heads over the W ranks of a group,
@@ -105,6 +109,8 @@ class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module {
     int64_t ranks_per_part;
   };
   Split split_of(const std::string& parameter_name) const;
+  // The rank's heads and parameters, for detail::multi_head_attention_forward.
+  ::attn::detail::MultiHeadParameters local_parameters();
   int64_t local_heads() const;
   int64_t local_kv_heads() const;
   int64_t kv_ranks_per_head() const;
