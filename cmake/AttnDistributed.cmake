@@ -50,3 +50,8 @@ target_include_directories(attn_distributed PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_include_directories(attn_distributed SYSTEM PRIVATE ${ATTN_GLOO_INCLUDE_DIR})
 target_link_libraries(attn_distributed PUBLIC attn)
 attn_configure_target(attn_distributed REUSE_PCH)
+# Inside another project it is built only when that project links it: a
+# parent that uses attn alone does not compile it.
+if(NOT PROJECT_IS_TOP_LEVEL)
+  set_target_properties(attn_distributed PROPERTIES EXCLUDE_FROM_ALL TRUE)
+endif()
