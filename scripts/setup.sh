@@ -33,11 +33,12 @@ esac
 
 cd "$(dirname "$0")/.."
 
+# libgloo-dev: the Gloo headers that c10d's ProcessGroupGloo.hpp includes,
+# for attn::distributed; Debian's LibTorch and the PyPI wheel both have Gloo
+# compiled in but ship no headers for it.
 packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
-          libcli11-dev nlohmann-json3-dev cmake ninja-build g++)
-# libgloo-dev: the Gloo headers that c10d's ProcessGroupGloo.hpp includes
-# (LibTorch ships Gloo compiled in, without them), for attn::distributed.
-[ "$libtorch" = debian ] && packages+=(libtorch-dev libgloo-dev)
+          libcli11-dev nlohmann-json3-dev libgloo-dev cmake ninja-build g++)
+[ "$libtorch" = debian ] && packages+=(libtorch-dev)
 missing=()
 for package in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
