@@ -18,6 +18,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <thread>
 
 namespace attn::testing {
 namespace {
@@ -245,6 +246,31 @@ TEST(TensorParallelErrors, MissingOrMalformedLaunchVariablesAreNamed) {
   }
   ScopedVariable malformed("RANK", "one");
   EXPECT_ATTN_ERROR(dist::init_process_group(), "environment variable RANK must be an integer in [0, ");
+}
+
+// Run alone (ctest's distributed.silent_rank): rank 1 stays alive but
+// makes no call, so only the timeout can end rank 0's wait.
+TEST(DistributedFailure, SilentRankFailsTheOthersAtTheTimeout) {
+  const dist::Group one_second(group().process_group(), std::chrono::seconds(1));
+  if (group().rank() == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+    std::_Exit(0);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    dist::reduce_from_parallel(torch::ones({8}), one_second);
+    ADD_FAILURE() << "the all-reduce succeeded without rank 1";
+  } catch (const c10::Error& error) {
+    std::printf("rank 0: %s\n", error.what_without_backtrace());
+    EXPECT_THAT(error.what_without_backtrace(),
+                ::testing::HasSubstr("attn::distributed: all_reduce failed on rank 0 of 2 (timeout 1000 ms)"));
+  }
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(elapsed, std::chrono::milliseconds(900));
+  EXPECT_LT(elapsed, std::chrono::seconds(3));
+  // Destroying the group would wait for the unfinished all-reduce.
+  std::fflush(stdout);
+  std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
 }
 
 // Run alone (ctest's distributed.rank_exits_early): rank 1 leaves, and the
