@@ -248,6 +248,30 @@ TEST(TensorParallelErrors, MissingOrMalformedLaunchVariablesAreNamed) {
   EXPECT_ATTN_ERROR(dist::init_process_group(), "environment variable RANK must be an integer in [0, ");
 }
 
+// On rank 0 of two, with rank 1 gone or silent: an all-reduce that must
+// fail with a message naming it and `timeout`. Returns how long it took.
+std::chrono::steady_clock::duration failing_all_reduce(const dist::Group& group) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    dist::reduce_from_parallel(torch::ones({8}), group);
+    ADD_FAILURE() << "the all-reduce succeeded without rank 1";
+  } catch (const c10::Error& error) {
+    std::printf("rank 0: %s\n", error.what_without_backtrace());
+    EXPECT_THAT(error.what_without_backtrace(),
+                ::testing::HasSubstr("attn::distributed: all_reduce failed on rank 0 of 2 (timeout " +
+                                     std::to_string(group.timeout().count()) + " ms)"));
+  }
+  return std::chrono::steady_clock::now() - start;
+}
+
+// Ends the process with the test's result, without destroying the group:
+// that would wait for the rank that is gone or for the unfinished
+// all-reduce.
+[[noreturn]] void exit_with_the_test_result() {
+  std::fflush(stdout);
+  std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+}
+
 // Run alone (ctest's distributed.silent_rank): rank 1 stays alive but
 // makes no call, so only the timeout can end rank 0's wait.
 TEST(DistributedFailure, SilentRankFailsTheOthersAtTheTimeout) {
@@ -256,44 +280,22 @@ TEST(DistributedFailure, SilentRankFailsTheOthersAtTheTimeout) {
     std::this_thread::sleep_for(std::chrono::seconds(4));
     std::_Exit(0);
   }
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    dist::reduce_from_parallel(torch::ones({8}), one_second);
-    ADD_FAILURE() << "the all-reduce succeeded without rank 1";
-  } catch (const c10::Error& error) {
-    std::printf("rank 0: %s\n", error.what_without_backtrace());
-    EXPECT_THAT(error.what_without_backtrace(),
-                ::testing::HasSubstr("attn::distributed: all_reduce failed on rank 0 of 2 (timeout 1000 ms)"));
-  }
-  const auto elapsed = std::chrono::steady_clock::now() - start;
+  const auto elapsed = failing_all_reduce(one_second);
   EXPECT_GE(elapsed, std::chrono::milliseconds(900));
   EXPECT_LT(elapsed, std::chrono::seconds(3));
-  // Destroying the group would wait for the unfinished all-reduce.
-  std::fflush(stdout);
-  std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+  exit_with_the_test_result();
 }
 
 // Run alone (ctest's distributed.rank_exits_early): rank 1 leaves, and the
 // group cannot be used after.
 TEST(DistributedFailure, RankThatExitsEarlyFailsTheOthersWithinTheTimeout) {
-  const dist::Group short_timeout(group().process_group(), std::chrono::seconds(3));
+  const dist::Group three_seconds(group().process_group(), std::chrono::seconds(3));
   if (group().rank() == 1) {
     std::_Exit(0);
   }
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    dist::reduce_from_parallel(torch::ones({8}), short_timeout);
-    ADD_FAILURE() << "the all-reduce succeeded without rank 1";
-  } catch (const c10::Error& error) {
-    std::printf("rank 0: %s\n", error.what_without_backtrace());
-    EXPECT_THAT(error.what_without_backtrace(),
-                ::testing::HasSubstr("attn::distributed: all_reduce failed on rank 0 of 2 (timeout 3000 ms)"));
-  }
   // Within the timeout, and a margin for a loaded machine.
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
-  // Destroying the group would wait for the rank that left.
-  std::fflush(stdout);
-  std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+  EXPECT_LT(failing_all_reduce(three_seconds), std::chrono::seconds(5));
+  exit_with_the_test_result();
 }
 
 } // namespace
