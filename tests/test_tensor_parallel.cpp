@@ -8,6 +8,7 @@
 #include <attn/distributed/mappings.h>
 #include <attn/distributed/process_group.h>
 #include <attn/distributed/tensor_parallel_multi_head_attention.h>
+#include <attn/interop.h>
 #include <attn/kv_cache.h>
 
 #include "test_support.h"
@@ -150,6 +151,28 @@ TEST(TensorParallelDecoding, KVCacheOfEachRanksHeadsDecodesAsOneProcess) {
         token, token, token, MultiHeadAttentionForwardOptions(causal).kv_cache(&parallel_cache));
     EXPECT_CLOSE(actual, expected, parallel_tolerance(torch::kFloat64));
     EXPECT_CLOSE(actual_weights, expected_weights, parallel_tolerance(torch::kFloat64));
+  }
+}
+
+// A module Python trained (the state_dict of tests/fixtures/python, written
+// by torch.save) splits over the ranks, computes what it computes whole,
+// and gathers back to exactly the loaded parameters.
+TEST(TensorParallelCheckpoints, PythonStateDictSplitsAndGathersBackExactly) {
+  MultiHeadAttention full(MultiHeadAttentionOptions(16, 4).add_bias_kv(true).add_zero_attn(true));
+  attn::load_pytorch_state_dict(
+      *full, std::string(ATTN_TEST_FIXTURES) + "/python/block_with_bias_kv.pt", "attention");
+  full->eval();
+  dist::TensorParallelMultiHeadAttention parallel(full, group());
+  EXPECT_FALSE(parallel->is_training());
+  torch::manual_seed(2);
+  const auto x = torch::randn({2, 7, 16});
+  const auto [expected, expected_weights] = full(x, x, x);
+  const auto [actual, actual_weights] = parallel(x, x, x);
+  EXPECT_CLOSE(actual, expected, parallel_tolerance(torch::kFloat32));
+  EXPECT_CLOSE(actual_weights, expected_weights, parallel_tolerance(torch::kFloat32));
+  const auto loaded = full->named_parameters();
+  for (const auto& parameter : parallel->gather()->named_parameters()) {
+    EXPECT_TRUE(torch::equal(parameter.value(), loaded[parameter.key()])) << parameter.key();
   }
 }
 
