@@ -61,7 +61,7 @@ struct InitOptions {
 ///
 /// Example:
 /// ```
-/// // torchrun --nproc-per-node 2 ./train
+/// // torchrun --no-python --nproc-per-node 2 ./train
 /// auto group = attn::distributed::init_process_group(
 ///     attn::distributed::InitOptions().timeout(std::chrono::seconds(30)));
 /// ```
