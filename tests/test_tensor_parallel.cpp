@@ -47,6 +47,7 @@ struct Case {
   std::string name;
   MultiHeadAttentionOptions options;
   bool is_causal = false;
+  c10::optional<int64_t> window;
   // 0: no attn_mask; 3: (B·H, L, S); 4: (B, H, L, S), with key padding.
   int mask_dims = 0;
 };
@@ -64,12 +65,16 @@ std::vector<Case> cases() {
   const auto base = MultiHeadAttentionOptions(32, 4);
   auto causal = make_case("causal", base);
   causal.is_causal = true;
+  auto causal_window = make_case("causal_window", base);
+  causal_window.is_causal = true;
+  causal_window.window = 2;
   auto masked = make_case("masked", base);
   masked.mask_dims = 4;
   auto masked_flat = make_case("masked_flat_heads", base);
   masked_flat.mask_dims = 3;
   return {make_case("plain", base),
           causal,
+          causal_window,
           masked,
           masked_flat,
           make_case("grouped_query", MultiHeadAttentionOptions(32, 8).num_kv_heads(2)),
@@ -91,7 +96,8 @@ TEST_P(TensorParallelAttention, OutputAndGatheredGradientsMatchOneProcess) {
   dist::TensorParallelMultiHeadAttention parallel(full, group());
   const auto x = torch::randn({B, L, E}, dtype).requires_grad_();
   const auto x_parallel = x.detach().clone().requires_grad_();
-  auto forward_options = MultiHeadAttentionForwardOptions().is_causal(test_case.is_causal);
+  auto forward_options =
+      MultiHeadAttentionForwardOptions().is_causal(test_case.is_causal).window(test_case.window);
   if (test_case.mask_dims == 3) {
     forward_options.attn_mask(torch::rand({B * H, L, L}, dtype) > 0.3);
   } else if (test_case.mask_dims == 4) {
