@@ -3,6 +3,7 @@
 #
 #   <prefix>/include/attn/...                 public headers and version.h
 #   <prefix>/lib/libattn.a                    (or .so with BUILD_SHARED_LIBS)
+#   <prefix>/lib/libattn_distributed.a        attn::distributed, when built
 #   <prefix>/lib/cmake/attn/attnConfig.cmake  with attnConfigVersion.cmake
 #                                             and the exported attnTargets
 include(CMakePackageConfigHelpers)
@@ -17,8 +18,17 @@ install(TARGETS attn EXPORT attnTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+if(TARGET attn_distributed)
+  install(TARGETS attn_distributed EXPORT attnTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  set(attn_exclude_distributed "")
+else()
+  set(attn_exclude_distributed PATTERN distributed EXCLUDE)
+endif()
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/attn
-  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} ${attn_exclude_distributed})
 install(FILES ${ATTN_VERSION_HEADER}
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/attn)
 install(EXPORT attnTargets NAMESPACE attn:: DESTINATION ${ATTN_CONFIG_DIR})

@@ -33,8 +33,11 @@ esac
 
 cd "$(dirname "$0")/.."
 
+# libgloo-dev: the Gloo headers that c10d's ProcessGroupGloo.hpp includes,
+# for attn::distributed; Debian's LibTorch and the PyPI wheel both have Gloo
+# compiled in but ship no headers for it.
 packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
-          libcli11-dev nlohmann-json3-dev cmake ninja-build g++)
+          libcli11-dev nlohmann-json3-dev libgloo-dev cmake ninja-build g++)
 [ "$libtorch" = debian ] && packages+=(libtorch-dev)
 missing=()
 for package in "${packages[@]}"; do

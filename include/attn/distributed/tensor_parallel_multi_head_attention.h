@@ -1,0 +1,125 @@
+#pragma once
+
+#include <attn/distributed/process_group.h>
+#include <attn/modules/multi_head_attention.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <iosfwd>
+#include <string>
+#include <tuple>
+
+namespace attn::detail {
+struct MultiHeadParameters;
+} // namespace attn::detail
+
+namespace attn::distributed {
+
+/// `attn::MultiHeadAttention` split by heads over the W ranks of a group,
+/// as Megatron-LM splits attention: rank r holds query heads
+/// `[r·H/W, (r+1)·H/W)` and the key/value heads they read. Q/K/V are
+/// column-parallel (each rank projects its heads' features only) and
+/// `out_proj` is row-parallel (each rank multiplies its heads' columns);
+/// the partial outputs are summed over the ranks and `out_proj`'s bias,
+/// held whole by every rank, is added once after the sum.
+///
+/// On every rank: the inputs are whole (the same on every rank), and so
+/// are the output and the attention weights, gathered `(B, H, L, S)`. The
+/// parameters keep `MultiHeadAttention`'s names and hold the rank's part:
+/// `q_proj.weight` `(H/W·D, E)`, `k_proj`/`v_proj` `(H_kv/W·D, kdim)`
+/// (with fewer key/value heads than ranks, W divisible by H_kv: the one
+/// head that the rank's queries read, copied on W/H_kv ranks whose
+/// gradients are summed), `out_proj.weight` `(E, H/W·D)`, `out_proj.bias`
+/// `(E)` whole. A KV cache holds the rank's key/value heads.
+///
+/// One forward makes an all-gather of the query's sizes (so that ranks that
+/// disagree fail with a message, not a hang), the all-reduce of the output
+/// and, with weights, their all-gather; one backward the all-reduce of the
+/// inputs' gradients (one per distinct input tensor).
+///
+/// Example:
+/// ```
+/// auto group = attn::distributed::init_process_group();
+/// torch::manual_seed(0);  // the same full module on every rank
+/// attn::MultiHeadAttention full(attn::MultiHeadAttentionOptions(512, 8));
+/// attn::distributed::TensorParallelMultiHeadAttention mha(full, group);
+/// auto [out, w] = mha(x, x, x);  // as full(x, x, x), each rank 4 heads
+/// ```
+class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module {
+ public:
+  /// The rank's part of `MultiHeadAttention(options)`: the full module is
+  /// made (with the current random state, which must be the same on every
+  /// rank) and split. Checks that W divides H and that H_kv and W divide
+  /// one another.
+  TensorParallelMultiHeadAttentionImpl(const MultiHeadAttentionOptions& options, Group group);
+  /// The rank's part of `full` (its parameters copied, the same on every
+  /// rank), e.g. of a module loaded from a PyTorch state_dict.
+  TensorParallelMultiHeadAttentionImpl(const MultiHeadAttention& full, Group group);
+
+  /// As `MultiHeadAttentionImpl::forward`, with the same inputs on every
+  /// rank. A per-head `attn_mask`, `(B·H, L, S)` or `(B, H, L, S)`, is
+  /// sliced to the rank's heads.
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      const torch::Tensor& query,
+      const torch::Tensor& key,
+      const torch::Tensor& value,
+      const MultiHeadAttentionForwardOptions& options = {});
+
+  /// The whole module, on every rank, with the parameters (and their
+  /// gradients, where defined) gathered from the ranks: to save a
+  /// checkpoint or compare with a single process. A collective: every rank
+  /// calls it.
+  MultiHeadAttention gather() const;
+
+  /// Prints `attn::distributed::TensorParallelMultiHeadAttention(embed_dim=512,
+  /// num_heads=8, rank=0, world_size=2, local_heads=4, local_kv_heads=4)`.
+  void pretty_print(std::ostream& stream) const override;
+
+  const Group& group() const { return group_; }
+  /// The options of the whole module.
+  MultiHeadAttentionOptions options;
+
+  /// `E -> H/W·D`: the rank's query heads.
+  torch::nn::Linear q_proj = nullptr;
+  /// `kdim -> max(H_kv/W, 1)·D`.
+  torch::nn::Linear k_proj = nullptr;
+  /// `vdim -> max(H_kv/W, 1)·D`.
+  torch::nn::Linear v_proj = nullptr;
+  /// `H/W·D -> E`, its bias whole.
+  torch::nn::Linear out_proj = nullptr;
+  /// `(1, 1, max(H_kv/W, 1)·D)` with `add_bias_kv`; undefined otherwise.
+  torch::Tensor bias_k;
+  /// `(1, 1, max(H_kv/W, 1)·D)` with `add_bias_kv`; undefined otherwise.
+  torch::Tensor bias_v;
+  /// As in `MultiHeadAttention`; no parameters.
+  RotaryEmbedding rotary = nullptr;
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS(
+      {3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})
+
+ private:
+  // How a parameter is split: whole it is the concatenation along `dim` of
+  // W / ranks_per_part parts; part p is held by the ranks
+  // [p·ranks_per_part, (p+1)·ranks_per_part).
+  struct Split {
+    int64_t dim;
+    int64_t ranks_per_part;
+  };
+  Split split_of(const std::string& parameter_name) const;
+  // The rank's heads and parameters, for detail::multi_head_attention_forward.
+  ::attn::detail::MultiHeadParameters local_parameters();
+  int64_t local_heads() const;
+  int64_t local_kv_heads() const;
+  int64_t kv_ranks_per_head() const;
+
+  Group group_;
+};
+
+/// Holder of `TensorParallelMultiHeadAttentionImpl`, as `TORCH_MODULE`
+/// defines it.
+TORCH_MODULE(TensorParallelMultiHeadAttention);
+
+} // namespace attn::distributed

@@ -1,0 +1,111 @@
+#include "distributed/collectives.h"
+
+#include <torch/torch.h>
+
+#include <attn/distributed/mappings.h>
+
+#include <atomic>
+#include <exception>
+#include <sstream>
+
+namespace attn::distributed::detail {
+
+namespace {
+
+std::atomic<int64_t> collectives_made{0};
+std::atomic<int64_t> bytes_contributed{0};
+
+// Runs `collective` (which starts a c10d collective and returns its work)
+// and waits for the work; a failure of either becomes a c10::Error naming
+// `name`. c10d's own messages ("Connection closed by peer", "Operation
+// timed out!") say what broke but not during which call.
+template <typename Start>
+void run_collective(
+    const char* name, const Group& group, const torch::Tensor& contribution, Start&& collective) {
+  ++collectives_made;
+  bytes_contributed += static_cast<int64_t>(contribution.nbytes());
+  try {
+    auto work = collective();
+    work->wait(group.timeout());
+  } catch (const std::exception& error) {
+    TORCH_CHECK(
+        false, "attn::distributed: ", name, " failed on rank ", group.rank(), " of ",
+        group.size(), " (timeout ", group.timeout().count(), " ms): ", error.what());
+  }
+}
+
+} // namespace
+
+torch::Tensor all_reduce_sum(const torch::Tensor& input, const Group& group) {
+  // Gloo reduces dense tensors in place: into a copy, so that the caller's
+  // input (perhaps saved for backward) is left alone.
+  std::vector<torch::Tensor> tensors{input.contiguous().clone()};
+  run_collective("all_reduce", group, tensors[0], [&] {
+    return group.process_group()->allreduce(tensors);
+  });
+  return tensors[0];
+}
+
+std::vector<torch::Tensor> all_gather(const torch::Tensor& input, const Group& group) {
+  // The list form: Gloo in LibTorch 1.13 has no single-tensor all-gather.
+  std::vector<torch::Tensor> inputs{input.contiguous()};
+  std::vector<std::vector<torch::Tensor>> outputs(1);
+  for (int64_t rank = 0; rank < group.size(); ++rank) {
+    outputs[0].push_back(torch::empty_like(inputs[0]));
+  }
+  run_collective("all_gather", group, inputs[0], [&] {
+    return group.process_group()->allgather(outputs, inputs);
+  });
+  return outputs[0];
+}
+
+void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group) {
+  // Up to 8 dimensions and the count, in a fixed-size message that every
+  // rank can gather whatever its tensor's shape.
+  constexpr int64_t kMaxDims = 8;
+  TORCH_CHECK(tensor.dim() <= kMaxDims, "attn::distributed: ", what, " has more than ",
+              kMaxDims, " dimensions");
+  auto sizes = torch::full({kMaxDims + 1}, -1, torch::kInt64);
+  sizes[0] = tensor.dim();
+  for (int64_t d = 0; d < tensor.dim(); ++d) {
+    sizes[d + 1] = tensor.size(d);
+  }
+  const auto all = all_gather(sizes, group);
+  bool same = true;
+  std::ostringstream described;
+  for (int64_t rank = 0; rank < group.size(); ++rank) {
+    same = same && torch::equal(all[rank], all[0]);
+    const auto dims = all[rank][0].item<int64_t>();
+    described << (rank > 0 ? ", " : "") << "rank " << rank << " has "
+              << c10::IntArrayRef(all[rank].data_ptr<int64_t>() + 1, dims);
+  }
+  TORCH_CHECK(same, "attn::distributed: the ranks disagree on the sizes of ", what, ": ",
+              described.str());
+}
+
+void save_group(torch::autograd::AutogradContext* ctx, const Group& group) {
+  ctx->saved_data["process_group"] = c10::IValue::make_capsule(group.process_group());
+  ctx->saved_data["timeout_ms"] = static_cast<int64_t>(group.timeout().count());
+}
+
+Group saved_group(torch::autograd::AutogradContext* ctx) {
+  return Group(
+      c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(
+          ctx->saved_data["process_group"].toCapsule()),
+      std::chrono::milliseconds(ctx->saved_data["timeout_ms"].toInt()));
+}
+
+} // namespace attn::distributed::detail
+
+namespace attn::distributed {
+
+CommunicationCount communication_count() {
+  return {detail::collectives_made.load(), detail::bytes_contributed.load()};
+}
+
+void reset_communication_count() {
+  detail::collectives_made = 0;
+  detail::bytes_contributed = 0;
+}
+
+} // namespace attn::distributed

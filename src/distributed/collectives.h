@@ -1,0 +1,33 @@
+#pragma once
+
+// The collectives attn::distributed makes, on a Group: each waits for its
+// work with the group's timeout and turns any failure into a c10::Error
+// that names the collective, the rank and the timeout.
+
+#include <attn/distributed/process_group.h>
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/types.h>
+
+#include <vector>
+
+namespace attn::distributed::detail {
+
+// The elementwise sum of `input` over the ranks, in a new tensor.
+torch::Tensor all_reduce_sum(const torch::Tensor& input, const Group& group);
+
+// Every rank's `input`, in rank order (all shaped alike).
+std::vector<torch::Tensor> all_gather(const torch::Tensor& input, const Group& group);
+
+// Fails on every rank, naming `what` and each rank's sizes, unless every
+// rank passes a tensor of the same sizes: a collective on tensors of
+// different sizes would fail far from the cause, or not at all.
+void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group);
+
+// A Group kept in an autograd context for the backward: the process group
+// as a capsule (its class is not registered with TorchScript), the timeout
+// in milliseconds.
+void save_group(torch::autograd::AutogradContext* ctx, const Group& group);
+Group saved_group(torch::autograd::AutogradContext* ctx);
+
+} // namespace attn::distributed::detail

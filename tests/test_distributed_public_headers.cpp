@@ -1,0 +1,17 @@
+// Built without the precompiled torch header, and including attn's
+// distributed headers first: they must bring in everything they use.
+#include <attn/distributed/mappings.h>
+#include <attn/distributed/process_group.h>
+#include <attn/distributed/tensor_parallel_multi_head_attention.h>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+TEST(DistributedPublicHeaders, CompileOnTheirOwn) {
+  const auto options = attn::distributed::InitOptions().backend("nccl");
+  EXPECT_EQ(options.backend(), "nccl");
+  EXPECT_EQ(options.timeout(), attn::distributed::kDefaultTimeout);
+}
+
+} // namespace
