@@ -33,8 +33,8 @@ double median_ms(const dist::Group& group, int repeats, const std::function<void
     dist::reduce_from_parallel(torch::zeros({1}), group); // a barrier
     const auto start = std::chrono::steady_clock::now();
     step();
-    const std::chrono::duration<double, std::milli> elapsed =
-        std::chrono::steady_clock::now() - start;
+    const std::chrono::duration<double, std::milli> elapsed = std::chrono::steady_clock::now() -
+        start;
     if (run >= 0) {
       times.push_back(elapsed.count());
     }
@@ -59,10 +59,11 @@ void report(const dist::Group& group, int64_t B, int64_t L, int64_t E, int64_t H
   forward_backward();
   const auto bytes = dist::communication_count().bytes;
   if (group.rank() == 0) {
-    std::printf("| %lld | %lld | B=%lld L=%lld E=%lld H=%lld | %.1f | %.1f | %lld |\n",
-                static_cast<long long>(group.size()), static_cast<long long>(at::get_num_threads()),
-                static_cast<long long>(B), static_cast<long long>(L), static_cast<long long>(E),
-                static_cast<long long>(H), forward_ms, both_ms, static_cast<long long>(bytes));
+    std::printf(
+        "| %lld | %lld | B=%lld L=%lld E=%lld H=%lld | %.1f | %.1f | %lld |\n",
+        static_cast<long long>(group.size()), static_cast<long long>(at::get_num_threads()),
+        static_cast<long long>(B), static_cast<long long>(L), static_cast<long long>(E),
+        static_cast<long long>(H), forward_ms, both_ms, static_cast<long long>(bytes));
   }
 }
 
@@ -73,7 +74,8 @@ int main() {
   const auto cores = static_cast<int64_t>(std::thread::hardware_concurrency());
   at::set_num_threads(static_cast<int>(std::max<int64_t>(cores / group.size(), 1)));
   if (group.rank() == 0) {
-    std::printf("| W | threads per rank | layer | forward ms | forward+backward ms | bytes per rank |\n");
+    std::printf(
+        "| W | threads per rank | layer | forward ms | forward+backward ms | bytes per rank |\n");
     std::printf("|---|---|---|---|---|---|\n");
   }
   report(group, 4, 256, 512, 8);

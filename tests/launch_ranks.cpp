@@ -60,7 +60,9 @@ pid_t start_rank(int rank, int world_size, int port, char** program) {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: attn_launch_ranks <world size> <timeout seconds> <program> [arguments...]\n");
+    std::fprintf(
+        stderr,
+        "usage: attn_launch_ranks <world size> <timeout seconds> <program> [arguments...]\n");
     return 2;
   }
   const int world_size = std::atoi(argv[1]);
@@ -87,7 +89,8 @@ int main(int argc, char** argv) {
   }
   for (int rank = 0; rank < world_size; ++rank) {
     if (ranks[rank] > 0) {
-      std::fprintf(stderr, "attn_launch_ranks: rank %d still running at the timeout: killed\n", rank);
+      std::fprintf(
+          stderr, "attn_launch_ranks: rank %d still running at the timeout: killed\n", rank);
       kill(-ranks[rank], SIGKILL);
       waitpid(ranks[rank], nullptr, 0);
       ++failed;

@@ -14,8 +14,8 @@
 #include "test_support.h"
 
 #include <chrono>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -31,8 +31,8 @@ namespace dist = attn::distributed;
 constexpr auto kTestTimeout = std::chrono::seconds(20);
 
 const dist::Group& group() {
-  static const dist::Group group =
-      dist::init_process_group(dist::InitOptions().timeout(kTestTimeout));
+  static const dist::Group group = dist::init_process_group(
+      dist::InitOptions().timeout(kTestTimeout));
   return group;
 }
 
@@ -72,15 +72,17 @@ std::vector<Case> cases() {
   masked.mask_dims = 4;
   auto masked_flat = make_case("masked_flat_heads", base);
   masked_flat.mask_dims = 3;
-  return {make_case("plain", base),
-          causal,
-          causal_window,
-          masked,
-          masked_flat,
-          make_case("grouped_query", MultiHeadAttentionOptions(32, 8).num_kv_heads(2)),
-          make_case("rotary", MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(8))),
-          make_case("bias_kv_zero_attn",
-                    MultiHeadAttentionOptions(32, 4).add_bias_kv(true).add_zero_attn(true))};
+  return {
+      make_case("plain", base),
+      causal,
+      causal_window,
+      masked,
+      masked_flat,
+      make_case("grouped_query", MultiHeadAttentionOptions(32, 8).num_kv_heads(2)),
+      make_case("rotary", MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(8))),
+      make_case(
+          "bias_kv_zero_attn",
+          MultiHeadAttentionOptions(32, 4).add_bias_kv(true).add_zero_attn(true))};
 }
 
 class TensorParallelAttention
@@ -102,11 +104,12 @@ TEST_P(TensorParallelAttention, OutputAndGatheredGradientsMatchOneProcess) {
     forward_options.attn_mask(torch::rand({B * H, L, L}, dtype) > 0.3);
   } else if (test_case.mask_dims == 4) {
     forward_options.attn_mask(torch::rand({B, H, L, L}, dtype))
-        .key_padding_mask(torch::tensor({{false, false, false, true, true},
-                                         {false, false, false, false, false}}));
+        .key_padding_mask(torch::tensor(
+            {{false, false, false, true, true}, {false, false, false, false, false}}));
   }
   const auto [expected, expected_weights] = full(x, x, x, forward_options);
-  const auto [actual, actual_weights] = parallel(x_parallel, x_parallel, x_parallel, forward_options);
+  const auto [actual, actual_weights] = parallel(
+      x_parallel, x_parallel, x_parallel, forward_options);
   const auto tolerance = parallel_tolerance(dtype);
   EXPECT_CLOSE(actual, expected, tolerance);
   EXPECT_CLOSE(actual_weights, expected_weights, tolerance);
@@ -127,8 +130,9 @@ TEST_P(TensorParallelAttention, OutputAndGatheredGradientsMatchOneProcess) {
 INSTANTIATE_TEST_SUITE_P(
     Configurations,
     TensorParallelAttention,
-    ::testing::Combine(::testing::ValuesIn(cases()),
-                       ::testing::Values(torch::kFloat64, torch::kFloat32)),
+    ::testing::Combine(
+        ::testing::ValuesIn(cases()),
+        ::testing::Values(torch::kFloat64, torch::kFloat32)),
     [](const auto& info) {
       return std::get<0>(info.param).name + "_" +
           (std::get<1>(info.param) == torch::kFloat64 ? "float64" : "float32");
@@ -136,7 +140,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(TensorParallelDecoding, KVCacheOfEachRanksHeadsDecodesAsOneProcess) {
   torch::manual_seed(3);
-  const auto options = MultiHeadAttentionOptions(32, 8).num_kv_heads(4).rotary(RotaryEmbeddingOptions(4));
+  const auto options = MultiHeadAttentionOptions(32, 8).num_kv_heads(4).rotary(
+      RotaryEmbeddingOptions(4));
   MultiHeadAttention full(options);
   full->to(torch::kFloat64);
   dist::TensorParallelMultiHeadAttention parallel(full, group());
@@ -147,12 +152,13 @@ TEST(TensorParallelDecoding, KVCacheOfEachRanksHeadsDecodesAsOneProcess) {
   const auto prompt = torch::randn({2, 4, 32}, torch::kFloat64);
   const auto causal = MultiHeadAttentionForwardOptions().is_causal(true);
   full(prompt, prompt, prompt, MultiHeadAttentionForwardOptions(causal).kv_cache(&full_cache));
-  parallel(prompt, prompt, prompt, MultiHeadAttentionForwardOptions(causal).kv_cache(&parallel_cache));
+  parallel(
+      prompt, prompt, prompt, MultiHeadAttentionForwardOptions(causal).kv_cache(&parallel_cache));
   for (int step = 0; step < 8; ++step) {
     SCOPED_TRACE("decoding step " + std::to_string(step));
     const auto token = torch::randn({2, 1, 32}, torch::kFloat64);
-    const auto [expected, expected_weights] =
-        full(token, token, token, MultiHeadAttentionForwardOptions(causal).kv_cache(&full_cache));
+    const auto [expected, expected_weights] = full(
+        token, token, token, MultiHeadAttentionForwardOptions(causal).kv_cache(&full_cache));
     const auto [actual, actual_weights] = parallel(
         token, token, token, MultiHeadAttentionForwardOptions(causal).kv_cache(&parallel_cache));
     EXPECT_CLOSE(actual, expected, parallel_tolerance(torch::kFloat64));
@@ -198,7 +204,8 @@ TEST(TensorParallelDropout, SameSeedGivesTheSameOutputEveryRun) {
 
 TEST(TensorParallelMappings, ConjugatePairsSumGatherAndScatter) {
   const auto W = group().size(), r = group().rank();
-  const auto part = torch::full({2, 3}, static_cast<double>(r + 1), torch::kFloat64).requires_grad_();
+  const auto part =
+      torch::full({2, 3}, static_cast<double>(r + 1), torch::kFloat64).requires_grad_();
   const auto sum = dist::reduce_from_parallel(part, group());
   EXPECT_CLOSE(sum, torch::full({2, 3}, W * (W + 1) / 2.0, torch::kFloat64), Tolerance{});
   const auto whole = dist::gather_from_parallel(part, 1, group());
@@ -207,7 +214,8 @@ TEST(TensorParallelMappings, ConjugatePairsSumGatherAndScatter) {
   // copy_to_parallel's backward sums the ranks' gradients.
   const auto replicated = torch::ones({4}, torch::kFloat64).requires_grad_();
   (dist::copy_to_parallel(replicated, group()) * static_cast<double>(r + 1)).sum().backward();
-  EXPECT_CLOSE(replicated.grad(), torch::full({4}, W * (W + 1) / 2.0, torch::kFloat64), Tolerance{});
+  EXPECT_CLOSE(
+      replicated.grad(), torch::full({4}, W * (W + 1) / 2.0, torch::kFloat64), Tolerance{});
 }
 
 // docs/DISTRIBUTED.md's count for a self-attention layer: forward, the
@@ -247,9 +255,11 @@ TEST(TensorParallelErrors, HeadsNotDivisibleByTheRanksAreRefused) {
 }
 
 TEST(TensorParallelErrors, RanksThatDisagreeOnTheQuerySizesFailOnEveryRank) {
-  dist::TensorParallelMultiHeadAttention parallel(MultiHeadAttentionOptions(16, 4 * group().size()), group());
+  dist::TensorParallelMultiHeadAttention parallel(
+      MultiHeadAttentionOptions(16, 4 * group().size()), group());
   const auto x = torch::randn({1, 3 + group().rank(), 16});
-  EXPECT_ATTN_ERROR(parallel(x, x, x), "the ranks disagree on the sizes of the query: rank 0 has [1, 3, 16]");
+  EXPECT_ATTN_ERROR(
+      parallel(x, x, x), "the ranks disagree on the sizes of the query: rank 0 has [1, 3, 16]");
 }
 
 // Sets an environment variable for one scope.
@@ -271,10 +281,12 @@ class ScopedVariable {
 TEST(TensorParallelErrors, MissingOrMalformedLaunchVariablesAreNamed) {
   for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
     ScopedVariable missing(name, nullptr);
-    EXPECT_ATTN_ERROR(dist::init_process_group(), std::string("environment variable ") + name + " is not set");
+    EXPECT_ATTN_ERROR(
+        dist::init_process_group(), std::string("environment variable ") + name + " is not set");
   }
   ScopedVariable malformed("RANK", "one");
-  EXPECT_ATTN_ERROR(dist::init_process_group(), "environment variable RANK must be an integer in [0, ");
+  EXPECT_ATTN_ERROR(
+      dist::init_process_group(), "environment variable RANK must be an integer in [0, ");
 }
 
 // On rank 0 of two, with rank 1 gone or silent: an all-reduce that must
@@ -286,9 +298,11 @@ std::chrono::steady_clock::duration failing_all_reduce(const dist::Group& group)
     ADD_FAILURE() << "the all-reduce succeeded without rank 1";
   } catch (const c10::Error& error) {
     std::printf("rank 0: %s\n", error.what_without_backtrace());
-    EXPECT_THAT(error.what_without_backtrace(),
-                ::testing::HasSubstr("attn::distributed: all_reduce failed on rank 0 of 2 (timeout " +
-                                     std::to_string(group.timeout().count()) + " ms)"));
+    EXPECT_THAT(
+        error.what_without_backtrace(),
+        ::testing::HasSubstr(
+            "attn::distributed: all_reduce failed on rank 0 of 2 (timeout " +
+            std::to_string(group.timeout().count()) + " ms)"));
   }
   return std::chrono::steady_clock::now() - start;
 }

@@ -21,7 +21,10 @@ std::atomic<int64_t> bytes_contributed{0};
 // timed out!") say what broke but not during which call.
 template <typename Start>
 void run_collective(
-    const char* name, const Group& group, const torch::Tensor& contribution, Start&& collective) {
+    const char* name,
+    const Group& group,
+    const torch::Tensor& contribution,
+    Start&& collective) {
   ++collectives_made;
   bytes_contributed += static_cast<int64_t>(contribution.nbytes());
   try {
@@ -29,8 +32,8 @@ void run_collective(
     work->wait(group.timeout());
   } catch (const std::exception& error) {
     TORCH_CHECK(
-        false, "attn::distributed: ", name, " failed on rank ", group.rank(), " of ",
-        group.size(), " (timeout ", group.timeout().count(), " ms): ", error.what());
+        false, "attn::distributed: ", name, " failed on rank ", group.rank(), " of ", group.size(),
+        " (timeout ", group.timeout().count(), " ms): ", error.what());
   }
 }
 
@@ -40,9 +43,8 @@ torch::Tensor all_reduce_sum(const torch::Tensor& input, const Group& group) {
   // Gloo reduces dense tensors in place: into a copy, so that the caller's
   // input (perhaps saved for backward) is left alone.
   std::vector<torch::Tensor> tensors{input.contiguous().clone()};
-  run_collective("all_reduce", group, tensors[0], [&] {
-    return group.process_group()->allreduce(tensors);
-  });
+  run_collective(
+      "all_reduce", group, tensors[0], [&] { return group.process_group()->allreduce(tensors); });
   return tensors[0];
 }
 
@@ -63,8 +65,9 @@ void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group
   // Up to 8 dimensions and the count, in a fixed-size message that every
   // rank can gather whatever its tensor's shape.
   constexpr int64_t kMaxDims = 8;
-  TORCH_CHECK(tensor.dim() <= kMaxDims, "attn::distributed: ", what, " has more than ",
-              kMaxDims, " dimensions");
+  TORCH_CHECK(
+      tensor.dim() <= kMaxDims, "attn::distributed: ", what, " has more than ", kMaxDims,
+      " dimensions");
   auto sizes = torch::full({kMaxDims + 1}, -1, torch::kInt64);
   sizes[0] = tensor.dim();
   for (int64_t d = 0; d < tensor.dim(); ++d) {
@@ -79,8 +82,8 @@ void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group
     described << (rank > 0 ? ", " : "") << "rank " << rank << " has "
               << c10::IntArrayRef(all[rank].data_ptr<int64_t>() + 1, dims);
   }
-  TORCH_CHECK(same, "attn::distributed: the ranks disagree on the sizes of ", what, ": ",
-              described.str());
+  TORCH_CHECK(
+      same, "attn::distributed: the ranks disagree on the sizes of ", what, ": ", described.str());
 }
 
 void save_group(torch::autograd::AutogradContext* ctx, const Group& group) {

@@ -4,8 +4,8 @@
 // ProcessGroupGloo is a c10d::ProcessGroup; from 2.0 on it is a
 // c10d::Backend, which a dispatching c10d::ProcessGroup holds per device.
 
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/version.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #ifdef USE_C10D_NCCL
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -53,8 +53,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
   options->threads = 2;
   auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 #if TORCH_VERSION_MAJOR >= 2
-  return group_of(store, rank, size, gloo, c10::DeviceType::CPU,
-                  c10d::ProcessGroup::BackendType::GLOO);
+  return group_of(
+      store, rank, size, gloo, c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO);
 #else
   return gloo;
 #endif
@@ -71,8 +71,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(
   options->timeout = timeout;
   auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 #if TORCH_VERSION_MAJOR >= 2
-  return group_of(store, rank, size, nccl, c10::DeviceType::CUDA,
-                  c10d::ProcessGroup::BackendType::NCCL);
+  return group_of(
+      store, rank, size, nccl, c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL);
 #else
   return nccl;
 #endif

@@ -8,16 +8,15 @@ namespace attn::distributed {
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 using detail::save_group;
 using detail::saved_group;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 torch::Tensor own_part(const torch::Tensor& input, int64_t dim, const Group& group) {
   TORCH_CHECK(
       input.size(dim) % group.size() == 0, "attn::distributed: scatter_to_parallel: size ",
-      input.size(dim), " of dimension ", dim, " must be divisible by the ", group.size(),
-      " ranks");
+      input.size(dim), " of dimension ", dim, " must be divisible by the ", group.size(), " ranks");
   return input.chunk(group.size(), dim)[group.rank()].contiguous();
 }
 
@@ -46,7 +45,10 @@ struct ReduceFromParallel : torch::autograd::Function<ReduceFromParallel> {
 
 struct ScatterToParallel : torch::autograd::Function<ScatterToParallel> {
   static torch::Tensor forward(
-      AutogradContext* ctx, torch::Tensor input, int64_t dim, const Group& group) {
+      AutogradContext* ctx,
+      torch::Tensor input,
+      int64_t dim,
+      const Group& group) {
     save_group(ctx, group);
     ctx->saved_data["dim"] = dim;
     return own_part(input, dim, group);
@@ -59,7 +61,10 @@ struct ScatterToParallel : torch::autograd::Function<ScatterToParallel> {
 
 struct GatherFromParallel : torch::autograd::Function<GatherFromParallel> {
   static torch::Tensor forward(
-      AutogradContext* ctx, torch::Tensor input, int64_t dim, const Group& group) {
+      AutogradContext* ctx,
+      torch::Tensor input,
+      int64_t dim,
+      const Group& group) {
     save_group(ctx, group);
     ctx->saved_data["dim"] = dim;
     return gathered(input, dim, group);

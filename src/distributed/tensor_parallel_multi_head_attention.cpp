@@ -25,7 +25,10 @@ using torch::autograd::variable_list;
 // (H_kv, ...) buffer that is summed over the ranks.
 struct SumOverCopies : torch::autograd::Function<SumOverCopies> {
   static torch::Tensor forward(
-      AutogradContext* ctx, torch::Tensor parameter, int64_t slot, int64_t slots,
+      AutogradContext* ctx,
+      torch::Tensor parameter,
+      int64_t slot,
+      int64_t slots,
       const Group& group) {
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["slots"] = slots;
@@ -39,15 +42,20 @@ struct SumOverCopies : torch::autograd::Function<SumOverCopies> {
     sizes.insert(sizes.begin(), ctx->saved_data["slots"].toInt());
     auto buffer = grads[0].new_zeros(sizes);
     buffer[slot].copy_(grads[0]);
-    return {detail::all_reduce_sum(buffer, group)[slot], torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+    return {
+        detail::all_reduce_sum(buffer, group)[slot], torch::Tensor(), torch::Tensor(),
+        torch::Tensor()};
   }
 };
 
 // The rank's slice of a per-head attn_mask: (B·H, L, S) and (B, H, L, S)
 // hold every head; (L, S) and a size-1 H broadcast, so they pass whole.
 torch::Tensor heads_of_mask(
-    const torch::Tensor& mask, int64_t B, int64_t H, int64_t first, int64_t count) {
+    const torch::Tensor& mask,
+    int64_t B,
+    int64_t H,
+    int64_t first,
+    int64_t count) {
   if (!mask.defined()) {
     return mask;
   }
@@ -66,19 +74,23 @@ torch::Tensor heads_of_mask(
 } // namespace
 
 TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
-    const MultiHeadAttentionOptions& options_, Group group)
+    const MultiHeadAttentionOptions& options_,
+    Group group)
     : TensorParallelMultiHeadAttentionImpl(MultiHeadAttention(options_), std::move(group)) {}
 
 TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
-    const MultiHeadAttention& full, Group group)
+    const MultiHeadAttention& full,
+    Group group)
     : options(full->options), group_(std::move(group)) {
   const auto W = group_.size();
   const auto H = options.num_heads();
   const auto H_kv = options.num_kv_heads().value_or(H);
-  TORCH_CHECK(H % W == 0, kCaller, ": num_heads must be divisible by the number of ranks, ",
-              "got num_heads=", H, " and ", W, " ranks");
-  TORCH_CHECK(H_kv % W == 0 || W % H_kv == 0, kCaller, ": num_kv_heads and the number of ",
-              "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
+  TORCH_CHECK(
+      H % W == 0, kCaller, ": num_heads must be divisible by the number of ranks, ",
+      "got num_heads=", H, " and ", W, " ranks");
+  TORCH_CHECK(
+      H_kv % W == 0 || W % H_kv == 0, kCaller, ": num_kv_heads and the number of ",
+      "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
 
   const auto E = options.embed_dim(), D = E / H;
   const auto E_local = local_heads() * D, E_kv_local = local_kv_heads() * D;
@@ -102,9 +114,9 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
   for (auto& parameter : named_parameters()) {
     const auto split = split_of(parameter.key());
     const auto parts = W / split.ranks_per_part;
-    parameter.value().set_data(
-        whole[parameter.key()].chunk(parts, split.dim)[group_.rank() / split.ranks_per_part]
-            .clone());
+    parameter.value().set_data(whole[parameter.key()]
+                                   .chunk(parts, split.dim)[group_.rank() / split.ranks_per_part]
+                                   .clone());
   }
   train(full->is_training());
 }
@@ -178,7 +190,9 @@ std::tuple<torch::Tensor, torch::Tensor> TensorParallelMultiHeadAttentionImpl::f
   // one all-reduce of its gradient, not three.
   const auto q = copy_to_parallel(query, group_);
   const auto k = key.is_same(query) ? q : copy_to_parallel(key, group_);
-  const auto v = value.is_same(key) ? k : value.is_same(query) ? q : copy_to_parallel(value, group_);
+  const auto v = value.is_same(key) ? k
+      : value.is_same(query)        ? q
+                                    : copy_to_parallel(value, group_);
 
   const auto H = options.num_heads();
   // A query of another rank fails in the forward's checks, which name it.
@@ -229,10 +243,10 @@ MultiHeadAttention TensorParallelMultiHeadAttentionImpl::gather() const {
 }
 
 void TensorParallelMultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
-  stream << "attn::distributed::TensorParallelMultiHeadAttention(embed_dim="
-         << options.embed_dim() << ", num_heads=" << options.num_heads()
-         << ", rank=" << group_.rank() << ", world_size=" << group_.size()
-         << ", local_heads=" << local_heads() << ", local_kv_heads=" << local_kv_heads() << ")";
+  stream << "attn::distributed::TensorParallelMultiHeadAttention(embed_dim=" << options.embed_dim()
+         << ", num_heads=" << options.num_heads() << ", rank=" << group_.rank()
+         << ", world_size=" << group_.size() << ", local_heads=" << local_heads()
+         << ", local_kv_heads=" << local_kv_heads() << ")";
 }
 
 } // namespace attn::distributed

@@ -33,9 +33,7 @@ class Group {
   int64_t rank() const;
   /// The number of ranks W.
   int64_t size() const;
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const {
-    return process_group_;
-  }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
  private:

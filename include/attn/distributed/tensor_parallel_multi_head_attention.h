@@ -97,8 +97,7 @@ class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module {
   RotaryEmbedding rotary = nullptr;
 
  protected:
-  FORWARD_HAS_DEFAULT_ARGS(
-      {3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})
+  FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})
 
  private:
   // How a parameter is split: whole it is the concatenation along `dim` of
