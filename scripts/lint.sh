@@ -67,6 +67,12 @@ format() {
 tidy() {
   local dir="${1:-build-tidy}"
   install_missing clang-tidy cmake ninja-build g++
+  if [ ! -f "$dir/compile_commands.json" ] && [ "$dir" != build-tidy ]; then
+    # Another build's folder is never reconfigured with the options below.
+    echo "scripts/lint.sh tidy: $dir has no compile_commands.json; configure it with" \
+         "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON, or leave DIR out to use build-tidy" >&2
+    exit 2
+  fi
   if [ ! -f "$dir/compile_commands.json" ]; then
     # Configured only, never built: clang-tidy needs the flags and the
     # generated <attn/version.h>. No precompiled header (it would be g++'s),
