@@ -74,7 +74,7 @@ run_target() {
   "./build-fuzz/fuzz/attn_fuzz_$name" -max_total_time="$seconds" -timeout=30 \
     -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="build-fuzz/findings/$name-" \
     "$@" "build-fuzz/corpus/$name" "fuzz/$name/seeds" "fuzz/$name/regressions" "${corpora[@]}" \
-    2>&1 | grep -v -E '^#[0-9]+.*(NEW|REDUCE|pulse)|NEW_FUNC'
+    2>&1 | grep -v -E '^#[0-9]+.*(NEW|REDUCE|pulse)|NEW_FUNC|^".*" # Uses: [0-9]+$|recommended dictionary'
 }
 
 failed=()
