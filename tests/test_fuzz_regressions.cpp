@@ -123,6 +123,11 @@ const std::map<std::string, std::string> kExpectedOutcomes = {
     // state_dict
     {"empty_storage_copied_from_null", ""},
     {"reader_constructor_fails_after_opening_the_zip", "no version record"},
+    {"list_holding_itself", "must hold a state_dict (a dict of tensors), got a list"},
+    {"lists_nested_100000_deep", "must hold a state_dict (a dict of tensors), got a list"},
+    {"deflated_record_claiming_4_gb", "claims 4294967280 bytes, more than the whole file's"},
+    {"version_record_not_a_number", "its version record holds 'x"},
+    {"version_record_out_of_range", "its version record holds '99999999999999999999999"},
     // entry_points
     {"values_of_width_zero_offset_a_null_pointer", ""},
     {"rotary_offset_near_2_62_overflows_table_length", "positions must stay within 2^53"},
