@@ -26,7 +26,7 @@
 namespace attn::fuzz {
 
 // The most elements any tensor of a decoded case may hold.
-inline constexpr int64_t kMostElements = int64_t{1} << 16;
+inline constexpr int64_t kMostElements = int64_t{1} << 14;
 
 // A result that contradicts the oracle; the message describes the call.
 class OracleViolation : public std::logic_error {
