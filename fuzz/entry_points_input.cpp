@@ -897,11 +897,18 @@ void run_cached_decoding(Bytes& bytes) {
   const int64_t T = c.L + c.S;
   const auto max_length = bytes.pick<c10::optional<int64_t>>(
       {c10::nullopt, c10::nullopt, T, T - 1, 1, int64_t{1} << 40, int64_t{1} << 62, kInt64Max});
+  // A prompt of L tokens, then up to 6 short steps; the last call decodes
+  // whatever remains (at most 8 calls, so that an input stays quick).
   std::vector<int64_t> steps;
   for (int64_t done = 0; done < T;) {
-    const auto step = std::min<int64_t>(T - done, done == 0 ? c.L : bytes.pick({1, 1, 2, 3}));
-    steps.push_back(std::max<int64_t>(step, 1));
-    done += steps.back();
+    int64_t step = T - done;
+    if (steps.empty()) {
+      step = std::max<int64_t>(std::min(c.L, T), 1);
+    } else if (steps.size() < 7) {
+      step = std::min<int64_t>(step, bytes.pick({1, 1, 2, 3, 7}));
+    }
+    steps.push_back(step);
+    done += step;
   }
   if (T == 0 || product({c.B, std::max<int64_t>(c.H, 1), T, T}) > kMostElements ||
       product({c.B, T, c.E}) > kMostElements) {
