@@ -10,8 +10,9 @@
 #                            KV-cache decoding, RotaryEmbedding, against a
 #                            float64 oracle (fuzz/entry_points_input.h)
 #
-# Each starts from its committed seeds and regressions (fuzz/<target>/),
-# plus the corpus that earlier runs grew in build-fuzz/corpus/<target>. It
+# Each runs its committed regression inputs (fuzz/<target>/regressions),
+# then fuzzes from its seeds (fuzz/<target>/seeds) and the corpus that
+# earlier runs grew in build-fuzz/corpus/<target>. It
 # fails on any finding: a crash, a sanitizer report, an exception other
 # than a c10::Error with a message, a wrong result, a leak, an input that
 # runs over 30 s or a process over 2 GB. The input is then written to
@@ -59,7 +60,8 @@ export LSAN_OPTIONS="suppressions=$PWD/fuzz/lsan_suppressions.txt"
 export UBSAN_OPTIONS=print_stacktrace=1
 
 mkdir -p build-fuzz/findings
-# run_target NAME EXTRA_CORPUS... -- LIBFUZZER_FLAGS...
+# run_target NAME EXTRA_CORPUS... -- LIBFUZZER_FLAGS...: the regression
+# inputs once each, whole, then fuzzing from the seeds and the grown corpus.
 run_target() {
   local name="$1"
   shift
@@ -69,16 +71,22 @@ run_target() {
     shift
   done
   shift
+  local fuzzer="./build-fuzz/fuzz/attn_fuzz_$name"
+  local flags=(-timeout=30 -rss_limit_mb=2048 -artifact_prefix="build-fuzz/findings/$name-")
+  local regressions=("fuzz/$name/regressions"/*)
+  echo "== attn_fuzz_$name: ${#regressions[@]} regression inputs"
+  "$fuzzer" "${flags[@]}" "${regressions[@]}" || return 1
   mkdir -p "build-fuzz/corpus/$name"
   echo "== attn_fuzz_$name for $seconds s"
-  "./build-fuzz/fuzz/attn_fuzz_$name" -max_total_time="$seconds" -timeout=30 \
-    -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="build-fuzz/findings/$name-" \
-    "$@" "build-fuzz/corpus/$name" "fuzz/$name/seeds" "fuzz/$name/regressions" "${corpora[@]}" \
+  "$fuzzer" "${flags[@]}" -max_total_time="$seconds" -print_final_stats=1 "$@" \
+    "build-fuzz/corpus/$name" "fuzz/$name/seeds" "${corpora[@]}" \
     2>&1 | grep -v -E '^#[0-9]+.*(NEW|REDUCE|pulse)|NEW_FUNC|^".*" # Uses: [0-9]+$|recommended dictionary'
 }
 
 failed=()
-run_target state_dict tests/fixtures/python -- -dict=fuzz/state_dict.dict || failed+=(state_dict)
+# Inputs up to 8 KB: the seeds' size. The regressions go whole.
+run_target state_dict tests/fixtures/python -- -dict=fuzz/state_dict.dict -max_len=8192 ||
+  failed+=(state_dict)
 run_target entry_points -- || failed+=(entry_points)
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "fuzzing found a problem in: ${failed[*]}; the inputs are in build-fuzz/findings/" >&2
