@@ -15,13 +15,20 @@ function(attn_configure_target target)
   if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     target_compile_options(${target} PRIVATE -Wall -Wextra -Wpedantic)
   endif()
-  if(ATTN_SANITIZE)
+  if(ATTN_SANITIZE OR ATTN_FUZZ)
     # Our code only: LibTorch stays uninstrumented. Undefined behaviour
     # aborts instead of printing and carrying on, so that tests fail on it.
     set(sanitize -fsanitize=address,undefined -fno-sanitize-recover=undefined)
     target_compile_options(${target} PRIVATE ${sanitize} -fno-omit-frame-pointer)
     # PUBLIC: whatever links the static library needs the runtimes too.
     target_link_options(${target} PUBLIC ${sanitize})
+  endif()
+  if(ATTN_FUZZ)
+    # Coverage feedback for libFuzzer from our code; fuzz/ links the fuzzer.
+    # Clang's -Wpedantic flags LibTorch's own macros, and at -O1 it cannot
+    # honour LibTorch's vectorisation pragmas: neither is ours to fix.
+    target_compile_options(${target} PRIVATE -fsanitize=fuzzer-no-link
+      -Wno-gnu-zero-variadic-macro-arguments -Wno-pass-failed)
   endif()
   if(ARG_REUSE_PCH)
     target_precompile_headers(${target} REUSE_FROM attn)

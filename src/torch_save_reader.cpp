@@ -1,8 +1,13 @@
 #include "torch_save_reader.h"
 
+#include "zip_archive_check.h"
+
+#include <caffe2/serialize/file_adapter.h>
 #include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -12,9 +17,12 @@
 namespace attn::detail {
 namespace {
 
-// A Python object, as far as a state_dict needs them.
+// A Python object, as far as a state_dict needs them. Objects refer to
+// each other by plain pointers and the Unpickler that made them owns them
+// all: a pickle may make a list hold itself, or nest lists a million deep,
+// and neither may leak or overflow the stack when the objects are freed.
 struct Object;
-using ObjectPtr = std::shared_ptr<Object>;
+using ObjectPtr = Object*;
 struct Object {
   enum class Kind {
     none,
@@ -42,12 +50,6 @@ struct Object {
                                      "a string", "a tuple",  "a list",   "a dict",
                                      "a global", "a tensor", "a storage"};
     return names[static_cast<int>(kind)];
-  }
-
-  static ObjectPtr make(Kind kind) {
-    auto object = std::make_shared<Object>();
-    object->kind = kind;
-    return object;
   }
 };
 
@@ -124,6 +126,7 @@ class Unpickler {
     bytes_.assign(bytes, bytes + size);
   }
 
+  // The pickle's result, owned by this Unpickler.
   ObjectPtr run() {
     while (true) {
       const auto opcode = static_cast<unsigned char>(read_bytes(1)[0]);
@@ -193,20 +196,26 @@ class Unpickler {
     return items;
   }
 
+  ObjectPtr make(Object::Kind kind) {
+    objects_.push_back(std::make_unique<Object>());
+    objects_.back()->kind = kind;
+    return objects_.back().get();
+  }
+
   void push_scalar(Object::Kind kind, int64_t value) {
-    auto object = Object::make(kind);
+    auto object = make(kind);
     object->integer = value;
     stack_.push_back(object);
   }
 
   void push_string(std::string text, Object::Kind kind = Object::Kind::string) {
-    auto object = Object::make(kind);
+    auto object = make(kind);
     object->text = std::move(text);
     stack_.push_back(object);
   }
 
   void push_tuple(std::vector<ObjectPtr> items) {
-    auto tuple = Object::make(Object::Kind::tuple);
+    auto tuple = make(Object::Kind::tuple);
     tuple->items = std::move(items);
     stack_.push_back(tuple);
   }
@@ -234,7 +243,7 @@ class Unpickler {
       case '(': marks_.push_back(stack_.size()); break; // MARK
       case '0': pop(); break;                           // POP
       case '1': pop_to_mark(); break;                   // POP_MARK
-      case 'N': stack_.push_back(Object::make(Kind::none)); break;
+      case 'N': stack_.push_back(make(Kind::none)); break;
       case 0x88: push_scalar(Kind::boolean, 1); break; // NEWTRUE
       case 0x89: push_scalar(Kind::boolean, 0); break; // NEWFALSE
       case 'J': push_scalar(Kind::integer, static_cast<int32_t>(read_unsigned(4))); break;
@@ -253,7 +262,7 @@ class Unpickler {
       case 'G': { // BINFLOAT, big-endian
         auto raw = read_bytes(8);
         std::reverse(raw.begin(), raw.end());
-        auto object = Object::make(Kind::floating);
+        auto object = make(Kind::floating);
         std::memcpy(&object->floating, raw.data(), 8);
         stack_.push_back(object);
         break;
@@ -273,8 +282,8 @@ class Unpickler {
         push_tuple(std::move(items));
         break;
       }
-      case ']': stack_.push_back(Object::make(Kind::list)); break; // EMPTY_LIST
-      case 'a': {                                                  // APPEND
+      case ']': stack_.push_back(make(Kind::list)); break; // EMPTY_LIST
+      case 'a': {                                          // APPEND
         auto item = pop();
         top(Kind::list, "APPEND")->items.push_back(item);
         break;
@@ -285,8 +294,8 @@ class Unpickler {
         list.insert(list.end(), items.begin(), items.end());
         break;
       }
-      case '}': stack_.push_back(Object::make(Kind::dict)); break; // EMPTY_DICT
-      case 's': {                                                  // SETITEM
+      case '}': stack_.push_back(make(Kind::dict)); break; // EMPTY_DICT
+      case 's': {                                          // SETITEM
         auto value = pop();
         auto key = pop();
         top(Kind::dict, "SETITEM")->entries.emplace_back(key, value);
@@ -312,6 +321,10 @@ class Unpickler {
         check(
             name->kind == Kind::string && module->kind == Kind::string,
             "STACK_GLOBAL without a module and a name");
+        // The strings may come from the memo, again and again: a bound on
+        // the name keeps each STACK_GLOBAL's copy small.
+        const auto length = module->text.size() + name->text.size();
+        check(length <= kLongestGlobalName, "a global name of ", length, " bytes");
         push_string(module->text + "." + name->text, Kind::global);
         break;
       }
@@ -366,7 +379,7 @@ class Unpickler {
   }
 
   ObjectPtr make_dict(const std::string&, const std::vector<ObjectPtr>&) {
-    return Object::make(Object::Kind::dict);
+    return make(Object::Kind::dict);
   }
 
   // (storage, storage_offset, size, stride, ...), in the storage's dtype.
@@ -426,30 +439,57 @@ class Unpickler {
       }
       return values;
     };
+    // A memo'd tuple may be passed to many calls: a bound on the dims keeps
+    // each call's work small.
+    check(
+        arguments[2]->items.size() <= kMostDims && arguments[3]->items.size() <= kMostDims,
+        "a tensor of more than ", kMostDims, " dims");
     const auto size = ints(arguments[2]), stride = ints(arguments[3]);
     const auto offset = arguments[1]->integer;
     check(
         size.size() == stride.size(), "a tensor with ", size.size(), " sizes and ", stride.size(),
         " strides");
-    // The last element's index: sizes and strides are at most the
-    // storage's length, so for any storage that fits in memory the
-    // products stay far from int64's limit.
-    bool empty = false;
-    int64_t last = offset;
-    for (size_t d = 0; d < size.size(); ++d) {
-      check(
-          size[d] >= 0 && stride[d] >= 0 && size[d] <= storage.numel() &&
-              stride[d] <= storage.numel(),
-          "a tensor whose sizes or strides do not fit its storage");
-      empty = empty || size[d] == 0;
-      last += size[d] > 0 ? (size[d] - 1) * stride[d] : 0;
-    }
     check(
-        offset >= 0 && offset <= storage.numel() && (empty || last < storage.numel()),
+        fits_storage(size, stride, offset, storage.numel()),
         "a tensor that reaches past its storage");
-    auto tensor = Object::make(Kind::tensor);
+    auto tensor = make(Kind::tensor);
     tensor->tensor = storage.as_strided(size, stride, offset);
     return tensor;
+  }
+
+  // Whether the elements of the view (size, stride, offset) all lie in a
+  // storage of `numel` elements. Every step is compared before it is
+  // added, so no sum or product can overflow, whatever the file claims.
+  static bool fits_storage(
+      const std::vector<int64_t>& size,
+      const std::vector<int64_t>& stride,
+      int64_t offset,
+      int64_t numel) {
+    if (offset < 0 || offset > numel) {
+      return false;
+    }
+    for (size_t d = 0; d < size.size(); ++d) {
+      if (size[d] < 0 || stride[d] < 0) {
+        return false;
+      }
+    }
+    if (std::find(size.begin(), size.end(), 0) != size.end()) {
+      return true; // no elements, whatever the strides (torch.save keeps its shape's)
+    }
+    if (offset == numel) {
+      return false; // the first element is past the end
+    }
+    int64_t last = offset; // the index of the last element so far, < numel
+    for (size_t d = 0; d < size.size(); ++d) {
+      const int64_t steps = size[d] - 1;
+      if (steps > 0 && stride[d] > 0) {
+        if (steps > (numel - 1 - last) / stride[d]) {
+          return false;
+        }
+        last += steps * stride[d];
+      }
+    }
+    return true;
   }
 
   // A persistent id ('storage', type, key, location, numel) as a 1-D tensor
@@ -477,17 +517,25 @@ class Unpickler {
         numel >= 0 && numel <= static_cast<int64_t>(size) / element_size &&
             static_cast<size_t>(numel * element_size) == size,
         "storage ", key, " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
-    auto storage = Object::make(Kind::storage);
+    auto storage = make(Kind::storage);
     storage->tensor = torch::empty({numel}, torch::TensorOptions(dtype->second));
-    std::memcpy(storage->tensor.data_ptr(), data.get(), size);
+    if (size > 0) { // an empty storage's tensor has no data pointer to copy to
+      std::memcpy(storage->tensor.data_ptr(), data.get(), size);
+    }
     storages_[key] = storage;
     return storage;
   }
+
+  // No known global's name is longer; no tensor a state_dict holds has more
+  // dims.
+  static constexpr size_t kLongestGlobalName = 256;
+  static constexpr size_t kMostDims = 64;
 
   caffe2::serialize::PyTorchStreamReader& archive_;
   std::string where_;
   std::vector<char> bytes_;
   size_t position_ = 0;
+  std::vector<std::unique_ptr<Object>> objects_; // every object made, in order
   std::vector<ObjectPtr> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, ObjectPtr> memo_;
@@ -509,41 +557,102 @@ void check_byte_order(caffe2::serialize::PyTorchStreamReader& archive, const std
       "' (its byteorder record); this reader expected 'little'");
 }
 
-} // namespace
+// The bytes of a file in memory, for LibTorch's reader. Reads past the end
+// return fewer bytes, as a file's do (LibTorch 1.13's own MemoryReadAdapter
+// copies whatever it is asked for).
+class MemoryReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  MemoryReader(const void* data, size_t size)
+      : data_(static_cast<const char*>(data)), size_(size) {}
 
-std::map<std::string, torch::Tensor> read_saved_tensor_dict(
-    const std::string& path,
-    const char* caller) {
-  const auto where = c10::str(caller, ": '", path, "'");
-  TORCH_CHECK(std::ifstream(path).good(), caller, ": cannot open '", path, "' for reading");
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
-  try {
-    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
-    TORCH_CHECK(archive->hasRecord("data.pkl"), "no data.pkl record");
-  } catch (const c10::Error& error) {
-    TORCH_CHECK(
-        false, where, " is not a file written by Python's torch.save (zip format, ",
-        "PyTorch >= 1.6): ", error.what_without_backtrace());
+  size_t size() const override { return size_; }
+
+  size_t read(uint64_t position, void* buffer, size_t n, const char* /*what*/) const override {
+    if (position >= size_) {
+      return 0;
+    }
+    n = std::min<uint64_t>(n, size_ - position);
+    std::memcpy(buffer, data_ + position, n);
+    return n;
   }
-  check_byte_order(*archive, where);
-  ObjectPtr root;
+
+ private:
+  const char* data_;
+  size_t size_;
+};
+
+// The message of any exception: LibTorch's reader throws c10::Errors, and
+// also lets through the standard library's (std::stoull of a version
+// record that is no number).
+std::string message_of(const std::exception& error) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  return torch_error != nullptr ? torch_error->what_without_backtrace() : error.what();
+}
+
+std::map<std::string, torch::Tensor> read_archive(
+    const std::shared_ptr<caffe2::serialize::ReadAdapterInterface>& source,
+    const std::string& where) {
+  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
+  std::string problem;
   try {
-    root = Unpickler(*archive, where).run();
+    problem = zip_archive_problem(*source);
+    if (problem.empty()) {
+      archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(source);
+      if (!archive->hasRecord("data.pkl")) {
+        problem = "no data.pkl record";
+      }
+    }
+  } catch (const std::exception& error) {
+    problem = message_of(error);
+  }
+  TORCH_CHECK(
+      problem.empty(), where, " is not a file written by Python's torch.save (zip format, ",
+      "PyTorch >= 1.6): ", problem);
+  check_byte_order(*archive, where);
+  std::map<std::string, torch::Tensor> tensors;
+  try {
+    Unpickler unpickler(*archive, where);
+    const auto root = unpickler.run();
+    TORCH_CHECK(
+        root->kind == Object::Kind::dict, where,
+        " must hold a state_dict (a dict of tensors), got ", root->kind_name());
+    for (const auto& [key, value] : root->entries) {
+      if (key->kind == Object::Kind::string && value->kind == Object::Kind::tensor) {
+        tensors[key->text] = value->tensor;
+      }
+    }
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& error) { // e.g. a length that cannot be allocated
     TORCH_CHECK(false, where, " could not be read: ", error.what());
   }
-  TORCH_CHECK(
-      root->kind == Object::Kind::dict, where, " must hold a state_dict (a dict of tensors), got ",
-      root->kind_name());
-  std::map<std::string, torch::Tensor> tensors;
-  for (const auto& [key, value] : root->entries) {
-    if (key->kind == Object::Kind::string && value->kind == Object::Kind::tensor) {
-      tensors[key->text] = value->tensor;
-    }
-  }
   return tensors;
+}
+
+} // namespace
+
+std::map<std::string, torch::Tensor> read_saved_tensor_dict(
+    const std::string& path,
+    const char* caller) {
+  TORCH_CHECK(std::ifstream(path).good(), caller, ": cannot open '", path, "' for reading");
+  const auto where = c10::str(caller, ": '", path, "'");
+  std::shared_ptr<caffe2::serialize::ReadAdapterInterface> file;
+  try {
+    file = std::make_shared<caffe2::serialize::FileAdapter>(path);
+  } catch (const c10::Error& error) {
+    TORCH_CHECK(
+        false, caller, ": cannot open '", path, "' for reading: ", error.what_without_backtrace());
+  }
+  return read_archive(file, where);
+}
+
+std::map<std::string, torch::Tensor> read_saved_tensor_dict(
+    const void* data,
+    size_t size,
+    const std::string& name,
+    const char* caller) {
+  return read_archive(
+      std::make_shared<MemoryReader>(data, size), c10::str(caller, ": '", name, "'"));
 }
 
 } // namespace attn::detail

@@ -17,6 +17,7 @@
 
 #include <torch/types.h>
 
+#include <cstddef>
 #include <map>
 #include <string>
 
@@ -25,8 +26,23 @@ namespace attn::detail {
 // The tensors of the dict saved in `path` (a state_dict), by name, on the
 // CPU. Non-tensor values are skipped. Errors are c10::Errors that start
 // with `caller` and name the file; they come before anything is returned.
+//
+// The file is untrusted: every size it claims (a zip record's, a string's,
+// a storage's) is checked against the bytes it holds before anything of
+// that size is allocated, so a damaged or hostile file costs memory and
+// time proportional to its size: its storages once more, and up to about
+// 200 bytes per byte of pickle (each opcode may make an object), which for
+// a state_dict is a few hundred bytes per tensor.
 std::map<std::string, torch::Tensor> read_saved_tensor_dict(
     const std::string& path,
+    const char* caller);
+
+// The same from the `size` bytes of such a file at `data`, which stay
+// owned by the caller; `name` stands for the file in errors.
+std::map<std::string, torch::Tensor> read_saved_tensor_dict(
+    const void* data,
+    size_t size,
+    const std::string& name,
     const char* caller);
 
 } // namespace attn::detail

@@ -25,6 +25,12 @@ namespace attn {
 /// The cache holds inference state: appending tensors that require grad
 /// while grad mode is on is an error (decode under `torch::NoGradGuard`).
 ///
+/// A cache is not thread-safe: calls that use one cache (an append, or a
+/// `MultiHeadAttention` forward given it) must not overlap. Decode each
+/// sequence with its own cache — one `MultiHeadAttention` may serve several
+/// threads for inference, each with its own caches — or make the threads
+/// take turns. A cache is not checked for overlapping calls.
+///
 /// Example:
 /// ```
 /// attn::KVCache cache(/*max_length=*/2048);

@@ -148,10 +148,13 @@ int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
   return k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
 }
 
-// Pointer to row t of head (b, h) of a (B, H, T, F) tensor.
+// Pointer to row t of head (b, h) of a (B, H, T, F) tensor. An empty
+// tensor (F = 0: values or output of width 0) has no data, its pointer may
+// be null, and its rows are never read: no offset is applied to it.
 template <typename scalar_t>
 scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
-  return t.data_ptr<scalar_t>() + b * t.stride(0) + h * t.stride(1) + row * t.stride(2);
+  scalar_t* data = t.data_ptr<scalar_t>();
+  return t.numel() == 0 ? data : data + b * t.stride(0) + h * t.stride(1) + row * t.stride(2);
 }
 
 template <typename scalar_t>

@@ -22,6 +22,16 @@ torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
   return torch::softmax(scores.masked_fill(fully_masked, 0.0), -1).masked_fill(fully_masked, 0.0);
 }
 
+// `t` (..., Hkv, S, F) with each head repeated `group` times in a row:
+// (..., Hkv·group, S, F), what repeat_interleave gives, but without its
+// index tensor of Hkv·group entries (2^40 heads of empty sequences would
+// ask for 8 TB).
+torch::Tensor repeat_heads(const torch::Tensor& t, int64_t group) {
+  auto sizes = t.sizes().vec();
+  sizes.insert(sizes.end() - 2, group); // (..., Hkv, group, S, F)
+  return t.unsqueeze(-3).expand(sizes).flatten(-4, -3);
+}
+
 } // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> math_attention(
@@ -35,8 +45,8 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(
   auto k = key, v = value;
   if (options.enable_gqa() && key.size(-3) != query.size(-3)) {
     const auto group = query.size(-3) / key.size(-3);
-    k = key.repeat_interleave(group, -3);
-    v = value.repeat_interleave(group, -3);
+    k = repeat_heads(key, group);
+    v = repeat_heads(value, group);
   }
   // Scaling the (L, E) query rather than the (L, S) scores is cheaper when
   // S > E and rounds as torch::nn::MultiheadAttention does.

@@ -16,6 +16,12 @@ namespace {
 
 constexpr const char* kCaller = "RotaryEmbedding";
 constexpr int64_t kFirstTableLength = 256;
+// Positions up to here are cached (a table of 2^16 positions holds
+// dim · 256 KB in float32); later ones are computed for each call, so that
+// a far offset costs its own rows rather than a table reaching it.
+constexpr int64_t kLongestTable = int64_t{1} << 16;
+// Positions are exact integers in float64 up to 2^53.
+constexpr int64_t kLastPosition = int64_t{1} << 53;
 
 // cos and sin of every position's angles, (length, dim / 2) each.
 struct Table {
@@ -23,6 +29,24 @@ struct Table {
   torch::ScalarType dtype;
   torch::Tensor cos, sin;
 };
+
+// cos and sin of the angles of positions [begin, begin + length), in
+// float64 (position · base^(-2i/dim), exact for integer positions up to
+// 2^53 before the one rounding to `target`), (length, dim / 2) each.
+Table angle_table(
+    const RotaryEmbeddingOptions& options,
+    int64_t begin,
+    int64_t length,
+    const torch::TensorOptions& target) {
+  const auto dim = options.dim();
+  const auto f64 = torch::TensorOptions(torch::kDouble);
+  const auto inverse_frequency = torch::pow(
+      options.base(), torch::arange(0, dim, 2, f64) / -static_cast<double>(dim));
+  const auto angles = torch::outer(torch::arange(begin, begin + length, f64), inverse_frequency);
+  return {
+      target.device(), c10::typeMetaToScalarType(target.dtype()), angles.cos().to(target),
+      angles.sin().to(target)};
+}
 
 } // namespace
 
@@ -58,28 +82,29 @@ torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offse
       x.scalar_type());
   TORCH_CHECK(offset >= 0, kCaller, ": offset must be >= 0, got ", offset);
   const auto T = x.size(-2);
+  TORCH_CHECK(
+      offset <= kLastPosition - T, kCaller, ": positions must stay within 2^53 (exact in ",
+      "float64), got offset ", offset, " for ", T, " tokens");
 
   torch::Tensor cos, sin; // (T, dim / 2)
-  {
+  const auto target = torch::TensorOptions(x.scalar_type()).device(x.device());
+  const int64_t needed = offset + T;
+  if (needed > kLongestTable) {
+    const auto rows = angle_table(options, offset, T, target);
+    cos = rows.cos;
+    sin = rows.sin;
+  } else {
     const std::lock_guard<std::mutex> lock(tables_->mutex);
     auto& tables = tables_->tables;
     auto table = std::find_if(tables.begin(), tables.end(), [&](const Table& t) {
       return t.device == x.device() && t.dtype == x.scalar_type();
     });
-    const int64_t needed = offset + T;
     if (table == tables.end() || table->cos.size(0) < needed) {
       int64_t length = kFirstTableLength;
       while (length < needed) {
         length *= 2;
       }
-      // Angles in float64: position · base^(-2i/dim), exact for integer
-      // positions up to 2^53 before the one rounding to x's dtype.
-      const auto f64 = torch::TensorOptions(torch::kDouble);
-      const auto inverse_frequency = torch::pow(
-          options.base(), torch::arange(0, dim, 2, f64) / -static_cast<double>(dim));
-      const auto angles = torch::outer(torch::arange(length, f64), inverse_frequency);
-      const auto target = torch::TensorOptions(x.scalar_type()).device(x.device());
-      Table fresh{x.device(), x.scalar_type(), angles.cos().to(target), angles.sin().to(target)};
+      auto fresh = angle_table(options, 0, length, target);
       if (table == tables.end()) {
         tables.push_back(std::move(fresh));
         table = tables.end() - 1;

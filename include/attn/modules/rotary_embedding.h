@@ -18,8 +18,9 @@ namespace attn {
 /// positions only through their difference.
 ///
 /// The cos/sin tables are computed in float64, rounded once to the input's
-/// dtype, cached per device and dtype and grown on demand (doubling), so a
-/// decoding loop does not recompute them. The module has no parameters.
+/// dtype, cached per device and dtype and grown on demand (doubling) up to
+/// position 2^16, so a decoding loop does not recompute them; positions
+/// beyond are computed for each call. The module has no parameters.
 ///
 /// Example:
 /// ```
@@ -34,8 +35,9 @@ class RotaryEmbeddingImpl : public torch::nn::Cloneable<RotaryEmbeddingImpl> {
   explicit RotaryEmbeddingImpl(const RotaryEmbeddingOptions& options);
 
   /// `x (..., T, F)` with `F >= dim`, floating point: token `t` stands at
-  /// position `offset + t`. Returns the rotated tensor, shaped like `x`;
-  /// differentiable with respect to `x`.
+  /// position `offset + t`, with `0 <= offset` and `offset + T <= 2^53`.
+  /// Returns the rotated tensor, shaped like `x`; differentiable with
+  /// respect to `x`.
   torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0);
 
   /// Checks the options and empties the table cache.
