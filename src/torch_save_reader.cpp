@@ -179,7 +179,7 @@ class Unpickler {
 
   ObjectPtr pop() {
     check(!stack_.empty(), "an opcode needs more objects than its stack holds");
-    auto top = stack_.back();
+    auto* top = stack_.back();
     stack_.pop_back();
     return top;
   }
@@ -203,19 +203,19 @@ class Unpickler {
   }
 
   void push_scalar(Object::Kind kind, int64_t value) {
-    auto object = make(kind);
+    auto* object = make(kind);
     object->integer = value;
     stack_.push_back(object);
   }
 
   void push_string(std::string text, Object::Kind kind = Object::Kind::string) {
-    auto object = make(kind);
+    auto* object = make(kind);
     object->text = std::move(text);
     stack_.push_back(object);
   }
 
   void push_tuple(std::vector<ObjectPtr> items) {
-    auto tuple = make(Object::Kind::tuple);
+    auto* tuple = make(Object::Kind::tuple);
     tuple->items = std::move(items);
     stack_.push_back(tuple);
   }
@@ -262,7 +262,7 @@ class Unpickler {
       case 'G': { // BINFLOAT, big-endian
         auto raw = read_bytes(8);
         std::reverse(raw.begin(), raw.end());
-        auto object = make(Kind::floating);
+        auto* object = make(Kind::floating);
         std::memcpy(&object->floating, raw.data(), 8);
         stack_.push_back(object);
         break;
@@ -284,7 +284,7 @@ class Unpickler {
       }
       case ']': stack_.push_back(make(Kind::list)); break; // EMPTY_LIST
       case 'a': {                                          // APPEND
-        auto item = pop();
+        auto* item = pop();
         top(Kind::list, "APPEND")->items.push_back(item);
         break;
       }
@@ -296,8 +296,8 @@ class Unpickler {
       }
       case '}': stack_.push_back(make(Kind::dict)); break; // EMPTY_DICT
       case 's': {                                          // SETITEM
-        auto value = pop();
-        auto key = pop();
+        auto* value = pop();
+        auto* key = pop();
         top(Kind::dict, "SETITEM")->entries.emplace_back(key, value);
         break;
       }
@@ -316,8 +316,8 @@ class Unpickler {
         break;
       }
       case 0x93: { // STACK_GLOBAL
-        auto name = pop();
-        auto module = pop();
+        auto* name = pop();
+        auto* module = pop();
         check(
             name->kind == Kind::string && module->kind == Kind::string,
             "STACK_GLOBAL without a module and a name");
@@ -340,8 +340,8 @@ class Unpickler {
       }
       case 'Q': stack_.push_back(load_storage(pop())); break; // BINPERSID
       case 'R': {                                             // REDUCE
-        auto arguments = pop();
-        auto callable = pop();
+        auto* arguments = pop();
+        auto* callable = pop();
         check(
             callable->kind == Kind::global && arguments->kind == Kind::tuple,
             "REDUCE without a global and its arguments");
@@ -452,7 +452,7 @@ class Unpickler {
     check(
         fits_storage(size, stride, offset, storage.numel()),
         "a tensor that reaches past its storage");
-    auto tensor = make(Kind::tensor);
+    auto* tensor = make(Kind::tensor);
     tensor->tensor = storage.as_strided(size, stride, offset);
     return tensor;
   }
@@ -517,7 +517,7 @@ class Unpickler {
         numel >= 0 && numel <= static_cast<int64_t>(size) / element_size &&
             static_cast<size_t>(numel * element_size) == size,
         "storage ", key, " holds ", size, " bytes for ", numel, " elements of ", dtype->second);
-    auto storage = make(Kind::storage);
+    auto* storage = make(Kind::storage);
     storage->tensor = torch::empty({numel}, torch::TensorOptions(dtype->second));
     if (size > 0) { // an empty storage's tensor has no data pointer to copy to
       std::memcpy(storage->tensor.data_ptr(), data.get(), size);
@@ -612,7 +612,7 @@ std::map<std::string, torch::Tensor> read_archive(
   std::map<std::string, torch::Tensor> tensors;
   try {
     Unpickler unpickler(*archive, where);
-    const auto root = unpickler.run();
+    auto* const root = unpickler.run();
     TORCH_CHECK(
         root->kind == Object::Kind::dict, where,
         " must hold a state_dict (a dict of tensors), got ", root->kind_name());
