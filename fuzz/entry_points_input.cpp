@@ -181,6 +181,17 @@ double epsilon(torch::ScalarType dtype) {
   }
 }
 
+// The spacing of a dtype's subnormal numbers: the rounding error of values
+// too small for `epsilon`'s relative bound (float16's is 6e-8).
+double smallest_step(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kDouble: return std::numeric_limits<double>::denorm_min();
+    case torch::kBFloat16: return std::ldexp(1.0, -133);
+    case torch::kHalf: return std::ldexp(1.0, -24);
+    default: return static_cast<double>(std::numeric_limits<float>::denorm_min());
+  }
+}
+
 bool is_half_precision(torch::ScalarType dtype) {
   return dtype == torch::kBFloat16 || dtype == torch::kHalf;
 }
@@ -499,6 +510,8 @@ struct FunctionBounds {
             max_abs(k) +
         finite_mask_magnitude(mask);
     tolerance = Tolerance(compute, storage, score_bound, c.E, c.S, max_abs(v));
+    tolerance.weights += smallest_step(c.dtype);
+    tolerance.output += smallest_step(c.dtype);
   }
 };
 
@@ -625,7 +638,7 @@ void check_function_gradients(
     if (tolerance.meaningful() && all_finite(gradients[i])) {
       oracle.expect_close(
           names[i], gradients[i], expected[i],
-          tolerances[i] + 2 * bounds.storage * largest + 1e-12);
+          tolerances[i] + 2 * bounds.storage * largest + smallest_step(c.dtype) + 1e-12);
     }
   }
 }
@@ -1069,7 +1082,7 @@ void run_rotary(Bytes& bytes) {
   auto expected = interleaved ? torch::stack({new_first, new_second}, -1).flatten(-2)
                               : torch::cat({new_first, new_second}, -1);
   expected = torch::cat({expected, x64.narrow(-1, dim, features - dim)}, -1);
-  const double tolerance = 8 * epsilon(dtype) * (max_abs(x64) + 1e-300);
+  const double tolerance = 8 * epsilon(dtype) * max_abs(x64) + smallest_step(dtype);
   oracle.expect_close("the rotated x", rotated, expected, tolerance);
 }
 

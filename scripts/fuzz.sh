@@ -56,7 +56,6 @@ cmake --build build-fuzz --target attn_fuzz_state_dict attn_fuzz_entry_points
 # LibTorch throw its c10::Error, as without ASan. The smaller quarantine,
 # malloc stacks and fill keep the runs fast; leaks are still found.
 export ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1:malloc_context_size=2:quarantine_size_mb=16:max_malloc_fill_size=0
-export LSAN_OPTIONS="suppressions=$PWD/fuzz/lsan_suppressions.txt"
 export UBSAN_OPTIONS=print_stacktrace=1
 
 mkdir -p build-fuzz/findings
