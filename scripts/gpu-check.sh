@@ -23,6 +23,7 @@
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
+source scripts/lib/install_missing.sh
 root="$(pwd)"
 
 usage() {
@@ -36,14 +37,7 @@ prepare() {
   deps="$(cd "$deps" && pwd)"
   # Sources of what Debian's libgtest-dev, libfmt-dev and libbenchmark-dev
   # provide, so that the GPU machine can build them with its own compiler.
-  local need=()
-  for package in googletest libfmt-dev curl ca-certificates; do
-    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || need+=("$package")
-  done
-  if [ "${#need[@]}" -gt 0 ]; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
-  fi
+  install_missing googletest libfmt-dev curl ca-certificates
   rm -rf "$deps/googletest" "$deps/fmt" "$deps/benchmark"
   cp -r /usr/src/googletest "$deps/googletest"
   mkdir -p "$deps/fmt/include"

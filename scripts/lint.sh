@@ -21,22 +21,7 @@ usage() {
 
 cd "$(dirname "$0")/.."
 
-# install_missing PACKAGE...: installs those of the Debian packages that are missing.
-install_missing() {
-  local missing=() package
-  for package in "$@"; do
-    if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
-      missing+=("$package")
-    fi
-  done
-  if [ "${#missing[@]}" -gt 0 ]; then
-    echo "Installing: ${missing[*]}"
-    local as_root=()
-    [ "$(id -u)" -eq 0 ] || as_root=(sudo)
-    "${as_root[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  fi
-}
+source scripts/lib/install_missing.sh
 
 cpp_files() {
   git ls-files -z '*.cpp' '*.cc' '*.h' '*.hpp'

@@ -35,6 +35,7 @@ readonly WHEELS=(
 )
 
 cd "$(dirname "$0")/.."
+source scripts/lib/install_missing.sh
 venv="$(pwd)/.deps/pytorch-${TORCH_VERSION}"
 python="$venv/bin/python"
 
@@ -52,10 +53,7 @@ if ! imports; then
   # venv itself is in Python's standard library; the pip it installs comes
   # with ensurepip, which Debian packages separately.
   if ! python3 -c 'import ensurepip' >/dev/null 2>&1; then
-    as_root=()
-    [ "$(id -u)" -eq 0 ] || as_root=(sudo)
-    "${as_root[@]}" apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends python3-venv
+    install_missing python3-venv
   fi
   rm -rf "$venv"
   python3 -m venv "$venv"

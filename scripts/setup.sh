@@ -32,6 +32,7 @@ case "$libtorch" in
 esac
 
 cd "$(dirname "$0")/.."
+source scripts/lib/install_missing.sh
 
 # libgloo-dev: the Gloo headers that c10d's ProcessGroupGloo.hpp includes,
 # for attn::distributed; Debian's LibTorch and the PyPI wheel both have Gloo
@@ -39,19 +40,7 @@ cd "$(dirname "$0")/.."
 packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
           libcli11-dev nlohmann-json3-dev libgloo-dev cmake ninja-build g++)
 [ "$libtorch" = debian ] && packages+=(libtorch-dev)
-missing=()
-for package in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$package")
-  fi
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "Installing: ${missing[*]}"
-  as_root=()
-  [ "$(id -u)" -eq 0 ] || as_root=(sudo)
-  "${as_root[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+install_missing "${packages[@]}"
 
 configure=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
 if [ "$libtorch" = pypi ]; then

@@ -58,7 +58,9 @@ void PrintTo(const Case& test_case, std::ostream* stream) {
 }
 
 Case make_case(std::string name, MultiHeadAttentionOptions options) {
-  return {std::move(name), std::move(options)};
+  return {
+      std::move(name), std::move(options), /*is_causal=*/false, /*window=*/c10::nullopt,
+      /*mask_dims=*/0};
 }
 
 std::vector<Case> cases() {

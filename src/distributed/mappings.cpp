@@ -43,35 +43,26 @@ struct ReduceFromParallel : torch::autograd::Function<ReduceFromParallel> {
   }
 };
 
-struct ScatterToParallel : torch::autograd::Function<ScatterToParallel> {
+// Scatter (forward: the rank's part along `dim`; backward: the parts
+// gathered) or its mirror, gather.
+struct SplitAlongDim : torch::autograd::Function<SplitAlongDim> {
   static torch::Tensor forward(
       AutogradContext* ctx,
       torch::Tensor input,
       int64_t dim,
+      bool scatter,
       const Group& group) {
     save_group(ctx, group);
     ctx->saved_data["dim"] = dim;
-    return own_part(input, dim, group);
+    ctx->saved_data["scatter"] = scatter;
+    return scatter ? own_part(input, dim, group) : gathered(input, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto dim = ctx->saved_data["dim"].toInt();
-    return {gathered(grads[0], dim, saved_group(ctx)), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-struct GatherFromParallel : torch::autograd::Function<GatherFromParallel> {
-  static torch::Tensor forward(
-      AutogradContext* ctx,
-      torch::Tensor input,
-      int64_t dim,
-      const Group& group) {
-    save_group(ctx, group);
-    ctx->saved_data["dim"] = dim;
-    return gathered(input, dim, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto dim = ctx->saved_data["dim"].toInt();
-    return {own_part(grads[0], dim, saved_group(ctx)), torch::Tensor(), torch::Tensor()};
+    const Group group = saved_group(ctx);
+    auto grad = ctx->saved_data["scatter"].toBool() ? gathered(grads[0], dim, group)
+                                                    : own_part(grads[0], dim, group);
+    return {grad, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -87,12 +78,12 @@ torch::Tensor reduce_from_parallel(const torch::Tensor& input, const Group& grou
 
 torch::Tensor scatter_to_parallel(const torch::Tensor& input, int64_t dim, const Group& group) {
   dim = c10::maybe_wrap_dim(dim, input.dim());
-  return group.size() == 1 ? input : ScatterToParallel::apply(input, dim, group);
+  return group.size() == 1 ? input : SplitAlongDim::apply(input, dim, /*scatter=*/true, group);
 }
 
 torch::Tensor gather_from_parallel(const torch::Tensor& input, int64_t dim, const Group& group) {
   dim = c10::maybe_wrap_dim(dim, input.dim());
-  return group.size() == 1 ? input : GatherFromParallel::apply(input, dim, group);
+  return group.size() == 1 ? input : SplitAlongDim::apply(input, dim, /*scatter=*/false, group);
 }
 
 } // namespace attn::distributed

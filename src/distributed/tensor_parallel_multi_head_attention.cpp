@@ -92,22 +92,8 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
       H_kv % W == 0 || W % H_kv == 0, kCaller, ": num_kv_heads and the number of ",
       "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
 
-  const auto E = options.embed_dim(), D = E / H;
-  const auto E_local = local_heads() * D, E_kv_local = local_kv_heads() * D;
-  using torch::nn::Linear;
-  using torch::nn::LinearOptions;
-  const bool bias = options.bias();
-  q_proj = register_module("q_proj", Linear(LinearOptions(E, E_local).bias(bias)));
-  k_proj = register_module("k_proj", Linear(LinearOptions(options.kdim(), E_kv_local).bias(bias)));
-  v_proj = register_module("v_proj", Linear(LinearOptions(options.vdim(), E_kv_local).bias(bias)));
-  out_proj = register_module("out_proj", Linear(LinearOptions(E_local, E).bias(bias)));
-  if (options.add_bias_kv()) {
-    bias_k = register_parameter("bias_k", torch::empty({1, 1, E_kv_local}));
-    bias_v = register_parameter("bias_v", torch::empty({1, 1, E_kv_local}));
-  }
-  if (options.rotary()) {
-    rotary = register_module("rotary", RotaryEmbedding(*options.rotary()));
-  }
+  const auto D = options.embed_dim() / H;
+  register_layers(*this, options, local_heads() * D, local_kv_heads() * D);
 
   torch::NoGradGuard no_grad;
   const auto whole = full->named_parameters();
@@ -163,20 +149,14 @@ TensorParallelMultiHeadAttentionImpl::Split TensorParallelMultiHeadAttentionImpl
         ? parameter
         : SumOverCopies::apply(parameter, kv_slot, H_kv, group_);
   };
-  ::attn::detail::MultiHeadParameters parameters;
-  parameters.num_heads = local_heads();
-  parameters.num_kv_heads = local_kv_heads();
-  parameters.head_dim = options.embed_dim() / H;
-  parameters.q_weight = q_proj->weight;
-  parameters.q_bias = q_proj->bias;
-  parameters.k_weight = kv(k_proj->weight);
-  parameters.k_bias = kv(k_proj->bias);
-  parameters.v_weight = kv(v_proj->weight);
-  parameters.v_bias = kv(v_proj->bias);
-  parameters.bias_k = kv(bias_k);
-  parameters.bias_v = kv(bias_v);
-  parameters.out_weight = out_proj->weight; // out_bias: added once, after the sum
-  parameters.rotary = rotary;
+  auto parameters = ::attn::detail::parameters_of(
+      *this, local_heads(), local_kv_heads(), options.embed_dim() / H);
+  for (auto* kv_parameter :
+       {&parameters.k_weight, &parameters.k_bias, &parameters.v_weight, &parameters.v_bias,
+        &parameters.bias_k, &parameters.bias_v}) {
+    *kv_parameter = kv(*kv_parameter);
+  }
+  parameters.out_bias = torch::Tensor(); // added once, after the sum over ranks
   return parameters;
 }
 

@@ -17,6 +17,30 @@ constexpr const char* kCaller = "MultiHeadAttention";
 
 } // namespace
 
+void MultiHeadLayers::register_layers(
+    torch::nn::Module& owner,
+    const MultiHeadAttentionOptions& options,
+    int64_t query_width,
+    int64_t kv_width) {
+  using torch::nn::Linear;
+  using torch::nn::LinearOptions;
+  const bool bias = options.bias();
+  const auto E = options.embed_dim();
+  q_proj = owner.register_module("q_proj", Linear(LinearOptions(E, query_width).bias(bias)));
+  k_proj = owner.register_module(
+      "k_proj", Linear(LinearOptions(options.kdim(), kv_width).bias(bias)));
+  v_proj = owner.register_module(
+      "v_proj", Linear(LinearOptions(options.vdim(), kv_width).bias(bias)));
+  out_proj = owner.register_module("out_proj", Linear(LinearOptions(query_width, E).bias(bias)));
+  if (options.add_bias_kv()) {
+    bias_k = owner.register_parameter("bias_k", torch::empty({1, 1, kv_width}));
+    bias_v = owner.register_parameter("bias_v", torch::empty({1, 1, kv_width}));
+  }
+  if (options.rotary()) {
+    rotary = owner.register_module("rotary", RotaryEmbedding(*options.rotary()));
+  }
+}
+
 MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options_)
     : options(options_) {
   reset();
@@ -47,21 +71,7 @@ void MultiHeadAttentionImpl::reset() {
       ": rotary dim must be at most the head width embed_dim / num_heads = ", D, ", got ",
       options.rotary() ? options.rotary()->dim() : 0);
 
-  using torch::nn::Linear;
-  using torch::nn::LinearOptions;
-  const bool bias = options.bias();
-  const auto E_kv = H_kv * D;
-  q_proj = register_module("q_proj", Linear(LinearOptions(E, E).bias(bias)));
-  k_proj = register_module("k_proj", Linear(LinearOptions(options.kdim(), E_kv).bias(bias)));
-  v_proj = register_module("v_proj", Linear(LinearOptions(options.vdim(), E_kv).bias(bias)));
-  out_proj = register_module("out_proj", Linear(LinearOptions(E, E).bias(bias)));
-  if (options.add_bias_kv()) {
-    bias_k = register_parameter("bias_k", torch::empty({1, 1, E_kv}));
-    bias_v = register_parameter("bias_v", torch::empty({1, 1, E_kv}));
-  }
-  if (options.rotary()) {
-    rotary = register_module("rotary", RotaryEmbedding(*options.rotary()));
-  }
+  register_layers(*this, options, E, H_kv * D);
   reset_parameters();
 }
 
@@ -99,21 +109,9 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const MultiHeadAttentionForwardOptions& forward_options) {
-  detail::MultiHeadParameters parameters;
-  parameters.num_heads = options.num_heads();
-  parameters.num_kv_heads = options.num_kv_heads().value_or(options.num_heads());
-  parameters.head_dim = options.embed_dim() / options.num_heads();
-  parameters.q_weight = q_proj->weight;
-  parameters.q_bias = q_proj->bias;
-  parameters.k_weight = k_proj->weight;
-  parameters.k_bias = k_proj->bias;
-  parameters.v_weight = v_proj->weight;
-  parameters.v_bias = v_proj->bias;
-  parameters.bias_k = bias_k;
-  parameters.bias_v = bias_v;
-  parameters.out_weight = out_proj->weight;
-  parameters.out_bias = out_proj->bias;
-  parameters.rotary = rotary;
+  const auto H = options.num_heads();
+  const auto parameters = detail::parameters_of(
+      *this, H, options.num_kv_heads().value_or(H), options.embed_dim() / H);
   return detail::multi_head_attention_forward(
       query, key, value, options, parameters, forward_options, is_training());
 }

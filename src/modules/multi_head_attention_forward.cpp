@@ -261,6 +261,29 @@ torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first) {
 
 } // namespace
 
+MultiHeadParameters parameters_of(
+    const MultiHeadLayers& layers,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim) {
+  MultiHeadParameters parameters;
+  parameters.num_heads = num_heads;
+  parameters.num_kv_heads = num_kv_heads;
+  parameters.head_dim = head_dim;
+  parameters.q_weight = layers.q_proj->weight;
+  parameters.q_bias = layers.q_proj->bias;
+  parameters.k_weight = layers.k_proj->weight;
+  parameters.k_bias = layers.k_proj->bias;
+  parameters.v_weight = layers.v_proj->weight;
+  parameters.v_bias = layers.v_proj->bias;
+  parameters.bias_k = layers.bias_k;
+  parameters.bias_v = layers.bias_v;
+  parameters.out_weight = layers.out_proj->weight;
+  parameters.out_bias = layers.out_proj->bias;
+  parameters.rotary = layers.rotary;
+  return parameters;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
     const torch::Tensor& query,
     const torch::Tensor& key,

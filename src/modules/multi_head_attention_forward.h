@@ -7,6 +7,7 @@
 // module's parameters; a module that holds only some of the heads (one
 // rank's share under tensor parallelism) calls it with those.
 
+#include <attn/modules/multi_head_layers.h>
 #include <attn/modules/rotary_embedding.h>
 #include <attn/options.h>
 
@@ -31,6 +32,14 @@ struct MultiHeadParameters {
   torch::Tensor out_weight, out_bias; // (E, H·D), (E)
   RotaryEmbedding rotary = nullptr;   // null: no rotary positions
 };
+
+// The tensors of `layers` for `num_heads` query and `num_kv_heads`
+// key/value heads of width `head_dim`.
+MultiHeadParameters parameters_of(
+    const MultiHeadLayers& layers,
+    int64_t num_heads,
+    int64_t num_kv_heads,
+    int64_t head_dim);
 
 // `options` gives the layout and the features (embed_dim, kdim, vdim,
 // batch_first, dropout, add_bias_kv, add_zero_attn); `parameters` the

@@ -2,6 +2,7 @@
 
 #include <attn/distributed/process_group.h>
 #include <attn/modules/multi_head_attention.h>
+#include <attn/modules/multi_head_layers.h>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -32,7 +33,8 @@ namespace attn::distributed {
 /// (with fewer key/value heads than ranks, W divisible by H_kv: the one
 /// head that the rank's queries read, copied on W/H_kv ranks whose
 /// gradients are summed), `out_proj.weight` `(E, H/W·D)`, `out_proj.bias`
-/// `(E)` whole. A KV cache holds the rank's key/value heads.
+/// `(E)` whole; they are `MultiHeadLayers`' members. A KV cache holds the
+/// rank's key/value heads.
 ///
 /// One forward makes an all-gather of the query's sizes (so that ranks that
 /// disagree fail with a message, not a hang), the all-reduce of the output
@@ -47,7 +49,7 @@ namespace attn::distributed {
 /// attn::distributed::TensorParallelMultiHeadAttention mha(full, group);
 /// auto [out, w] = mha(x, x, x);  // as full(x, x, x), each rank 4 heads
 /// ```
-class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module {
+class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module, public MultiHeadLayers {
  public:
   /// The rank's part of `MultiHeadAttention(options)`: the full module is
   /// made (with the current random state, which must be the same on every
@@ -80,21 +82,6 @@ class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module {
   const Group& group() const { return group_; }
   /// The options of the whole module.
   MultiHeadAttentionOptions options;
-
-  /// `E -> H/W·D`: the rank's query heads.
-  torch::nn::Linear q_proj = nullptr;
-  /// `kdim -> max(H_kv/W, 1)·D`.
-  torch::nn::Linear k_proj = nullptr;
-  /// `vdim -> max(H_kv/W, 1)·D`.
-  torch::nn::Linear v_proj = nullptr;
-  /// `H/W·D -> E`, its bias whole.
-  torch::nn::Linear out_proj = nullptr;
-  /// `(1, 1, max(H_kv/W, 1)·D)` with `add_bias_kv`; undefined otherwise.
-  torch::Tensor bias_k;
-  /// `(1, 1, max(H_kv/W, 1)·D)` with `add_bias_kv`; undefined otherwise.
-  torch::Tensor bias_v;
-  /// As in `MultiHeadAttention`; no parameters.
-  RotaryEmbedding rotary = nullptr;
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})

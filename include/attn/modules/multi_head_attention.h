@@ -1,6 +1,7 @@
 #pragma once
 
 #include <attn/kv_cache.h>
+#include <attn/modules/multi_head_layers.h>
 #include <attn/modules/rotary_embedding.h>
 #include <attn/options.h>
 
@@ -37,7 +38,10 @@ namespace attn {
 /// auto [out, w] = mha(x, x, x);  // x: (B, T, 512) -> out (B, T, 512),
 ///                                //                   w (B, 8, T, T)
 /// ```
-class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl> {
+/// Its layers (`q_proj`, `k_proj`, `v_proj`, `out_proj`, `bias_k`, `bias_v`,
+/// `rotary`) are the members of `MultiHeadLayers`, for all H heads.
+class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImpl>,
+                               public MultiHeadLayers {
  public:
   /// `embed_dim` E split into `num_heads` H heads; every other option at
   /// its default.
@@ -74,24 +78,6 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
 
   /// The options the module was constructed with.
   MultiHeadAttentionOptions options;
-
-  /// `E -> E`.
-  torch::nn::Linear q_proj = nullptr;
-  /// `kdim -> num_kv_heads · D` (E unless grouped).
-  torch::nn::Linear k_proj = nullptr;
-  /// `vdim -> num_kv_heads · D` (E unless grouped).
-  torch::nn::Linear v_proj = nullptr;
-  /// `E -> E`, applied to the merged heads.
-  torch::nn::Linear out_proj = nullptr;
-  /// `(1, 1, num_kv_heads · D)` with `add_bias_kv`: the extra key;
-  /// undefined otherwise.
-  torch::Tensor bias_k;
-  /// `(1, 1, num_kv_heads · D)` with `add_bias_kv`: the extra key's value;
-  /// undefined otherwise.
-  torch::Tensor bias_v;
-  /// Applied to queries and keys when `options.rotary()` is set; null
-  /// otherwise. Has no parameters.
-  RotaryEmbedding rotary = nullptr;
 
  protected:
   FORWARD_HAS_DEFAULT_ARGS({3, torch::nn::AnyValue(MultiHeadAttentionForwardOptions())})

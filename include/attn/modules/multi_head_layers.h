@@ -1,0 +1,45 @@
+#pragma once
+
+#include <attn/modules/rotary_embedding.h>
+#include <attn/options.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/types.h>
+
+namespace attn {
+
+/// The layers of a multi-head attention module, under the names of
+/// `torch::nn::MultiheadAttention`'s state_dict. `MultiHeadAttention` holds
+/// them for all H heads; `distributed::TensorParallelMultiHeadAttention` for
+/// one rank's share, so that H and H_kv below are then the rank's heads.
+struct MultiHeadLayers {
+  /// `E -> H·D`: the query heads.
+  torch::nn::Linear q_proj = nullptr;
+  /// `kdim -> H_kv·D` (H_kv = H unless grouped).
+  torch::nn::Linear k_proj = nullptr;
+  /// `vdim -> H_kv·D`.
+  torch::nn::Linear v_proj = nullptr;
+  /// `H·D -> E`, applied to the merged heads.
+  torch::nn::Linear out_proj = nullptr;
+  /// `(1, 1, H_kv·D)` with `add_bias_kv`: the extra key; undefined otherwise.
+  torch::Tensor bias_k;
+  /// `(1, 1, H_kv·D)` with `add_bias_kv`: the extra key's value; undefined
+  /// otherwise.
+  torch::Tensor bias_v;
+  /// Applied to queries and keys when `options.rotary()` is set; null
+  /// otherwise. Has no parameters.
+  RotaryEmbedding rotary = nullptr;
+
+ protected:
+  /// Registers the layers in `owner` (the module deriving from this) as
+  /// `options` asks (biases, `add_bias_kv`, `rotary`), `query_width` = H·D
+  /// and `kv_width` = H_kv·D features wide. Parameters are not initialised.
+  void register_layers(
+      torch::nn::Module& owner,
+      const MultiHeadAttentionOptions& options,
+      int64_t query_width,
+      int64_t kv_width);
+};
+
+} // namespace attn
