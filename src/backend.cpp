@@ -148,9 +148,9 @@ bool libtorch_faster_on_cpu(
   const int64_t S = key.size(-2);
   const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
-    case torch::kFloat: return cpu.avx512 && !(options.is_causal() && S >= 384 && S <= 768);
+    case torch::kFloat: return cpu.avx512 && (!options.is_causal() || S < 384 || S > 768);
     case torch::kBFloat16:
-      return cpu.amx_bfloat16 && !(inputs_need_grad(query, key, value) && S <= 256);
+      return cpu.amx_bfloat16 && (!inputs_need_grad(query, key, value) || S > 256);
     default: return false;
   }
 }

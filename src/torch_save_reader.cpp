@@ -404,7 +404,7 @@ class Unpickler {
     const auto dtype = tensor_dtypes().find(dtype_name);
     check_known(dtype != tensor_dtypes().end(), "dtype " + dtype_name, names_of(tensor_dtypes()));
     const auto& storage = arguments[0]->tensor;
-    const auto bytes = storage.numel() * static_cast<int64_t>(storage.element_size());
+    const auto bytes = storage.numel() * storage.element_size();
     const auto element_size = static_cast<int64_t>(c10::elementSize(dtype->second));
     check(
         bytes % element_size == 0, "a storage of ", bytes, " bytes read as ", dtype_name,

@@ -92,7 +92,7 @@ void add_output_options(CLI::App& app, DemoArguments& arguments) {
          "head whose attention map is shown:\n0 to H-1, or all")
       ->type_name("H")
       ->transform(head_or_all())
-      ->default_str(fmt::to_string(*arguments.head));
+      ->default_str(arguments.head ? fmt::to_string(*arguments.head) : "all");
   app.add_option(
          "--heatmap", arguments.heatmap_path,
          "draw the shown attention map(s) of the\nfirst sequence as an SVG "

@@ -25,7 +25,10 @@ torch::Tensor gathered(const torch::Tensor& input, int64_t dim, const Group& gro
 }
 
 struct CopyToParallel : torch::autograd::Function<CopyToParallel> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor input, const Group& group) {
+  static torch::Tensor forward(
+      AutogradContext* ctx,
+      const torch::Tensor& input,
+      const Group& group) {
     save_group(ctx, group);
     return input.view_as(input);
   }
@@ -35,7 +38,7 @@ struct CopyToParallel : torch::autograd::Function<CopyToParallel> {
 };
 
 struct ReduceFromParallel : torch::autograd::Function<ReduceFromParallel> {
-  static torch::Tensor forward(AutogradContext*, torch::Tensor input, const Group& group) {
+  static torch::Tensor forward(AutogradContext*, const torch::Tensor& input, const Group& group) {
     return detail::all_reduce_sum(input, group);
   }
   static variable_list backward(AutogradContext*, variable_list grads) {
@@ -48,7 +51,7 @@ struct ReduceFromParallel : torch::autograd::Function<ReduceFromParallel> {
 struct SplitAlongDim : torch::autograd::Function<SplitAlongDim> {
   static torch::Tensor forward(
       AutogradContext* ctx,
-      torch::Tensor input,
+      const torch::Tensor& input,
       int64_t dim,
       bool scatter,
       const Group& group) {

@@ -26,7 +26,7 @@ using torch::autograd::variable_list;
 struct SumOverCopies : torch::autograd::Function<SumOverCopies> {
   static torch::Tensor forward(
       AutogradContext* ctx,
-      torch::Tensor parameter,
+      const torch::Tensor& parameter,
       int64_t slot,
       int64_t slots,
       const Group& group) {
