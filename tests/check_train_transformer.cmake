@@ -6,6 +6,14 @@
 #                         step FULL, against one run straight to FULL: the
 #                         resumed run carries on from HALF and ends with the
 #                         same held-out results, to the printed digit.
+#   CASE=tensor_parallel  a run to FULL with --tensor-parallel over
+#                         WORLD_SIZE ranks (started by LAUNCHER) against
+#                         one process: every milestone's loss and accuracy
+#                         and the held-out loss agree within the tolerances
+#                         below, and the checkpoint it wrote loads into the
+#                         one-process model, which evaluates it alike. With
+#                         HALF, a parallel run resumed at HALF ends as the
+#                         uninterrupted one.
 #   CASE=help             --help: exit code 0 and every flag listed.
 #   EXPECTED_ERROR set    exit code 2 and that text on a one-line stderr.
 # ARGS are passed to every run; files go to the working directory.
@@ -25,6 +33,47 @@ function(train)
   set(out "${stdout}" PARENT_SCOPE)
   set(err "${stderr}" PARENT_SCOPE)
   set(exit_code "${code}" PARENT_SCOPE)
+endfunction()
+
+# The same with --tensor-parallel, over WORLD_SIZE ranks.
+function(train_in_parallel)
+  execute_process(COMMAND ${LAUNCHER} ${WORLD_SIZE} 120 ${TRAINER} --tensor-parallel ${args} ${ARGN}
+    RESULT_VARIABLE code OUTPUT_VARIABLE stdout ERROR_VARIABLE stderr)
+  set(out "${stdout}" PARENT_SCOPE)
+  set(err "${stderr}" PARENT_SCOPE)
+  set(exit_code "${code}" PARENT_SCOPE)
+endfunction()
+
+# Every "loss X" and "accuracy Y" of `text` (milestones and held-out
+# results), as integers in units of their last printed digit.
+function(printed_numbers out_var text)
+  string(REGEX MATCHALL "(loss|accuracy) +[0-9]+\\.[0-9]+" numbers "${text}")
+  list(TRANSFORM numbers REPLACE "[a-z ]+" "")
+  list(TRANSFORM numbers REPLACE "\\." "")
+  list(TRANSFORM numbers REPLACE "^0+([0-9])" "\\1")
+  set(${out_var} "${numbers}" PARENT_SCOPE)
+endfunction()
+
+# Fails with `what` unless `expected_text` and `actual_text` print as many
+# losses and accuracies, each within 3 units of its last digit.
+function(expect_same_numbers expected_text actual_text what)
+  printed_numbers(expected "${expected_text}")
+  printed_numbers(actual "${actual_text}")
+  list(LENGTH expected count)
+  list(LENGTH actual actual_count)
+  if(count EQUAL 0 OR NOT count EQUAL actual_count)
+    fail("${what}: not the same numbers printed in\n${expected_text}\nand\n${actual_text}")
+  endif()
+  math(EXPR last "${count} - 1")
+  foreach(i RANGE ${last})
+    list(GET expected ${i} e)
+    list(GET actual ${i} a)
+    math(EXPR difference "${a} - ${e}")
+    if(difference GREATER 3 OR difference LESS -3)
+      fail("${what} (number ${i}: ${a} against ${e} in units of the last digit):\n"
+           "${expected_text}\nand\n${actual_text}")
+    endif()
+  endforeach()
 endfunction()
 
 function(expect_success what)
@@ -100,10 +149,49 @@ elseif(CASE STREQUAL "resume")
     fail("resumed and uninterrupted runs differ:\n  resumed:${resumed}\n  straight:${straight}")
   endif()
   message(STATUS "both runs:${straight}")
+elseif(CASE STREQUAL "tensor_parallel")
+  file(REMOVE parallel_${WORLD_SIZE}.pt)
+  train(--steps ${FULL})
+  expect_success("the one-process run")
+  set(one_process "${out}")
+  train_in_parallel(--steps ${FULL} --checkpoint parallel_${WORLD_SIZE}.pt)
+  expect_success("the run over ${WORLD_SIZE} ranks")
+  set(parallel "${out}")
+  if(NOT parallel MATCHES "Tensor-parallel over ${WORLD_SIZE} ranks")
+    fail("the run over ${WORLD_SIZE} ranks does not say so:\n${parallel}")
+  endif()
+  # Splitting the heads changes the order of sums only: the curves agree to
+  # within 3 units of the printed last digit (losses to 3e-4 and the
+  # held-out loss to 3e-6, accuracies to 0.03 %).
+  expect_same_numbers("${one_process}" "${parallel}"
+    "the run over ${WORLD_SIZE} ranks left the one-process curve")
+  held_out_results(parallel_results)
+  # Its checkpoint, of the whole model, in the one-process trainer: resumed
+  # at its last step, it only evaluates.
+  train(--steps ${FULL} --checkpoint parallel_${WORLD_SIZE}.pt --resume)
+  expect_success("the one-process run resumed from the parallel checkpoint")
+  held_out_results(resumed_results)
+  expect_same_numbers("${parallel_results}" "${resumed_results}"
+    "the parallel checkpoint evaluates otherwise in one process")
+  if(DEFINED HALF)
+    # Resumed over the ranks from a checkpoint at step HALF, it ends as the
+    # uninterrupted parallel run.
+    file(REMOVE parallel_half.pt)
+    train_in_parallel(--steps ${HALF} --checkpoint parallel_half.pt)
+    expect_success("the run over ${WORLD_SIZE} ranks to step ${HALF}")
+    train_in_parallel(--steps ${FULL} --checkpoint parallel_half.pt --resume)
+    expect_success("the run over ${WORLD_SIZE} ranks resumed at step ${HALF}")
+    held_out_results(parallel_resumed_results)
+    if(NOT parallel_resumed_results STREQUAL parallel_results)
+      fail("resumed over the ranks, the run ends otherwise:\n"
+           "  resumed:${parallel_resumed_results}\n  uninterrupted:${parallel_results}")
+    endif()
+  endif()
+  message(STATUS "${WORLD_SIZE} ranks:${parallel_results}\none process:${resumed_results}")
 elseif(CASE STREQUAL "help")
   train(--help)
   expect_success("--help")
-  foreach(flag device steps seed digits batch eval-every checkpoint resume)
+  foreach(flag device steps seed digits batch eval-every checkpoint resume tensor-parallel)
     if(NOT out MATCHES "\n  --${flag} ")
       fail("--help does not list --${flag}:\n${out}")
     endif()

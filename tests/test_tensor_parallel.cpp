@@ -190,6 +190,49 @@ TEST(TensorParallelCheckpoints, PythonStateDictSplitsAndGathersBackExactly) {
   }
 }
 
+// A model built of these layers draws, after each, what a single process
+// draws after the whole layer: the layers after it start the same.
+TEST(TensorParallelCheckpoints, SplittingLeavesTheRandomStateAsTheWholeLayerDoes) {
+  torch::manual_seed(3);
+  MultiHeadAttention whole(MultiHeadAttentionOptions(32, 4));
+  const auto after_whole = torch::rand({8});
+  torch::manual_seed(3);
+  dist::TensorParallelMultiHeadAttention parallel(MultiHeadAttentionOptions(32, 4), group());
+  EXPECT_TRUE(torch::equal(torch::rand({8}), after_whole));
+}
+
+// shard() and gather() of a per-parameter tensor (an optimizer's moment)
+// are each other's inverse, and gather() of the parameters is the whole
+// module's.
+TEST(TensorParallelCheckpoints, ShardAndGatherOfPerParameterTensorsAreInverse) {
+  torch::manual_seed(4);
+  MultiHeadAttention whole(MultiHeadAttentionOptions(32, 4).num_kv_heads(1).add_bias_kv(true));
+  dist::TensorParallelMultiHeadAttention parallel(whole, group());
+  for (const auto& parameter : whole->named_parameters()) {
+    const auto moment = torch::randn_like(parameter.value());
+    const auto part = parallel->shard(parameter.key(), moment);
+    EXPECT_EQ(part.sizes(), parallel->named_parameters()[parameter.key()].sizes());
+    EXPECT_TRUE(torch::equal(parallel->gather(parameter.key(), part), moment)) << parameter.key();
+  }
+  EXPECT_THROW(parallel->shard("q_proj.weight", torch::zeros({3, 32})), c10::Error);
+}
+
+// The whole module's squared gradient norm, each key/value head copied on
+// several ranks and out_proj's bias counted once.
+TEST(TensorParallelCheckpoints, SquaredGradientNormIsTheWholeModules) {
+  torch::manual_seed(6);
+  MultiHeadAttention whole(MultiHeadAttentionOptions(32, 4).num_kv_heads(1));
+  dist::TensorParallelMultiHeadAttention parallel(whole, group());
+  const auto x = torch::randn({2, 5, 32});
+  std::get<0>(whole(x, x, x)).square().sum().backward();
+  std::get<0>(parallel(x, x, x)).square().sum().backward();
+  double expected = 0.0;
+  for (const auto& parameter : whole->parameters()) {
+    expected += parameter.grad().to(torch::kDouble).square().sum().item<double>();
+  }
+  EXPECT_NEAR(parallel->squared_gradient_norm().item<double>(), expected, 1e-6 * expected);
+}
+
 TEST(TensorParallelDropout, SameSeedGivesTheSameOutputEveryRun) {
   torch::manual_seed(5);
   dist::TensorParallelMultiHeadAttention parallel(

@@ -53,6 +53,10 @@ void add_options(CLI::App& app, TrainArguments& arguments) {
                          ->check(non_empty())
                          ->default_str("none");
   app.add_flag("--resume", arguments.resume, "continue from --checkpoint FILE")->needs(checkpoint);
+  app.add_flag(
+      "--tensor-parallel", arguments.tensor_parallel,
+      "split the attention heads over the ranks\nthat attn_launch_ranks or torchrun started\n"
+      "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)");
 }
 
 } // namespace

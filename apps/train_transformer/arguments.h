@@ -26,6 +26,9 @@ struct TrainArguments {
   /// Where the checkpoint is written (and read with `resume`); empty: none.
   std::string checkpoint;
   bool resume = false;
+  /// Split every attention layer's heads over the ranks a launcher
+  /// started (parallelism.h).
+  bool tensor_parallel = false;
 };
 
 /// Parses and checks `argv`. Returns nothing, having printed the help,

@@ -2,7 +2,8 @@
 // attn::MultiHeadAttention, feed-forward layers and layer norm, from scratch
 // to reverse strings of digits; `train_transformer --help` lists the flags.
 //
-// parse the flags (arguments) -> build the model (model), or resume it
+// parse the flags (arguments) -> build the model (model; with
+//   --tensor-parallel, each rank a share of its heads: parallelism), or resume it
 //   (checkpoint) -> train on sequences drawn for every step and evaluate on
 //   held-out ones (trainer, reversal_task), reporting as it goes (progress)
 

@@ -4,11 +4,16 @@
 
 namespace train {
 
-DecoderBlockImpl::DecoderBlockImpl(int64_t d_model, int64_t heads, int64_t feed_forward_width) {
+DecoderBlockImpl::DecoderBlockImpl(
+    int64_t d_model,
+    int64_t heads,
+    int64_t feed_forward_width,
+    const Parallelism& parallelism) {
   using torch::nn::LayerNormOptions;
   attention_norm_ = register_module(
       "attention_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
-  attention_ = register_module("attention", attn::MultiHeadAttention(d_model, heads));
+  attention_ = parallelism.attention(d_model, heads);
+  register_module("attention", attention_.ptr());
   feed_forward_norm_ = register_module(
       "feed_forward_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
   feed_forward_ = register_module(
@@ -21,7 +26,7 @@ DecoderBlockImpl::DecoderBlockImpl(int64_t d_model, int64_t heads, int64_t feed_
 torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, attn::KVCache* cache) {
   const auto normed = attention_norm_(x);
   // No weights asked for: the fused kernel never materialises (T, T).
-  const auto attended = std::get<0>(attention_(
+  const auto attended = std::get<0>(attention_.forward<std::tuple<torch::Tensor, torch::Tensor>>(
       normed, normed, normed,
       attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(false).kv_cache(
           cache)));
@@ -29,14 +34,16 @@ torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, attn::KVCache* c
   return h + feed_forward_->forward(feed_forward_norm_(h));
 }
 
-TransformerImpl::TransformerImpl(const TransformerConfig& config) : config_(config) {
+TransformerImpl::TransformerImpl(const TransformerConfig& config, const Parallelism& parallelism)
+    : config_(config) {
   token_embedding_ = register_module(
       "token_embedding", torch::nn::Embedding(config.vocabulary_size, config.d_model));
   position_embedding_ = register_module(
       "position_embedding", torch::nn::Embedding(config.max_length, config.d_model));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.layers; ++i) {
-    blocks_->push_back(DecoderBlock(config.d_model, config.heads, config.feed_forward_width));
+    blocks_->push_back(
+        DecoderBlock(config.d_model, config.heads, config.feed_forward_width, parallelism));
   }
   final_norm_ = register_module(
       "final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model})));

@@ -4,11 +4,16 @@
 // CPU in minutes: token and position embeddings, a stack of pre-norm blocks
 // (causal attn::MultiHeadAttention, then a feed-forward layer, each added
 // to its input), a final layer norm and a linear head over the vocabulary.
+// Under tensor parallelism each rank holds a share of every attention
+// layer's heads (parallelism.h) and the rest whole.
+
+#include "parallelism.h"
 
 #include <attn/kv_cache.h>
 #include <attn/modules/multi_head_attention.h>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
@@ -33,7 +38,11 @@ struct TransformerConfig {
 /// x + attention(norm(x)), then x + feed_forward(norm(x)).
 class DecoderBlockImpl : public torch::nn::Module {
  public:
-  DecoderBlockImpl(int64_t d_model, int64_t heads, int64_t feed_forward_width);
+  DecoderBlockImpl(
+      int64_t d_model,
+      int64_t heads,
+      int64_t feed_forward_width,
+      const Parallelism& parallelism);
 
   /// (B, T, E) -> (B, T, E); position t sees positions 0..t only. With a
   /// cache, x holds the tokens after the cached ones, which it also sees.
@@ -41,7 +50,8 @@ class DecoderBlockImpl : public torch::nn::Module {
 
  private:
   torch::nn::LayerNorm attention_norm_ = nullptr;
-  attn::MultiHeadAttention attention_ = nullptr;
+  // attn::MultiHeadAttention, or a rank's share of one.
+  torch::nn::AnyModule attention_;
   torch::nn::LayerNorm feed_forward_norm_ = nullptr;
   torch::nn::Sequential feed_forward_ = nullptr;
 };
@@ -49,7 +59,8 @@ TORCH_MODULE(DecoderBlock);
 
 class TransformerImpl : public torch::nn::Module {
  public:
-  explicit TransformerImpl(const TransformerConfig& config);
+  /// Its attention layers whole, or split as `parallelism` says.
+  TransformerImpl(const TransformerConfig& config, const Parallelism& parallelism);
 
   /// Token ids (B, T), T <= max_length -> next-token logits (B, T, V).
   torch::Tensor forward(const torch::Tensor& tokens);

@@ -17,10 +17,10 @@ constexpr auto kRedrawInterval = std::chrono::milliseconds(100);
 
 } // namespace
 
-Progress::Progress() : terminal_(isatty(fileno(stdout)) != 0) {}
+Progress::Progress(bool shown) : shown_(shown), terminal_(isatty(fileno(stdout)) != 0) {}
 
 void Progress::update(const std::string& text) {
-  if (terminal_ && std::chrono::steady_clock::now() - last_redraw_ >= kRedrawInterval) {
+  if (shown_ && terminal_ && std::chrono::steady_clock::now() - last_redraw_ >= kRedrawInterval) {
     redraw(text);
   }
 }
@@ -34,6 +34,9 @@ void Progress::milestone(const std::string& text) {
 }
 
 void Progress::line(const std::string& text) {
+  if (!shown_) {
+    return;
+  }
   // The status line, if any, stays as it was; this one goes below it.
   fmt::print("{}{}\n", status_shown_ ? "\n" : "", text);
   std::fflush(stdout);
@@ -41,6 +44,9 @@ void Progress::line(const std::string& text) {
 }
 
 void Progress::redraw(const std::string& text) {
+  if (!shown_) {
+    return;
+  }
   fmt::print("{}{}", kRedraw, text);
   std::fflush(stdout);
   status_shown_ = true;

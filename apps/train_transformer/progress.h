@@ -11,8 +11,9 @@ namespace train {
 
 class Progress {
  public:
-  /// Whether stdout is a terminal decides the mode.
-  Progress();
+  /// Whether stdout is a terminal decides the mode; nothing is shown
+  /// unless `shown` (the ranks but the first under tensor parallelism).
+  explicit Progress(bool shown = true);
 
   /// The status after any step: redrawn in place on a terminal, at most ten
   /// times a second; nothing otherwise.
@@ -26,6 +27,7 @@ class Progress {
  private:
   void redraw(const std::string& text);
 
+  bool shown_;
   bool terminal_;
   bool status_shown_ = false;
   std::chrono::steady_clock::time_point last_redraw_;

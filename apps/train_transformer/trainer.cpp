@@ -43,12 +43,40 @@ uint64_t batch_seed(uint64_t seed, int64_t step) {
   return seed ^ (static_cast<uint64_t>(step) * 0x9E3779B97F4A7C15ULL);
 }
 
-// The weights are drawn here, so the seed is set here.
-Transformer seeded_model(uint64_t seed, const ReversalTask& task, const torch::Device& device) {
-  torch::manual_seed(seed);
-  Transformer model(TransformerConfig{ReversalTask::kVocabularySize, task.input_length()});
+Transformer new_model(
+    const ReversalTask& task,
+    const torch::Device& device,
+    const Parallelism& parallelism) {
+  Transformer model(
+      TransformerConfig{ReversalTask::kVocabularySize, task.input_length()}, parallelism);
   model->to(device);
   return model;
+}
+
+// The weights are drawn here, so the seed is set here: every rank draws
+// the whole model's, as one process does.
+Transformer seeded_model(
+    uint64_t seed,
+    const ReversalTask& task,
+    const torch::Device& device,
+    const Parallelism& parallelism) {
+  torch::manual_seed(seed);
+  return new_model(task, device, parallelism);
+}
+
+torch::optim::AdamW adamw(const Transformer& model) {
+  return torch::optim::AdamW(
+      model->parameters(), torch::optim::AdamWOptions(kLearningRate).weight_decay(kWeightDecay));
+}
+
+// Tensor parallelism runs over Gloo: CPU tensors.
+torch::Device training_device(const TrainArguments& arguments) {
+  const auto device = attn::select_device(arguments.device);
+  if (arguments.tensor_parallel && !device.is_cpu()) {
+    throw apps::UsageError(fmt::format(
+        "--tensor-parallel trains on the CPU (Gloo): expected --device cpu, got {}", device.str()));
+  }
+  return device;
 }
 
 ReversalBatch held_out_batch(const ReversalTask& task, uint64_t seed, const torch::Device& device) {
@@ -108,16 +136,19 @@ std::string digit_string(const torch::Tensor& digits) {
 
 Trainer::Trainer(const TrainArguments& arguments)
     : arguments_(arguments),
-      device_(attn::select_device(arguments.device)),
+      parallelism_(arguments.tensor_parallel),
+      device_(training_device(arguments)),
       task_(arguments.digits),
-      model_(seeded_model(arguments.seed, task_, device_)),
-      optimizer_(
-          model_->parameters(),
-          torch::optim::AdamWOptions(kLearningRate).weight_decay(kWeightDecay)),
+      model_(seeded_model(arguments.seed, task_, device_, parallelism_)),
+      optimizer_(adamw(model_)),
       identity_{arguments.seed, arguments.digits},
-      held_out_(held_out_batch(task_, arguments.seed, device_)) {}
+      held_out_(held_out_batch(task_, arguments.seed, device_)),
+      progress_(parallelism_.reports()) {}
 
 void Trainer::print_setup() const {
+  if (!parallelism_.reports()) {
+    return;
+  }
   const auto& config = model_->config();
   int64_t parameter_count = 0;
   for (const auto& parameter : model_->parameters()) {
@@ -125,23 +156,56 @@ void Trainer::print_setup() const {
   }
   fmt::print(
       "Reversing {} digits with a causal transformer: {} blocks, d_model {}, "
-      "{} heads, {} parameters, on {}, seed {}\n",
+      "{} heads, {} parameters{}, on {}, seed {}\n",
       arguments_.digits, config.layers, config.d_model, config.heads, parameter_count,
-      device_.str(), arguments_.seed);
+      parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(), arguments_.seed);
+  if (parallelism_.world_size() > 1) {
+    fmt::print(
+        "Tensor-parallel over {} ranks: each holds {} of the {} heads of every attention "
+        "layer, and the other layers whole\n",
+        parallelism_.world_size(), config.heads / parallelism_.world_size(), config.heads);
+  }
 }
 
 void Trainer::resume_if_asked() {
   if (!arguments_.resume) {
     return;
   }
-  step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, model_, optimizer_);
+  load_whole_checkpoint();
   if (step_ > arguments_.steps) {
     throw apps::UsageError(fmt::format(
         "--steps {} is before the checkpoint's step {}: expected at least {}", arguments_.steps,
         step_, step_));
   }
   first_step_ = step_ + 1;
-  fmt::print("Resumed from step {} of '{}'\n", step_, arguments_.checkpoint);
+  progress_.line(fmt::format("Resumed from step {} of '{}'", step_, arguments_.checkpoint));
+}
+
+void Trainer::load_whole_checkpoint() {
+  if (parallelism_.world_size() == 1) {
+    step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, model_, optimizer_);
+    return;
+  }
+  auto whole_model = new_model(task_, device_, Parallelism(false));
+  auto whole_optimizer = adamw(whole_model);
+  step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, whole_model, whole_optimizer);
+  parallelism_.shard(*whole_model, whole_optimizer, *model_, optimizer_);
+}
+
+void Trainer::save_checkpoint_if_asked() {
+  if (arguments_.checkpoint.empty()) {
+    return;
+  }
+  if (parallelism_.world_size() == 1) {
+    save_checkpoint(arguments_.checkpoint, identity_, step_, model_, optimizer_);
+    return;
+  }
+  auto whole_model = new_model(task_, device_, Parallelism(false));
+  auto whole_optimizer = adamw(whole_model);
+  parallelism_.gather(*model_, optimizer_, *whole_model, whole_optimizer);
+  if (parallelism_.reports()) {
+    save_checkpoint(arguments_.checkpoint, identity_, step_, whole_model, whole_optimizer);
+  }
 }
 
 void Trainer::train() {
@@ -172,7 +236,7 @@ double Trainer::train_step() {
       logits.flatten(0, 1), batch.targets.to(device_).flatten());
   optimizer_.zero_grad();
   loss.backward();
-  torch::nn::utils::clip_grad_norm_(model_->parameters(), kMaxGradientNorm);
+  parallelism_.clip_gradients(*model_, kMaxGradientNorm);
   optimizer_.step();
   return loss.item<double>();
 }
@@ -186,9 +250,7 @@ void Trainer::reach_milestone() {
   if (!target_reached_ && evaluation_.token_accuracy >= kTargetAccuracy) {
     target_reached_ = Milestone{step_, training_seconds_};
   }
-  if (!arguments_.checkpoint.empty()) {
-    save_checkpoint(arguments_.checkpoint, identity_, step_, model_, optimizer_);
-  }
+  save_checkpoint_if_asked();
   progress_.milestone(status());
   window_ = Window{};
 }

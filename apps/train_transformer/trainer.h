@@ -6,6 +6,7 @@
 #include "arguments.h"
 #include "checkpoint.h"
 #include "model.h"
+#include "parallelism.h"
 #include "progress.h"
 #include "reversal_task.h"
 
@@ -25,7 +26,8 @@ struct Evaluation {
 
 class Trainer {
  public:
-  /// A fresh model, seeded by --seed, on the device --device names.
+  /// A fresh model, seeded by --seed, on the device --device names; with
+  /// --tensor-parallel, this rank's share of it. Only rank 0 reports.
   explicit Trainer(const TrainArguments& arguments);
 
   /// "Reversing 8 digits with a causal transformer: ...".
@@ -57,12 +59,18 @@ class Trainer {
   bool is_milestone() const;
   /// Evaluates, saves the checkpoint if asked, and reports.
   void reach_milestone();
+  /// The checkpoint of the whole model, as one process saves it, from
+  /// rank 0; every rank gathers.
+  void save_checkpoint_if_asked();
+  /// Loads the checkpoint of the whole model and takes this rank's share.
+  void load_whole_checkpoint();
   std::string status() const;
   int64_t tokens_per_step() const;
   void print_training_time();
   void print_decoding();
 
   TrainArguments arguments_;
+  Parallelism parallelism_;
   torch::Device device_;
   ReversalTask task_;
   Transformer model_;

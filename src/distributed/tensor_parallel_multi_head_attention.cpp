@@ -93,18 +93,68 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
       "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
 
   const auto D = options.embed_dim() / H;
-  register_layers(*this, options, local_heads() * D, local_kv_heads() * D);
+  {
+    // The layers draw initial values that `full`'s replace below: the
+    // random state is put back, so that what a rank draws next is what a
+    // single process would.
+    auto generator = at::detail::getDefaultCPUGenerator();
+    const auto state = generator.get_state();
+    register_layers(*this, options, local_heads() * D, local_kv_heads() * D);
+    generator.set_state(state);
+  }
 
   torch::NoGradGuard no_grad;
   const auto whole = full->named_parameters();
   for (auto& parameter : named_parameters()) {
-    const auto split = split_of(parameter.key());
-    const auto parts = W / split.ranks_per_part;
-    parameter.value().set_data(whole[parameter.key()]
-                                   .chunk(parts, split.dim)[group_.rank() / split.ranks_per_part]
-                                   .clone());
+    parameter.value().set_data(shard(parameter.key(), whole[parameter.key()]));
   }
   train(full->is_training());
+}
+
+torch::Tensor TensorParallelMultiHeadAttentionImpl::shard(
+    const std::string& name,
+    const torch::Tensor& whole) const {
+  const auto split = split_of(name);
+  const auto parts = group_.size() / split.ranks_per_part;
+  const auto local = named_parameters()[name];
+  TORCH_CHECK(
+      whole.dim() == local.dim() && whole.size(split.dim) == local.size(split.dim) * parts, kCaller,
+      ": ", name, " of the whole module must be ", parts, " times ", local.sizes(), " along dim ",
+      split.dim, ", got ", whole.sizes());
+  return whole.chunk(parts, split.dim)[group_.rank() / split.ranks_per_part].clone();
+}
+
+torch::Tensor TensorParallelMultiHeadAttentionImpl::gather(
+    const std::string& name,
+    const torch::Tensor& part) const {
+  const auto split = split_of(name);
+  // Part p comes from the first rank that holds it.
+  const auto all = detail::all_gather(part, group_);
+  std::vector<torch::Tensor> parts;
+  for (int64_t rank = 0; rank < group_.size(); rank += split.ranks_per_part) {
+    parts.push_back(all[rank]);
+  }
+  return torch::cat(parts, split.dim);
+}
+
+torch::Tensor TensorParallelMultiHeadAttentionImpl::squared_gradient_norm() const {
+  const auto options = torch::TensorOptions().dtype(torch::kDouble).device(q_proj->weight.device());
+  auto split_parts = torch::zeros({}, options);
+  auto held_whole = torch::zeros({}, options);
+  for (const auto& parameter : named_parameters()) {
+    const auto& grad = parameter.value().grad();
+    if (!grad.defined()) {
+      continue;
+    }
+    const auto split = split_of(parameter.key());
+    const auto squares = grad.to(torch::kDouble).square().sum();
+    if (split.ranks_per_part == group_.size()) {
+      held_whole += squares; // the same on every rank
+    } else {
+      split_parts += squares / split.ranks_per_part; // each copy of a part
+    }
+  }
+  return detail::all_reduce_sum(split_parts, group_) + held_whole;
 }
 
 int64_t TensorParallelMultiHeadAttentionImpl::local_heads() const {
@@ -200,22 +250,12 @@ MultiHeadAttention TensorParallelMultiHeadAttentionImpl::gather() const {
   MultiHeadAttention full(options);
   full->to(q_proj->weight.device(), q_proj->weight.scalar_type());
   torch::NoGradGuard no_grad;
-  // Part p of a parameter comes from the first rank that holds it.
-  const auto whole = [&](const torch::Tensor& local, const Split& split) {
-    const auto all = detail::all_gather(local, group_);
-    std::vector<torch::Tensor> parts;
-    for (int64_t rank = 0; rank < group_.size(); rank += split.ranks_per_part) {
-      parts.push_back(all[rank]);
-    }
-    return torch::cat(parts, split.dim);
-  };
   auto full_parameters = full->named_parameters();
   for (const auto& parameter : named_parameters()) {
-    const auto split = split_of(parameter.key());
     auto& target = full_parameters[parameter.key()];
-    target.copy_(whole(parameter.value(), split));
+    target.copy_(gather(parameter.key(), parameter.value()));
     if (parameter.value().grad().defined()) {
-      target.mutable_grad() = whole(parameter.value().grad(), split);
+      target.mutable_grad() = gather(parameter.key(), parameter.value().grad());
     }
   }
   full->train(is_training());

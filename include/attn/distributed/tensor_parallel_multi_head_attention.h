@@ -75,6 +75,20 @@ class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module, public Mu
   /// calls it.
   MultiHeadAttention gather() const;
 
+  /// This rank's part of `whole`, a tensor shaped like the full module's
+  /// parameter `name` (the parameter, or a per-parameter tensor such as an
+  /// optimizer's moment): to load a full checkpoint into the ranks.
+  torch::Tensor shard(const std::string& name, const torch::Tensor& whole) const;
+  /// The whole of `part`, a tensor shaped like this rank's parameter
+  /// `name` (the parameter, its gradient, an optimizer's moment): to save
+  /// a full checkpoint. A collective: every rank calls it.
+  torch::Tensor gather(const std::string& name, const torch::Tensor& part) const;
+  /// The squared L2 norm of the whole module's gradients, as the module
+  /// that `gather()` returns holds them (parts summed over the ranks, a
+  /// tensor held whole or copied counted once), in float64: to clip
+  /// gradients by the norm of the whole model. A collective.
+  torch::Tensor squared_gradient_norm() const;
+
   /// Prints `attn::distributed::TensorParallelMultiHeadAttention(embed_dim=512,
   /// num_heads=8, rank=0, world_size=2, local_heads=4, local_kv_heads=4)`.
   void pretty_print(std::ostream& stream) const override;

@@ -4,7 +4,9 @@
 // way torchrun does: each with RANK, LOCAL_RANK, WORLD_SIZE, and
 // MASTER_ADDR=127.0.0.1 with a free MASTER_PORT for the rendezvous. Waits
 // for all of them at most the timeout; a rank still running then is
-// killed, with its process group. Exits 0 when every rank exited 0.
+// killed, with its process group, and so is every rank when the launcher
+// is interrupted (SIGINT, SIGTERM). Exits 0 when every rank exited 0, 1
+// when one failed, 2 with one line on stderr for bad arguments.
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -13,14 +15,39 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 namespace {
+
+constexpr int kMaxWorldSize = 1024;
+
+volatile std::sig_atomic_t interrupted = 0;
+
+void on_interrupt(int /*signal*/) {
+  interrupted = 1;
+}
+
+// `text` as an integer in [1, max]; exits 2 naming `what` otherwise.
+int positive_argument(const char* text, const char* what, int max) {
+  int value = 0;
+  const std::string_view view(text);
+  const auto [end, error] = std::from_chars(view.data(), view.data() + view.size(), value);
+  if (error != std::errc() || end != view.data() + view.size() || value < 1 || value > max) {
+    std::fprintf(
+        stderr, "attn_launch_ranks: %s: expected an integer from 1 to %d, got '%s'\n", what, max,
+        text);
+    std::exit(2);
+  }
+  return value;
+}
 
 // A port that was free a moment ago on the loopback: the rank 0 store
 // binds it right after, so another process taking it in between is
@@ -65,15 +92,19 @@ int main(int argc, char** argv) {
         "usage: attn_launch_ranks <world size> <timeout seconds> <program> [arguments...]\n");
     return 2;
   }
-  const int world_size = std::atoi(argv[1]);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(std::atoi(argv[2]));
+  const int world_size = positive_argument(argv[1], "world size", kMaxWorldSize);
+  const int timeout = positive_argument(argv[2], "timeout seconds", 7 * 24 * 3600);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout);
+  std::signal(SIGINT, on_interrupt);
+  std::signal(SIGTERM, on_interrupt);
   const int port = free_port();
   std::vector<pid_t> ranks;
+  ranks.reserve(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
     ranks.push_back(start_rank(rank, world_size, port, argv + 3));
   }
   int failed = 0, running = world_size;
-  while (running > 0 && std::chrono::steady_clock::now() < deadline) {
+  while (running > 0 && interrupted == 0 && std::chrono::steady_clock::now() < deadline) {
     for (int rank = 0; rank < world_size; ++rank) {
       int status = 0;
       if (ranks[rank] > 0 && waitpid(ranks[rank], &status, WNOHANG) == ranks[rank]) {
@@ -90,7 +121,8 @@ int main(int argc, char** argv) {
   for (int rank = 0; rank < world_size; ++rank) {
     if (ranks[rank] > 0) {
       std::fprintf(
-          stderr, "attn_launch_ranks: rank %d still running at the timeout: killed\n", rank);
+          stderr, "attn_launch_ranks: rank %d still running %s: killed\n", rank,
+          interrupted != 0 ? "when interrupted" : "at the timeout");
       kill(-ranks[rank], SIGKILL);
       waitpid(ranks[rank], nullptr, 0);
       ++failed;
