@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -103,12 +104,14 @@ std::vector<Located> locate_parameters(const torch::nn::Module& model) {
   return located;
 }
 
-// Optimizers key their state by the parameter's TensorImpl: as a string in
-// LibTorch 1.x, as the pointer in 2.x.
+// Optimizers key their state by the parameter's TensorImpl: in LibTorch
+// 1.x by its address printed to a string, in 2.x by the pointer.
 template <typename StateMap>
 typename StateMap::key_type state_key(const StateMap& /*state*/, const torch::Tensor& parameter) {
   if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
-    return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+    std::ostringstream address;
+    address << parameter.unsafeGetTensorImpl();
+    return address.str();
   } else {
     return parameter.unsafeGetTensorImpl();
   }
