@@ -14,6 +14,7 @@
 #                 a checkout the step prints "consumer test skipped: " and
 #                 why, which ctest reports as a skip. GENERATOR, BUILD_TYPE,
 #                 CXX_COMPILER and EXE_LINKER_FLAGS repeat the outer build's.
+#                 LAUNCHER, if set, runs the program ('|' between words).
 #   STEP=reject   Configures SOURCE, which must fail with one error whose
 #                 message holds EXPECTED_ERROR (compared with each run of
 #                 spaces and newlines made one space). With
@@ -190,7 +191,9 @@ elseif(STEP STREQUAL "consume")
     endif()
   endif()
   run_phase("build" ${CMAKE_COMMAND} --build "${BINARY}")
-  run_phase("run" "${BINARY}/consumer" "${VERSION}")
+  # LAUNCHER ('|' between its words): what starts the program, if anything.
+  string(REPLACE "|" ";" launcher "${LAUNCHER}")
+  run_phase("run" ${launcher} "${BINARY}/consumer" "${VERSION}")
   message(STATUS "consumer: ${phase_output}")
 else()
   message(FATAL_ERROR "STEP must be install, consume or reject, got '${STEP}'")

@@ -8,19 +8,16 @@
 // Exit code 0 when the headers carry that version and a causal
 // multi-head attention forward gives what causal attention means.
 
+#include "expected_version.h"
+
 #include <attn/attn.h>
 
 #include <iostream>
 #include <string>
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: consumer <expected attn version>\n";
-    return 2;
-  }
-  if (std::string(ATTN_VERSION) != argv[1]) {
-    std::cerr << "headers say attn " << ATTN_VERSION << ", expected " << argv[1] << "\n";
-    return 1;
+  if (const int failed = check_expected_version(argc, argv)) {
+    return failed;
   }
 
   attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(16, 4));
