@@ -2,7 +2,7 @@
 // a group started the way torchrun starts them (docs/DISTRIBUTED.md has
 // the table it printed):
 //
-//   build/tests/attn_launch_ranks 2 600 build/bench/attn_tensor_parallel_bench
+//   build/apps/attn_launch_ranks 2 600 build/bench/attn_tensor_parallel_bench
 //
 // Each rank runs on cores / W intra-op threads, so that W = 1 and W = 2 use
 // the same cores. Rank 0 prints the median forward and forward+backward
