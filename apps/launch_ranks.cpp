@@ -12,6 +12,9 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -67,20 +70,38 @@ int free_port() {
   return ntohs(address.sin_port);
 }
 
+// The rank's process, or -1 where it could not be made. Each rank leads its
+// own process group, so that a kill reaches its children, and dies with
+// the launcher.
 pid_t start_rank(int rank, int world_size, int port, char** program) {
   const pid_t pid = fork();
+  if (pid < 0) {
+    std::perror("attn_launch_ranks: fork");
+    return -1;
+  }
   if (pid == 0) {
-    setpgid(0, 0); // its own group, so that a kill reaches its children
+    setpgid(0, 0);
+#ifdef __linux__
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+#endif
     setenv("RANK", std::to_string(rank).c_str(), 1);
     setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
     setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-    execv(program[0], program);
+    execvp(program[0], program); // a program on PATH too, as torchrun finds it
     std::perror("attn_launch_ranks: exec");
     std::_Exit(127);
   }
+  setpgid(pid, pid); // also here: a kill may come before the child ran
   return pid;
+}
+
+void kill_rank(pid_t pid) {
+  if (kill(-pid, SIGKILL) != 0) {
+    kill(pid, SIGKILL);
+  }
+  waitpid(pid, nullptr, 0);
 }
 
 } // namespace
@@ -101,7 +122,14 @@ int main(int argc, char** argv) {
   std::vector<pid_t> ranks;
   ranks.reserve(world_size);
   for (int rank = 0; rank < world_size; ++rank) {
-    ranks.push_back(start_rank(rank, world_size, port, argv + 3));
+    const pid_t pid = start_rank(rank, world_size, port, argv + 3);
+    if (pid < 0) {
+      for (const pid_t started : ranks) {
+        kill_rank(started);
+      }
+      return 1;
+    }
+    ranks.push_back(pid);
   }
   int failed = 0, running = world_size;
   while (running > 0 && interrupted == 0 && std::chrono::steady_clock::now() < deadline) {
@@ -123,8 +151,7 @@ int main(int argc, char** argv) {
       std::fprintf(
           stderr, "attn_launch_ranks: rank %d still running %s: killed\n", rank,
           interrupted != 0 ? "when interrupted" : "at the timeout");
-      kill(-ranks[rank], SIGKILL);
-      waitpid(ranks[rank], nullptr, 0);
+      kill_rank(ranks[rank]);
       ++failed;
     }
   }

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace attn {
 namespace {
@@ -36,6 +37,20 @@ bool same_layout(const torch::Tensor& storage, const torch::Tensor& t) {
 
 KVCache::KVCache(int64_t max_length) : max_length_(max_length) {
   TORCH_CHECK(max_length > 0, kCaller, ": max_length must be positive, got ", max_length);
+}
+
+KVCache::KVCache(KVCache&& other) noexcept
+    : keys_(std::move(other.keys_)),
+      values_(std::move(other.values_)),
+      length_(std::exchange(other.length_, 0)),
+      max_length_(other.max_length_) {}
+
+KVCache& KVCache::operator=(KVCache&& other) noexcept {
+  keys_ = std::move(other.keys_);
+  values_ = std::move(other.values_);
+  length_ = std::exchange(other.length_, 0);
+  max_length_ = other.max_length_;
+  return *this;
 }
 
 std::pair<torch::Tensor, torch::Tensor> KVCache::append(

@@ -174,18 +174,36 @@ elseif(CASE STREQUAL "tensor_parallel")
   expect_same_numbers("${parallel_results}" "${resumed_results}"
     "the parallel checkpoint evaluates otherwise in one process")
   if(DEFINED HALF)
-    # Resumed over the ranks from a checkpoint at step HALF, it ends as the
-    # uninterrupted parallel run.
-    file(REMOVE parallel_half.pt)
+    # Resumed at step HALF, over the ranks or in one process, the runs end
+    # as the uninterrupted ones: the checkpoint holds the whole optimizer.
+    file(REMOVE parallel_half.pt one_process_half.pt)
     train_in_parallel(--steps ${HALF} --checkpoint parallel_half.pt)
     expect_success("the run over ${WORLD_SIZE} ranks to step ${HALF}")
+    file(COPY_FILE parallel_half.pt one_process_half.pt)
+    math(EXPR next "${HALF} + 1")
     train_in_parallel(--steps ${FULL} --checkpoint parallel_half.pt --resume)
     expect_success("the run over ${WORLD_SIZE} ranks resumed at step ${HALF}")
+    if(NOT out MATCHES "Resumed from step ${HALF} of 'parallel_half.pt'" OR
+       NOT out MATCHES "Trained steps ${next} to ${FULL} ")
+      fail("the run over ${WORLD_SIZE} ranks did not resume at step ${HALF}:\n${out}")
+    endif()
     held_out_results(parallel_resumed_results)
     if(NOT parallel_resumed_results STREQUAL parallel_results)
       fail("resumed over the ranks, the run ends otherwise:\n"
            "  resumed:${parallel_resumed_results}\n  uninterrupted:${parallel_results}")
     endif()
+  endif()
+  if(DEFINED HALF)
+    train(--steps ${FULL} --checkpoint one_process_half.pt --resume)
+    expect_success("the one-process run resumed from the parallel checkpoint at ${HALF}")
+    if(NOT out MATCHES "Trained steps ${next} to ${FULL} ")
+      fail("the one-process run did not resume at step ${HALF}:\n${out}")
+    endif()
+    held_out_results(one_process_resumed_results)
+    set(out "${one_process}")
+    held_out_results(one_process_results)
+    expect_same_numbers("${one_process_results}" "${one_process_resumed_results}"
+      "resumed in one process from the parallel checkpoint, the run ends otherwise")
   endif()
   message(STATUS "${WORLD_SIZE} ranks:${parallel_results}\none process:${resumed_results}")
 elseif(CASE STREQUAL "help")

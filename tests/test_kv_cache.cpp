@@ -71,6 +71,25 @@ TEST(KVCache, ClonesBranchIndependentlyAndCopiesAreRefused) {
   EXPECT_TRUE(torch::equal(a.narrow(2, 0, 4), b.narrow(2, 0, 4)));
 }
 
+TEST(KVCache, MovesTakeTheTokensAndLeaveTheSourceEmpty) {
+  static_assert(std::is_nothrow_move_constructible_v<KVCache>);
+  static_assert(std::is_nothrow_move_assignable_v<KVCache>);
+  torch::NoGradGuard no_grad;
+  KVCache source(16);
+  const auto k = torch::randn({1, 2, 3, 4});
+  source.append(k, k);
+  KVCache moved(std::move(source));
+  EXPECT_EQ(moved.length(), 3);
+  EXPECT_EQ(source.length(), 0); // NOLINT(bugprone-use-after-move): documented state
+  // The emptied source starts a new sequence of any shape.
+  const auto other = torch::randn({2, 1, 5, 8});
+  EXPECT_TRUE(torch::equal(source.append(other, other).first, other));
+  KVCache assigned;
+  assigned = std::move(moved);
+  EXPECT_EQ(assigned.length(), 3);
+  EXPECT_EQ(moved.length(), 0); // NOLINT(bugprone-use-after-move): documented state
+}
+
 TEST(KVCache, StorageFromInferenceModeIsReplacedWhenAppendedToOutsideIt) {
   KVCache cache;
   const auto k = torch::randn({1, 1, 3, 2});

@@ -118,19 +118,20 @@ typename StateMap::key_type state_key(const StateMap& /*state*/, const torch::Te
 }
 
 // Copies AdamW's state of `from` (in `source`) to `to` (in `target`), each
-// moment passed through `convert`.
+// moment passed through `convert`. The trainer gathers and shards after its
+// first step, when every parameter has its moments.
 template <typename Convert>
 void copy_adamw_state(
     const torch::optim::AdamW& source,
-    const torch::Tensor& from,
+    const Located& from,
     torch::optim::AdamW& target,
     const torch::Tensor& to,
     const Convert& convert) {
   const auto& states = source.state();
-  const auto found = states.find(state_key(states, from));
-  if (found == states.end()) {
-    return; // no step taken yet
-  }
+  const auto found = states.find(state_key(states, from.tensor));
+  TORCH_CHECK(
+      found != states.end(), "train_transformer: no optimizer state for ", from.name,
+      " (expected moments for every parameter after the first step)");
   const auto& state = static_cast<const torch::optim::AdamWParamState&>(*found->second);
   auto copy = std::make_unique<torch::optim::AdamWParamState>();
   copy->step(state.step());
@@ -197,7 +198,7 @@ void Parallelism::gather(
     };
     auto& whole = whole_parameters[parameter.name];
     whole.copy_(whole_of(parameter.tensor));
-    copy_adamw_state(optimizer, parameter.tensor, whole_optimizer, whole, whole_of);
+    copy_adamw_state(optimizer, parameter, whole_optimizer, whole, whole_of);
   }
 }
 
@@ -213,8 +214,10 @@ void Parallelism::shard(
       return parameter.layer ? parameter.layer->shard(parameter.name_in_layer, whole)
                              : whole.clone();
     };
-    const auto& whole = whole_parameters[parameter.name];
-    parameter.tensor.copy_(part_of(whole));
+    Located whole;
+    whole.name = parameter.name;
+    whole.tensor = whole_parameters[parameter.name];
+    parameter.tensor.copy_(part_of(whole.tensor));
     copy_adamw_state(whole_optimizer, whole, optimizer, parameter.tensor, part_of);
   }
 }

@@ -11,8 +11,8 @@ namespace train {
 
 class Progress {
  public:
-  /// Whether stdout is a terminal decides the mode; nothing is shown
-  /// unless `shown` (the ranks but the first under tensor parallelism).
+  /// Whether stdout is a terminal decides the mode. Nothing is shown
+  /// unless `shown` (false on every rank but 0 under tensor parallelism).
   explicit Progress(bool shown = true);
 
   /// The status after any step: redrawn in place on a terminal, at most ten

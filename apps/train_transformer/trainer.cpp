@@ -69,8 +69,11 @@ torch::optim::AdamW adamw(const Transformer& model) {
       model->parameters(), torch::optim::AdamWOptions(kLearningRate).weight_decay(kWeightDecay));
 }
 
-// Tensor parallelism runs over Gloo: CPU tensors.
+// Tensor parallelism runs over Gloo: CPU tensors, which `auto` then means.
 torch::Device training_device(const TrainArguments& arguments) {
+  if (arguments.tensor_parallel && arguments.device == "auto") {
+    return torch::kCPU;
+  }
   const auto device = attn::select_device(arguments.device);
   if (arguments.tensor_parallel && !device.is_cpu()) {
     throw apps::UsageError(fmt::format(

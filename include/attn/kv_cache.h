@@ -56,9 +56,9 @@ class KVCache {
   KVCache(const KVCache&) = delete;
   KVCache& operator=(const KVCache&) = delete;
   /// Takes over `other`'s tokens and storage; `other` is left empty.
-  KVCache(KVCache&& other) noexcept = default;
+  KVCache(KVCache&& other) noexcept;
   /// Takes over `other`'s tokens and storage; `other` is left empty.
-  KVCache& operator=(KVCache&& other) noexcept = default;
+  KVCache& operator=(KVCache&& other) noexcept;
 
   /// An independent cache holding a copy of this one's tokens, with the same
   /// maximum length.

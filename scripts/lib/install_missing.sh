@@ -1,6 +1,7 @@
 # Sourced by the scripts in scripts/: install_missing PACKAGE... installs
 # those of the Debian packages that are not installed yet (apt-get update
-# first), as root or through sudo.
+# first), as root or through sudo. apt's output goes to stderr, so that a
+# caller's captured stdout holds only its own answer.
 install_missing() {
   local missing=() package
   for package in "$@"; do
@@ -12,6 +13,7 @@ install_missing() {
   echo "Installing: ${missing[*]}" >&2
   local as_root=()
   [ "$(id -u)" -eq 0 ] || as_root=(sudo)
-  "${as_root[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  "${as_root[@]}" apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >&2
 }

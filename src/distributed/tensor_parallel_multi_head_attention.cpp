@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include <mutex>
 #include <ostream>
 
 namespace attn::distributed {
@@ -96,11 +97,25 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
   {
     // The layers draw initial values that `full`'s replace below: the
     // random state is put back, so that what a rank draws next is what a
-    // single process would.
+    // single process would (another thread drawing meanwhile would lose
+    // its draws to this, as it would race with torch::manual_seed).
     auto generator = at::detail::getDefaultCPUGenerator();
-    const auto state = generator.get_state();
-    register_layers(*this, options, local_heads() * D, local_kv_heads() * D);
-    generator.set_state(state);
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      state = generator.get_state();
+    }
+    const auto restore = [&] {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    };
+    try {
+      register_layers(*this, options, local_heads() * D, local_kv_heads() * D);
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
   }
 
   torch::NoGradGuard no_grad;
