@@ -159,16 +159,23 @@ torch::nn::AnyModule Parallelism::attention(int64_t d_model, int64_t heads) cons
 
 double Parallelism::clip_gradients(torch::nn::Module& model, double max_norm) const {
   torch::NoGradGuard no_grad;
-  auto squared_norm = torch::zeros({}, torch::kDouble);
+  const auto parameters = locate_parameters(model);
+  if (parameters.empty()) {
+    return 0.0;
+  }
+  // Summed where the gradients are: one transfer to the host, not one per
+  // parameter.
+  auto squared_norm = torch::zeros(
+      {}, torch::TensorOptions().dtype(torch::kDouble).device(parameters.front().tensor.device()));
   std::vector<const SplitLayer*> counted;
-  for (const auto& parameter : locate_parameters(model)) {
+  for (const auto& parameter : parameters) {
     if (parameter.layer) {
       if (std::find(counted.begin(), counted.end(), parameter.layer) == counted.end()) {
-        squared_norm += parameter.layer->squared_gradient_norm().cpu();
+        squared_norm += parameter.layer->squared_gradient_norm();
         counted.push_back(parameter.layer);
       }
     } else if (parameter.tensor.grad().defined()) {
-      squared_norm += parameter.tensor.grad().to(torch::kDouble).square().sum().cpu();
+      squared_norm += parameter.tensor.grad().to(torch::kDouble).square().sum();
     }
   }
   const double norm = std::sqrt(squared_norm.item<double>());
