@@ -34,9 +34,13 @@ endif()
 message(STATUS "attn::distributed: built, Gloo headers in ${ATTN_GLOO_INCLUDE_DIR}")
 
 add_library(attn_distributed
+  src/distributed/all_to_all_attention.cpp
   src/distributed/collectives.cpp
+  src/distributed/context_parallel.cpp
   src/distributed/mappings.cpp
   src/distributed/process_group.cpp
+  src/distributed/ring_attention.cpp
+  src/distributed/sequence_sharding.cpp
   src/distributed/tensor_parallel_multi_head_attention.cpp)
 add_library(attn::distributed ALIAS attn_distributed)
 set_target_properties(attn_distributed PROPERTIES

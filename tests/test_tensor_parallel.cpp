@@ -11,6 +11,7 @@
 #include <attn/interop.h>
 #include <attn/kv_cache.h>
 
+#include "distributed_test_support.h"
 #include "test_support.h"
 
 #include <chrono>
@@ -25,16 +26,6 @@ namespace attn::testing {
 namespace {
 
 namespace dist = attn::distributed;
-
-// Long enough for four oversubscribed ranks on two cores, short enough
-// that a broken test fails well inside ctest's timeout.
-constexpr auto kTestTimeout = std::chrono::seconds(20);
-
-const dist::Group& group() {
-  static const dist::Group group = dist::init_process_group(
-      dist::InitOptions().timeout(kTestTimeout));
-  return group;
-}
 
 // Splitting the heads changes only the order of the sums over heads (and
 // over ranks): float64 agrees to far below 1e-10, float32 to a few

@@ -39,6 +39,76 @@ void run_collective(
 
 } // namespace
 
+PendingMessage::PendingMessage(
+    c10::intrusive_ptr<c10d::Work> work,
+    std::vector<torch::Tensor> tensors,
+    const char* what,
+    int64_t peer,
+    const Group& group)
+    : work_(std::move(work)),
+      tensors_(std::move(tensors)),
+      what_(what),
+      peer_(peer),
+      group_(group) {}
+
+namespace {
+
+// A c10::Error naming the message that failed, whether it failed to start
+// or while under way.
+[[noreturn]] void message_failed(
+    const char* what,
+    int64_t peer,
+    const Group& group,
+    const std::exception& error) {
+  C10_THROW_ERROR(
+      Error,
+      c10::str(
+          "attn::distributed: ", what, " rank ", peer, " failed on rank ", group.rank(), " of ",
+          group.size(), " (timeout ", group.timeout().count(), " ms): ", error.what()));
+}
+
+template <typename Start>
+PendingMessage start_message(
+    const char* what,
+    const torch::Tensor& tensor,
+    int64_t peer,
+    const Group& group,
+    Start&& start) {
+  TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
+  std::vector<torch::Tensor> tensors{tensor};
+  try {
+    auto work = start(tensors);
+    return {std::move(work), std::move(tensors), what, peer, group};
+  } catch (const std::exception& error) {
+    message_failed(what, peer, group, error);
+  }
+}
+
+} // namespace
+
+void PendingMessage::wait() {
+  try {
+    work_->wait(group_.timeout());
+  } catch (const std::exception& error) {
+    message_failed(what_, peer_, group_, error);
+  }
+}
+
+PendingMessage start_send(const torch::Tensor& tensor, int64_t peer, int tag, const Group& group) {
+  ++collectives_made;
+  bytes_contributed += static_cast<int64_t>(tensor.nbytes());
+  return start_message("send to", tensor, peer, group, [&](std::vector<torch::Tensor>& tensors) {
+    return group.process_group()->send(tensors, static_cast<int>(peer), tag);
+  });
+}
+
+PendingMessage start_recv(const torch::Tensor& tensor, int64_t peer, int tag, const Group& group) {
+  return start_message(
+      "receive from", tensor, peer, group, [&](std::vector<torch::Tensor>& tensors) {
+        return group.process_group()->recv(tensors, static_cast<int>(peer), tag);
+      });
+}
+
 torch::Tensor all_reduce_sum(const torch::Tensor& input, const Group& group) {
   // Gloo reduces dense tensors in place: into a copy, so that the caller's
   // input (perhaps saved for backward) is left alone.
@@ -62,25 +132,29 @@ std::vector<torch::Tensor> all_gather(const torch::Tensor& input, const Group& g
 }
 
 void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group) {
-  // Up to 8 dimensions and the count, in a fixed-size message that every
-  // rank can gather whatever its tensor's shape.
-  constexpr int64_t kMaxDims = 8;
+  check_same_sizes(tensor.sizes(), what, group);
+}
+
+void check_same_sizes(c10::IntArrayRef sizes, const char* what, const Group& group) {
+  // Up to kMaxSizes sizes and their count, in a fixed-size message that
+  // every rank can gather whatever its sizes.
+  constexpr int64_t kMaxSizes = 16;
+  const auto count = static_cast<int64_t>(sizes.size());
   TORCH_CHECK(
-      tensor.dim() <= kMaxDims, "attn::distributed: ", what, " has more than ", kMaxDims,
-      " dimensions");
-  auto sizes = torch::full({kMaxDims + 1}, -1, torch::kInt64);
-  sizes[0] = tensor.dim();
-  for (int64_t d = 0; d < tensor.dim(); ++d) {
-    sizes[d + 1] = tensor.size(d);
+      count <= kMaxSizes, "attn::distributed: ", what, " has more than ", kMaxSizes, " sizes");
+  auto message = torch::full({kMaxSizes + 1}, -1, torch::kInt64);
+  message[0] = count;
+  for (int64_t d = 0; d < count; ++d) {
+    message[d + 1] = sizes[d];
   }
-  const auto all = all_gather(sizes, group);
+  const auto all = all_gather(message, group);
   bool same = true;
   std::ostringstream described;
   for (int64_t rank = 0; rank < group.size(); ++rank) {
     same = same && torch::equal(all[rank], all[0]);
-    const auto dims = all[rank][0].item<int64_t>();
+    const auto counted = all[rank][0].item<int64_t>();
     described << (rank > 0 ? ", " : "") << "rank " << rank << " has "
-              << c10::IntArrayRef(all[rank].data_ptr<int64_t>() + 1, dims);
+              << c10::IntArrayRef(all[rank].data_ptr<int64_t>() + 1, counted);
   }
   TORCH_CHECK(
       same, "attn::distributed: the ranks disagree on the sizes of ", what, ": ", described.str());

@@ -19,10 +19,39 @@ torch::Tensor all_reduce_sum(const torch::Tensor& input, const Group& group);
 // Every rank's `input`, in rank order (all shaped alike).
 std::vector<torch::Tensor> all_gather(const torch::Tensor& input, const Group& group);
 
+// A point-to-point message in flight: `wait()` returns once it has been
+// sent or received, or throws a c10::Error naming it, the peer and the
+// timeout. Holds the message's tensors until then.
+class PendingMessage {
+ public:
+  PendingMessage(
+      c10::intrusive_ptr<c10d::Work> work,
+      std::vector<torch::Tensor> tensors,
+      const char* what,
+      int64_t peer,
+      const Group& group);
+  void wait();
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<torch::Tensor> tensors_;
+  const char* what_;
+  int64_t peer_;
+  Group group_;
+};
+
+// Starts sending `tensor` (contiguous) to rank `peer` under `tag`.
+PendingMessage start_send(const torch::Tensor& tensor, int64_t peer, int tag, const Group& group);
+// Starts receiving into `tensor` (contiguous, shaped as the sender's) from
+// rank `peer` under `tag`.
+PendingMessage start_recv(const torch::Tensor& tensor, int64_t peer, int tag, const Group& group);
+
 // Fails on every rank, naming `what` and each rank's sizes, unless every
 // rank passes a tensor of the same sizes: a collective on tensors of
 // different sizes would fail far from the cause, or not at all.
 void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group);
+// The same for a list of up to 16 sizes (several tensors' at once).
+void check_same_sizes(c10::IntArrayRef sizes, const char* what, const Group& group);
 
 // A Group kept in an autograd context for the backward: the process group
 // as a capsule (its class is not registered with TorchScript), the timeout

@@ -404,6 +404,20 @@ void forward_with_weights(
       });
 }
 
+// The forward kernel for any floating dtype, writing `out` (B, H, L, Dv)
+// and `lse` (B, H, L).
+void run_flash_forward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config,
+    const torch::Tensor& out,
+    const torch::Tensor& lse) {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_forward", [&] {
+    flash_forward<scalar_t>({q.contiguous(), k.contiguous(), v.contiguous(), config}, out, lse);
+  });
+}
+
 class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFunction> {
  public:
   // q, k, v (B, H, ·, ·); returns the output as (B, L, H, Dv).
@@ -418,9 +432,7 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
     // the underlying (B, L, H, Dv) tensor itself, not a view of it.
     auto out = torch::empty({B, L, H, v.size(3)}, q.options());
     const auto lse = torch::empty({B, H, L}, q.options());
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention", [&] {
-      flash_forward<scalar_t>({q, k, v, config}, out.permute({0, 2, 1, 3}), lse);
-    });
+    run_flash_forward(q, k, v, config, out.permute({0, 2, 1, 3}), lse);
     ctx->save_for_backward({q, k, v, out, lse});
     config.save_to(*ctx);
     return out;
@@ -430,26 +442,12 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    const auto &q = saved[0], &k = saved[1], &v = saved[2], &lse = saved[4];
     const auto out = saved[3].permute({0, 2, 1, 3}); // (B, H, L, Dv)
-    const auto config = CpuAttentionConfig::restore_from(*ctx);
-    const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3}).contiguous();
-    // Gradients of the contiguous inputs, accumulated tile by tile; with
-    // grouped queries, one key/value gradient per query head, summed below.
-    const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = k.size(2);
-    const auto dq = torch::zeros_like(q);
-    const auto dk = torch::zeros({B, H, S, k.size(3)}, k.options());
-    const auto dv = torch::zeros({B, H, S, v.size(3)}, v.options());
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention_backward", [&] {
-      flash_backward<scalar_t>({q, k, v, config}, out, lse, grad_out, dq, dk, dv);
-    });
-    if (Hkv == H) {
-      return {dq, dk, dv, torch::Tensor()}; // nothing for the config
-    }
-    const auto sum_groups = [&](const torch::Tensor& grad) {
-      return grad.view({B, Hkv, H / Hkv, S, grad.size(3)}).sum(2);
-    };
-    return {dq, sum_groups(dk), sum_groups(dv), torch::Tensor()};
+    const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3});
+    auto [dq, dk, dv] = cpu_flash_backward(
+        saved[0], saved[1], saved[2], out, saved[4], grad_out,
+        CpuAttentionConfig::restore_from(*ctx));
+    return {dq, dk, dv, torch::Tensor()}; // nothing for the config
   }
 };
 
@@ -468,6 +466,46 @@ CpuAttentionConfig CpuAttentionConfig::restore_from(torch::autograd::AutogradCon
       ctx.saved_data.at("mask").toTensor(), ctx.saved_data.at("scale").toDouble(),
       ctx.saved_data.at("causal").toBool(), ctx.saved_data.at("query_offset").toInt(),
       ctx.saved_data.at("window").toInt()};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> cpu_flash_forward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
+  const auto lse = torch::empty({B, H, L}, q.options());
+  run_flash_forward(q, k, v, config, out, lse);
+  return {out, lse};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& out,
+    const torch::Tensor& lse,
+    const torch::Tensor& grad_out,
+    const CpuAttentionConfig& config) {
+  // Gradients of the contiguous inputs, accumulated tile by tile; with
+  // grouped queries, one key/value gradient per query head, summed below.
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = k.size(2);
+  const auto dq = torch::zeros(q.sizes(), q.options());
+  const auto dk = torch::zeros({B, H, S, k.size(3)}, k.options());
+  const auto dv = torch::zeros({B, H, S, v.size(3)}, v.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
+    flash_backward<scalar_t>(
+        {q.contiguous(), k.contiguous(), v.contiguous(), config}, out, lse.contiguous(),
+        grad_out.contiguous(), dq, dk, dv);
+  });
+  if (Hkv == H) {
+    return {dq, dk, dv};
+  }
+  const auto sum_groups = [&](const torch::Tensor& grad) {
+    return grad.view({B, Hkv, H / Hkv, S, grad.size(3)}).sum(2);
+  };
+  return {dq, sum_groups(dk), sum_groups(dv)};
 }
 
 torch::Tensor cpu_flash_attention(

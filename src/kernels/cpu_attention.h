@@ -50,6 +50,29 @@ torch::Tensor cpu_flash_attention(
     const torch::Tensor& v,
     const CpuAttentionConfig& config);
 
+// The forward kernel alone, not differentiable: the output (B, H, L, Dv),
+// a view of (B, L, H, Dv) memory, and the row log-sum-exp (B, H, L) of the
+// scaled, masked scores (-inf for a row that sees no key).
+std::tuple<torch::Tensor, torch::Tensor> cpu_flash_forward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config);
+
+// The backward kernel alone: the gradients of q, k and v (shaped like
+// them) for `grad_out`, given `out` (B, H, L, Dv) and `lse` (B, H, L). The
+// probabilities are recomputed as exp(scores - lse), so that `out` and
+// `lse` may be those of a larger attention that this one is a key block of
+// (ring attention): the gradients are then this block's share.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& out,
+    const torch::Tensor& lse,
+    const torch::Tensor& grad_out,
+    const CpuAttentionConfig& config);
+
 // Inference with the weights materialised: (output, weights (B, H, L, S)).
 // Not differentiable; callers use it when no gradient is needed.
 std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(

@@ -58,10 +58,12 @@ torch::Tensor scatter_to_parallel(const torch::Tensor& input, int64_t dim, const
 /// ```
 torch::Tensor gather_from_parallel(const torch::Tensor& input, int64_t dim, const Group& group);
 
-/// The collectives this process has made through attn::distributed since
-/// the last `reset_communication_count()`, and the bytes it contributed to
-/// them (an all-reduce's whole tensor, an all-gather's own part): what a
-/// layer communicates, for docs/DISTRIBUTED.md's model of the network time.
+/// The collectives (and point-to-point sends, each counted as one) this
+/// process has made through attn::distributed since the last
+/// `reset_communication_count()`, and the bytes it contributed to them (an
+/// all-reduce's whole tensor, an all-gather's own part, a send's message):
+/// what a layer communicates, for docs/DISTRIBUTED.md's model of the
+/// network time.
 struct CommunicationCount {
   int64_t collectives = 0;
   int64_t bytes = 0;

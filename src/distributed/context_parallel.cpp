@@ -1,0 +1,153 @@
+// attn::distributed::ring_attention: the checks every strategy relies on,
+// then the strategy the options name.
+
+#include <attn/distributed/context_parallel.h>
+
+#include "distributed/collectives.h"
+#include "distributed/context_parallel_inputs.h"
+#include "masks.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <vector>
+
+namespace attn::distributed {
+namespace {
+
+constexpr const char* kCaller = "attn::distributed::ring_attention";
+
+void check_shapes(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SequenceSharding& sharding) {
+  TORCH_CHECK(
+      query.defined() && key.defined() && value.defined(), kCaller,
+      ": query, key and value must be defined tensors");
+  TORCH_CHECK(
+      query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kCaller,
+      ": query, key and value must be (B, H, N, D), (B, H_kv, N, D) and (B, H_kv, N, Dv), got ",
+      query.sizes(), ", ", key.sizes(), " and ", value.sizes());
+  const int64_t N = sharding.local_length();
+  TORCH_CHECK(
+      query.size(2) == N && key.size(2) == N && value.size(2) == N, kCaller,
+      ": query, key and value must hold this rank's N = ", N, " rows of the ", sharding.length(),
+      "-token sequence (SequenceSharding::local_length) in dimension 2, got ", query.sizes(), ", ",
+      key.sizes(), " and ", value.sizes());
+  TORCH_CHECK(
+      key.size(0) == query.size(0) && value.size(0) == query.size(0), kCaller,
+      ": query, key and value must have the same batch size B, got ", query.sizes(), ", ",
+      key.sizes(), " and ", value.sizes());
+  TORCH_CHECK(
+      key.size(1) == value.size(1) && key.size(1) > 0 && query.size(1) % key.size(1) == 0, kCaller,
+      ": key and value must have the same number of heads H_kv, dividing the query's H, got "
+      "query ",
+      query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
+  TORCH_CHECK(
+      key.size(3) == query.size(3), kCaller,
+      ": query and key must have the same head width D, got ", query.sizes(), " and ", key.sizes());
+}
+
+void check_dtypes_and_devices(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
+  TORCH_CHECK(
+      query.scalar_type() == key.scalar_type() && query.scalar_type() == value.scalar_type() &&
+          torch::isFloatingType(query.scalar_type()),
+      kCaller, ": query, key and value must have the same floating dtype, got ",
+      query.scalar_type(), ", ", key.scalar_type(), " and ", value.scalar_type());
+  TORCH_CHECK(
+      query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), kCaller,
+      ": query, key and value must be CPU tensors (a Gloo group), got ", query.device(), ", ",
+      key.device(), " and ", value.device());
+}
+
+void check_options(const ContextParallelOptions& options, const Group& group) {
+  TORCH_CHECK(
+      options.sharding().world_size() == group.size(), kCaller, ": the sharding is for ",
+      options.sharding().world_size(), " ranks, the group has ", group.size());
+  TORCH_CHECK(
+      !options.scale() || std::isfinite(*options.scale()), kCaller,
+      ": scale must be a finite number, got ", *options.scale());
+  TORCH_CHECK(
+      !options.window() || *options.window() > 0, kCaller,
+      ": window must be a positive number of keys, got ", *options.window());
+  TORCH_CHECK(
+      std::abs(options.query_offset()) <= attn::detail::kMaxQueryOffset, kCaller,
+      ": query_offset must be within ±2^60, got ", options.query_offset());
+}
+
+// The key padding mask as the keys that may be attended, or undefined.
+torch::Tensor allowed_keys(const ContextParallelOptions& options, const torch::Tensor& query) {
+  const auto& padding = options.key_padding_mask();
+  if (!padding.defined()) {
+    return {};
+  }
+  const int64_t B = query.size(0), N = query.size(2);
+  TORCH_CHECK(
+      padding.scalar_type() == torch::kBool && padding.device().is_cpu(), kCaller,
+      ": key_padding_mask must be a bool CPU tensor (true = padding), got ", padding.scalar_type(),
+      " on ", padding.device());
+  TORCH_CHECK(
+      padding.dim() == 2 && padding.size(0) == B && padding.size(1) == N, kCaller,
+      ": key_padding_mask must be (B, N) = ", torch::IntArrayRef({B, N}),
+      ", this rank's keys, got ", padding.sizes());
+  return padding.logical_not().contiguous();
+}
+
+// Every rank's inputs and options' sizes, compared in one all-gather, so
+// that ranks that disagree fail with a message rather than in a transfer.
+void check_ranks_agree(
+    const detail::ContextParallelInputs& inputs,
+    const ContextParallelOptions& options,
+    const Group& group) {
+  std::vector<int64_t> sizes;
+  for (const auto* tensor : {&inputs.query, &inputs.key, &inputs.value}) {
+    sizes.insert(sizes.end(), tensor->sizes().begin(), tensor->sizes().end());
+  }
+  sizes.push_back(inputs.allowed_keys.defined() ? 1 : 0);
+  sizes.push_back(static_cast<int64_t>(options.strategy()));
+  sizes.push_back(options.sharding().length());
+  sizes.push_back(static_cast<int64_t>(options.sharding().layout()));
+  detail::check_same_sizes(
+      sizes,
+      "query, key, value, key_padding_mask (defined or not), strategy, sequence length and layout",
+      group);
+}
+
+} // namespace
+
+ContextParallelOptions::ContextParallelOptions(SequenceSharding sharding)
+    : sharding_(std::move(sharding)) {}
+
+torch::Tensor ring_attention(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const Group& group,
+    const ContextParallelOptions& options) {
+  check_options(options, group);
+  check_shapes(query, key, value, options.sharding());
+  check_dtypes_and_devices(query, key, value);
+  // The kernels compute in float32 or float64.
+  const auto compute_dtype = query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  detail::ContextParallelInputs inputs{
+      query.to(compute_dtype),
+      key.to(compute_dtype),
+      value.to(compute_dtype),
+      allowed_keys(options, query),
+      options.sharding(),
+      options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(3)))),
+      options.is_causal(),
+      std::min(options.window().value_or(0), attn::detail::kUnboundedWindow),
+      options.query_offset()};
+  check_ranks_agree(inputs, options, group);
+  const auto output = options.strategy() == ContextParallelStrategy::ring
+      ? detail::ring_attention_of(inputs, group)
+      : detail::all_to_all_attention_of(inputs, group);
+  return output.to(query.scalar_type());
+}
+
+} // namespace attn::distributed

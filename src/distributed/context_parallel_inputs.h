@@ -1,0 +1,27 @@
+#pragma once
+
+// What both context-parallel strategies receive once ring_attention has
+// checked its arguments: the inputs in the dtype they are computed in, and
+// the options resolved to the numbers the kernels take.
+
+#include <attn/distributed/context_parallel.h>
+
+#include <torch/types.h>
+
+namespace attn::distributed::detail {
+
+struct ContextParallelInputs {
+  torch::Tensor query, key, value; // (B, H, N, D), (B, H_kv, N, D), (B, H_kv, N, Dv)
+  torch::Tensor allowed_keys;      // (B, N) bool, true = may be attended; undefined: all
+  SequenceSharding sharding;
+  double scale = 1.0;
+  bool causal = false;
+  int64_t window = 0; // 0: none; at most detail::kUnboundedWindow
+  int64_t query_offset = 0;
+};
+
+// The strategies: this rank's output rows (B, H, N, Dv), differentiable.
+torch::Tensor ring_attention_of(const ContextParallelInputs& inputs, const Group& group);
+torch::Tensor all_to_all_attention_of(const ContextParallelInputs& inputs, const Group& group);
+
+} // namespace attn::distributed::detail

@@ -1,0 +1,312 @@
+// Ring attention: each rank keeps its query rows and passes its keys and
+// values around the ring of ranks, W-1 times, receiving the next block
+// while it attends to the one it holds. Every (query segment, key segment)
+// pair that the masks leave visible runs attn's fused CPU kernel, whose
+// output and row log-sum-exp merge into the rank's running result. The
+// backward passes the keys and values around again, with the gradients of
+// each block travelling behind it: after W passes they are home.
+
+#include "distributed/collectives.h"
+#include "distributed/context_parallel_inputs.h"
+#include "kernels/cpu_attention.h"
+#include "masks.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace attn::distributed::detail {
+namespace {
+
+using attn::detail::CpuAttentionConfig;
+using attn::detail::KeyBand;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The tensors that travel around the ring: a rank's keys and values (and
+// which of them may be attended) in the forward; their gradients in the
+// backward.
+struct Block {
+  std::vector<torch::Tensor> tensors;
+};
+
+// A block on its way from each rank to the next: `wait()` returns once this
+// rank's has been sent and the previous rank's received into `incoming`.
+struct Exchange {
+  Block incoming;
+  std::vector<PendingMessage> messages;
+
+  void wait() {
+    for (auto& message : messages) {
+      message.wait();
+    }
+  }
+};
+
+Exchange start_exchange(const Block& block, int tag_base, const Group& group) {
+  const int64_t next = (group.rank() + 1) % group.size();
+  const int64_t previous = (group.rank() + group.size() - 1) % group.size();
+  Exchange exchange;
+  for (size_t i = 0; i < block.tensors.size(); ++i) {
+    const int tag = tag_base + static_cast<int>(i);
+    exchange.incoming.tensors.push_back(torch::empty_like(block.tensors[i]));
+    exchange.messages.push_back(start_send(block.tensors[i], next, tag, group));
+    exchange.messages.push_back(start_recv(exchange.incoming.tensors[i], previous, tag, group));
+  }
+  return exchange;
+}
+
+// Message tags: the forward's and the backward's passes never share one.
+constexpr int kTagsPerStep = 4;
+int forward_tag(int64_t step) {
+  return static_cast<int>(step) * kTagsPerStep;
+}
+int backward_tag(int64_t step, int64_t world_size) {
+  return static_cast<int>(world_size + 2 * step) * kTagsPerStep;
+}
+
+// The keys and values of the rank that holds them (`allowed` as bytes: Gloo
+// sends every dtype but bool in all LibTorch versions).
+Block key_value_block(const ContextParallelInputs& inputs) {
+  Block block{{inputs.key.contiguous(), inputs.value.contiguous()}};
+  if (inputs.allowed_keys.defined()) {
+    block.tensors.push_back(inputs.allowed_keys.to(torch::kByte));
+  }
+  return block;
+}
+
+// One kernel call: query rows [q_row, q_row + q_rows) against key rows
+// [k_row, k_row + k_rows) of the block held, with the key at local row
+// k_row standing `query_offset` positions before the query at q_row.
+struct SegmentPair {
+  int64_t q_row, q_rows, k_row, k_rows, query_offset;
+};
+
+// The rows of `segment` inside the sequence: those past its end are
+// padding, neither attending nor attended to.
+int64_t rows_inside(const SequenceSharding& sharding, const SequenceSharding::Segment& segment) {
+  return std::clamp<int64_t>(sharding.length() - segment.start, 0, segment.length);
+}
+
+// The pairs of this rank's query segments and `key_rank`'s key segments in
+// which some query sees some key, padding left out.
+std::vector<SegmentPair> visible_pairs(
+    const ContextParallelInputs& inputs,
+    int64_t query_rank,
+    int64_t key_rank) {
+  std::vector<SegmentPair> pairs;
+  const auto& sharding = inputs.sharding;
+  int64_t q_row = 0;
+  for (const auto& q_segment : sharding.segments(query_rank)) {
+    const int64_t q_rows = rows_inside(sharding, q_segment);
+    int64_t k_row = 0;
+    for (const auto& k_segment : sharding.segments(key_rank)) {
+      const int64_t k_rows = rows_inside(sharding, k_segment);
+      const int64_t offset = q_segment.start + inputs.query_offset - k_segment.start;
+      const KeyBand band{inputs.causal, offset, inputs.window, k_rows};
+      // Both bounds grow with the row: no row sees a key when the last
+      // row's end is at or before the first row's beginning.
+      if (q_rows > 0 && k_rows > 0 && band.end(q_rows - 1) > band.begin(0)) {
+        pairs.push_back({q_row, q_rows, k_row, k_rows, offset});
+      }
+      k_row += k_segment.length;
+    }
+    q_row += q_segment.length;
+  }
+  return pairs;
+}
+
+// The kernel's settings for `pair` of a block whose allowed keys are
+// `allowed` (B, N) bytes, or undefined.
+CpuAttentionConfig pair_config(
+    const ContextParallelInputs& inputs,
+    const SegmentPair& pair,
+    const torch::Tensor& allowed) {
+  CpuAttentionConfig config;
+  config.scale = inputs.scale;
+  config.causal = inputs.causal;
+  config.window = inputs.window;
+  config.query_offset = pair.query_offset;
+  if (allowed.defined()) {
+    const int64_t B = inputs.query.size(0), H = inputs.query.size(1);
+    config.mask = allowed.narrow(1, pair.k_row, pair.k_rows)
+                      .to(torch::kBool)
+                      .view({B, 1, 1, pair.k_rows})
+                      .expand({B, H, pair.q_rows, pair.k_rows});
+  }
+  return config;
+}
+
+// Rows [row, row + rows) of a (B, H, N, ·) or (B, H, N) tensor.
+torch::Tensor rows_of(const torch::Tensor& tensor, int64_t row, int64_t rows) {
+  return tensor.narrow(2, row, rows);
+}
+
+// Folds a partial result (out_part, lse_part) over some keys into the
+// running one (out, lse) over others, in place: both are weighted by their
+// share exp(lse_part - lse_new) of the merged row sum.
+void merge_partial(
+    const torch::Tensor& out,
+    const torch::Tensor& lse,
+    const torch::Tensor& out_part,
+    const torch::Tensor& lse_part) {
+  const auto largest = torch::maximum(lse, lse_part);
+  // Rows that have seen no key yet stay at -inf; exp(-inf - 0) is 0.
+  const auto shift = largest.masked_fill(largest == -std::numeric_limits<double>::infinity(), 0);
+  const auto old_share = torch::exp(lse - shift);
+  const auto new_share = torch::exp(lse_part - shift);
+  // The sum is 0 (no key seen) or at least 1 (its largest term is exp(0)).
+  const auto total = (old_share + new_share).clamp_min(1);
+  out.mul_((old_share / total).unsqueeze(-1)).add_(out_part * (new_share / total).unsqueeze(-1));
+  lse.copy_(shift + torch::log(old_share + new_share));
+}
+
+// Attends this rank's queries to `block`, the keys and values of
+// `key_rank`, merging into (out, lse).
+void attend_block(
+    const ContextParallelInputs& inputs,
+    const Block& block,
+    int64_t key_rank,
+    int64_t rank,
+    const torch::Tensor& out,
+    const torch::Tensor& lse) {
+  const auto& key = block.tensors[0];
+  const auto& value = block.tensors[1];
+  const auto allowed = block.tensors.size() > 2 ? block.tensors[2] : torch::Tensor();
+  for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
+    const auto [out_part, lse_part] = attn::detail::cpu_flash_forward(
+        rows_of(inputs.query, pair.q_row, pair.q_rows), rows_of(key, pair.k_row, pair.k_rows),
+        rows_of(value, pair.k_row, pair.k_rows), pair_config(inputs, pair, allowed));
+    merge_partial(
+        rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows), out_part,
+        lse_part);
+  }
+}
+
+// The gradients of this rank's queries (added to `dq`) and of `block`'s
+// keys and values (added to `grads`) for the pairs of `key_rank`.
+void backward_block(
+    const ContextParallelInputs& inputs,
+    const Block& block,
+    int64_t key_rank,
+    int64_t rank,
+    const torch::Tensor& out,
+    const torch::Tensor& lse,
+    const torch::Tensor& grad_out,
+    const torch::Tensor& dq,
+    const Block& grads) {
+  const auto& key = block.tensors[0];
+  const auto& value = block.tensors[1];
+  const auto allowed = block.tensors.size() > 2 ? block.tensors[2] : torch::Tensor();
+  for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
+    const auto [dq_part, dk_part, dv_part] = attn::detail::cpu_flash_backward(
+        rows_of(inputs.query, pair.q_row, pair.q_rows), rows_of(key, pair.k_row, pair.k_rows),
+        rows_of(value, pair.k_row, pair.k_rows), rows_of(out, pair.q_row, pair.q_rows),
+        rows_of(lse, pair.q_row, pair.q_rows), rows_of(grad_out, pair.q_row, pair.q_rows),
+        pair_config(inputs, pair, allowed));
+    rows_of(dq, pair.q_row, pair.q_rows).add_(dq_part);
+    rows_of(grads.tensors[0], pair.k_row, pair.k_rows).add_(dk_part);
+    rows_of(grads.tensors[1], pair.k_row, pair.k_rows).add_(dv_part);
+  }
+}
+
+// The rank whose keys a rank holds at `step` of the ring.
+int64_t key_rank_at(int64_t step, const Group& group) {
+  return (group.rank() + group.size() - step) % group.size();
+}
+
+class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunction> {
+ public:
+  static torch::Tensor forward(
+      AutogradContext* ctx,
+      const torch::Tensor& query,
+      const torch::Tensor& key,
+      const torch::Tensor& value,
+      const ContextParallelInputs& inputs,
+      const Group& group) {
+    const auto& q = inputs.query;
+    const int64_t B = q.size(0), H = q.size(1), N = q.size(2), Dv = inputs.value.size(3);
+    auto out = torch::zeros({B, H, N, Dv}, q.options());
+    auto lse = torch::full({B, H, N}, -std::numeric_limits<double>::infinity(), q.options());
+    auto block = key_value_block(inputs);
+    for (int64_t step = 0; step < group.size(); ++step) {
+      const bool last = step + 1 == group.size();
+      auto exchange = last ? Exchange{} : start_exchange(block, forward_tag(step), group);
+      attend_block(inputs, block, key_rank_at(step, group), group.rank(), out, lse);
+      exchange.wait();
+      block = std::move(exchange.incoming);
+    }
+    ctx->save_for_backward({query, key, value, out, lse});
+    ctx->saved_data["allowed_keys"] = inputs.allowed_keys;
+    save_settings(ctx, inputs);
+    save_group(ctx, group);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto inputs = restore_inputs(ctx, saved);
+    const auto& out = saved[3];
+    const auto& lse = saved[4];
+    const Group group = saved_group(ctx);
+    const auto grad_out = grad_outputs[0].contiguous();
+
+    const auto dq = torch::zeros_like(inputs.query);
+    Block grads{{torch::zeros_like(inputs.key), torch::zeros_like(inputs.value)}};
+    auto block = key_value_block(inputs);
+    for (int64_t step = 0; step < group.size(); ++step) {
+      const bool last = step + 1 == group.size();
+      auto exchange = last ? Exchange{} : start_exchange(block, forward_tag(step), group);
+      backward_block(
+          inputs, block, key_rank_at(step, group), group.rank(), out, lse, grad_out, dq, grads);
+      // The block's gradients follow it to the next rank; after the last
+      // step they reach the rank that holds the block.
+      if (group.size() > 1) {
+        auto passed = start_exchange(grads, backward_tag(step, group.size()), group);
+        passed.wait();
+        grads = std::move(passed.incoming);
+      }
+      exchange.wait();
+      block = std::move(exchange.incoming);
+    }
+    return {dq, grads.tensors[0], grads.tensors[1], torch::Tensor(), torch::Tensor()};
+  }
+
+ private:
+  static void save_settings(AutogradContext* ctx, const ContextParallelInputs& inputs) {
+    const auto& sharding = inputs.sharding;
+    ctx->saved_data["length"] = sharding.length();
+    ctx->saved_data["world_size"] = sharding.world_size();
+    ctx->saved_data["zigzag"] = sharding.layout() == SequenceLayout::zigzag;
+    ctx->saved_data["scale"] = inputs.scale;
+    ctx->saved_data["causal"] = inputs.causal;
+    ctx->saved_data["window"] = inputs.window;
+    ctx->saved_data["query_offset"] = inputs.query_offset;
+  }
+
+  static ContextParallelInputs restore_inputs(AutogradContext* ctx, const variable_list& saved) {
+    const auto& data = ctx->saved_data;
+    return {
+        saved[0],
+        saved[1],
+        saved[2],
+        data.at("allowed_keys").toTensor(),
+        SequenceSharding(
+            data.at("length").toInt(), data.at("world_size").toInt(),
+            data.at("zigzag").toBool() ? SequenceLayout::zigzag : SequenceLayout::contiguous),
+        data.at("scale").toDouble(),
+        data.at("causal").toBool(),
+        data.at("window").toInt(),
+        data.at("query_offset").toInt()};
+  }
+};
+
+} // namespace
+
+torch::Tensor ring_attention_of(const ContextParallelInputs& inputs, const Group& group) {
+  return RingAttentionFunction::apply(inputs.query, inputs.key, inputs.value, inputs, group);
+}
+
+} // namespace attn::distributed::detail
