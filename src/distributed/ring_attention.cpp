@@ -251,7 +251,10 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
     const auto& out = saved[3];
     const auto& lse = saved[4];
     const Group group = saved_group(ctx);
-    const auto grad_out = grad_outputs[0].contiguous();
+    // Every rank takes part in the backward's ring, also one whose output
+    // did not reach the loss (its gradient undefined: zero).
+    const auto grad_out = grad_outputs[0].defined() ? grad_outputs[0].contiguous()
+                                                    : torch::zeros_like(out);
 
     const auto dq = torch::zeros_like(inputs.query);
     Block grads{{torch::zeros_like(inputs.key), torch::zeros_like(inputs.value)}};
