@@ -95,6 +95,24 @@ std::vector<Case> ring_cases() {
   return cases;
 }
 
+// The ring cases for the all-to-all strategy, whose W (2 or 4) must divide
+// the query and the key/value heads: twice as many heads of both, 8 and 8,
+// or 8 and 4 in the grouped case. Multi-query attention (one key/value
+// head) cannot be split over heads, and is left out.
+std::vector<Case> all_to_all_cases() {
+  std::vector<Case> cases;
+  for (auto test_case : ring_cases()) {
+    if (test_case.kv_heads == 1) {
+      continue;
+    }
+    test_case.strategy = ContextParallelStrategy::all_to_all;
+    test_case.heads *= 2;
+    test_case.kv_heads *= 2;
+    cases.push_back(test_case);
+  }
+  return cases;
+}
+
 // The whole problem, drawn alike on every rank.
 struct WholeSequence {
   torch::Tensor query, key, value, padding, grad_out;
@@ -195,6 +213,14 @@ INSTANTIATE_TEST_SUITE_P(
         ::testing::Values(torch::kFloat64, torch::kFloat32)),
     case_name);
 
+INSTANTIATE_TEST_SUITE_P(
+    AllToAll,
+    ContextParallelAttention,
+    ::testing::Combine(
+        ::testing::ValuesIn(all_to_all_cases()),
+        ::testing::Values(torch::kFloat64, torch::kFloat32)),
+    case_name);
+
 TEST(ContextParallelSharding, ShardThenUnshardGivesTheSequenceBack) {
   const auto whole = torch::arange(23).view({1, 23});
   for (const auto layout : {SequenceLayout::contiguous, SequenceLayout::zigzag}) {
@@ -289,6 +315,43 @@ TEST(ContextParallelEdgeCases, StridedInputsGiveTheContiguousResult) {
       dist::ring_attention(q.contiguous(), k.contiguous(), k.contiguous(), group(), options)));
 }
 
+// Per rank and forward, with q (B, H, N, D), k (B, H_kv, N, D),
+// v (B, H_kv, N, Dv), e bytes per element and W > 1:
+//   the all-gather of the sizes (17 int64), 136 bytes;
+//   with a key padding mask, its all-gather, B·N bytes;
+//   an all-to-all of each of q, k and v, of its own size, and one of the
+//   output (B, H, N, Dv): e·B·N·(H·D + H_kv·D + H_kv·Dv + H·Dv) bytes.
+// That is 5 collectives (6 with the mask), whatever W. The backward makes
+// the four all-to-alls again, in reverse, on the gradients of the same
+// sizes, and nothing else.
+TEST(ContextParallelCommunication, AllToAllExchangesEachTensorOnceEachWay) {
+  const int64_t W = group().size();
+  if (W == 1) {
+    GTEST_SKIP() << "one rank exchanges nothing";
+  }
+  const SequenceSharding sharding(8 * W, W);
+  const int64_t B = 2, H = 2 * W, H_kv = W, N = sharding.local_length(), D = 8, Dv = 6;
+  const auto q = torch::randn({B, H, N, D}).requires_grad_();
+  const auto k = torch::randn({B, H_kv, N, D}).requires_grad_();
+  const auto v = torch::randn({B, H_kv, N, Dv}).requires_grad_();
+  const auto options = ContextParallelOptions(sharding)
+                           .key_padding_mask(torch::zeros({B, N}, torch::kBool))
+                           .strategy(ContextParallelStrategy::all_to_all);
+  const int64_t all_to_all_bytes = 4 * B * N * (H * D + H_kv * D + H_kv * Dv + H * Dv);
+
+  dist::reset_communication_count();
+  const auto out = dist::ring_attention(q, k, v, group(), options);
+  const auto forward = dist::communication_count();
+  EXPECT_EQ(forward.collectives, 1 + 1 + 4);
+  EXPECT_EQ(forward.bytes, 17 * 8 + B * N + all_to_all_bytes);
+
+  dist::reset_communication_count();
+  out.sum().backward();
+  const auto backward = dist::communication_count();
+  EXPECT_EQ(backward.collectives, 4);
+  EXPECT_EQ(backward.bytes, all_to_all_bytes);
+}
+
 TEST(ContextParallelErrors, InputsThatDoNotFitTheShardingAreRefused) {
   const SequenceSharding sharding(8 * group().size(), group().size());
   const auto x = torch::zeros({1, 4, sharding.local_length(), 8});
@@ -328,6 +391,39 @@ TEST(ContextParallelErrors, RanksThatDisagreeOnTheSizesFailOnEveryRank) {
   EXPECT_ATTN_ERROR(
       dist::ring_attention(x, x, x, group(), ContextParallelOptions(sharding)),
       "the ranks disagree on the sizes of query, key, value");
+}
+
+TEST(ContextParallelErrors, AllToAllNeedsTheRanksToDivideTheHeads) {
+  const int64_t W = group().size();
+  if (W == 1) {
+    GTEST_SKIP() << "one rank divides every head count";
+  }
+  const SequenceSharding sharding(4 * W, W);
+  const int64_t N = sharding.local_length();
+  const auto options = ContextParallelOptions(sharding).strategy(
+      ContextParallelStrategy::all_to_all);
+  const auto attend = [&](int64_t heads, int64_t kv_heads) {
+    const auto q = torch::zeros({1, heads, N, 8});
+    const auto kv = torch::zeros({1, kv_heads, N, 8});
+    return dist::ring_attention(q, kv, kv, group(), options);
+  };
+  const auto expected = [&](int64_t heads, int64_t kv_heads) {
+    std::ostringstream message;
+    message << "the all_to_all strategy needs the group's " << W
+            << " ranks to divide the query heads H and the key/value heads H_kv (the ring "
+               "strategy takes any head count), got H = "
+            << heads << " and H_kv = " << kv_heads;
+    return message.str();
+  };
+  // The key/value heads alone, then both.
+  EXPECT_ATTN_ERROR(attend(2 * W, 1), expected(2 * W, 1));
+  EXPECT_ATTN_ERROR(attend(W + 1, W + 1), expected(W + 1, W + 1));
+  // Refused before any of the strategy's collectives: only the sizes were
+  // compared, and the group is still in step.
+  dist::reset_communication_count();
+  EXPECT_ATTN_ERROR(attend(W + 1, 1), expected(W + 1, 1));
+  EXPECT_EQ(dist::communication_count().collectives, 1);
+  EXPECT_EQ(attend(2 * W, W).size(1), 2 * W);
 }
 
 // Run alone (ctest's context_parallel.rank_leaves_mid_ring_W): rank 1

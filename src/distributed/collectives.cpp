@@ -1,4 +1,5 @@
 #include "distributed/collectives.h"
+#include "distributed/compat.h"
 
 #include <torch/torch.h>
 
@@ -129,6 +130,15 @@ std::vector<torch::Tensor> all_gather(const torch::Tensor& input, const Group& g
     return group.process_group()->allgather(outputs, inputs);
   });
   return outputs[0];
+}
+
+torch::Tensor all_to_all(const torch::Tensor& input, const Group& group) {
+  TORCH_INTERNAL_ASSERT(input.dim() > 0 && input.size(0) % group.size() == 0);
+  auto in = input.contiguous();
+  auto out = torch::empty_like(in);
+  run_collective(
+      "all_to_all", group, in, [&] { return start_all_to_all(*group.process_group(), out, in); });
+  return out;
 }
 
 void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group) {

@@ -19,6 +19,11 @@ torch::Tensor all_reduce_sum(const torch::Tensor& input, const Group& group);
 // Every rank's `input`, in rank order (all shaped alike).
 std::vector<torch::Tensor> all_gather(const torch::Tensor& input, const Group& group);
 
+// The exchange of equal chunks along dim 0: chunk r of `input` (W chunks)
+// goes to rank r, and chunk r of the result is the one rank r sent here.
+// Every rank passes the same sizes.
+torch::Tensor all_to_all(const torch::Tensor& input, const Group& group);
+
 // A point-to-point message in flight: `wait()` returns once it has been
 // sent or received, or throws a c10::Error naming it, the peer and the
 // timeout. Holds the message's tensors until then.

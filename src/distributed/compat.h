@@ -13,6 +13,8 @@
 
 #include <chrono>
 #include <memory>
+#include <type_traits>
+#include <vector>
 
 namespace attn::distributed::detail {
 
@@ -58,6 +60,31 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
 #else
   return gloo;
 #endif
+}
+
+// Whether `ProcessGroup` names its single-tensor all-to-all
+// `all_to_all_single` (recent 2.x, which keeps `alltoall_base` as a
+// deprecated alias) rather than `alltoall_base` (1.13 and early 2.x).
+template <typename ProcessGroup, typename = void>
+struct HasAllToAllSingle : std::false_type {};
+template <typename ProcessGroup>
+struct HasAllToAllSingle<ProcessGroup, std::void_t<decltype(&ProcessGroup::all_to_all_single)>>
+    : std::true_type {};
+
+// Starts c10d's all-to-all of `input` into `output`, both split into equal
+// chunks along dim 0 (empty split lists). A template so that only the call
+// this LibTorch has is compiled.
+template <typename ProcessGroup>
+c10::intrusive_ptr<c10d::Work> start_all_to_all(
+    ProcessGroup& group,
+    at::Tensor& output,
+    at::Tensor& input) {
+  std::vector<int64_t> equal_splits;
+  if constexpr (HasAllToAllSingle<ProcessGroup>::value) {
+    return group.all_to_all_single(output, input, equal_splits, equal_splits);
+  } else {
+    return group.alltoall_base(output, input, equal_splits, equal_splits);
+  }
 }
 
 #ifdef USE_C10D_NCCL

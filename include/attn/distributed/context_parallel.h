@@ -165,6 +165,10 @@ struct ContextParallelOptions {
 /// With the ring strategy each rank's memory is O(N) in the sequence
 /// length: it holds its own rows, one block of keys and values in use and
 /// one in flight (and, in the backward, their gradients).
+/// With the all_to_all strategy each rank holds the whole sequence of its
+/// H/W query heads and H_kv/W key/value heads (as many numbers as its rows
+/// of every head) and exchanges each of query, key, value and output once,
+/// and each of their gradients once in the backward, whatever W.
 ///
 /// Example:
 /// ```
