@@ -4,8 +4,9 @@
 //
 //   build/apps/attn_launch_ranks W 1800 build/bench/attn_context_parallel_bench table
 //   build/apps/attn_launch_ranks 4 900 build/bench/attn_context_parallel_bench memory
+//   build/apps/attn_launch_ranks 4 900 build/bench/attn_context_parallel_bench memory-forward
 //
-// `table`: causal self-attention over T = 16384 tokens (B = 1, H = 8,
+// `table`: causal self-attention over T = 8192 tokens (B = 1, H = 8,
 // D = 64, float32) per strategy and layout: the median forward and
 // forward+backward times, each rank's peak tensor memory, and what one rank
 // sends. With W = 1 it also times attn::scaled_dot_product_attention on the
@@ -16,7 +17,9 @@
 // H = 8, D = 64, float32, zigzag ring); prints each rank's peak tensor
 // memory and fails (exit 1) unless every rank's stays below the bytes one
 // process must hold for the same sequence: its queries, keys, values,
-// output and their four gradients, 8·B·H·T·D floats.
+// output and their four gradients, 8·B·H·T·D floats. `memory-forward`:
+// the forward alone (no gradient), against Q, K, V and O, 4·B·H·T·D
+// floats; ctest runs it (a quarter of the time).
 
 #include <attn/attn.h>
 #include <attn/distributed/context_parallel.h>
@@ -127,7 +130,7 @@ void table_row(
     const dist::Group& group,
     dist::ContextParallelStrategy strategy,
     dist::SequenceLayout layout) {
-  constexpr int64_t kLength = 16384;
+  constexpr int64_t kLength = 8192;
   constexpr int kRepeats = 3;
   const auto p = problem(group, kLength, strategy, layout);
   const double forward = median_ms(group, kRepeats, [&] {
@@ -145,7 +148,7 @@ void table_row(
 
 // One process, attn's fused attention on the whole sequence.
 void one_process_row(const dist::Group& group) {
-  constexpr int64_t kLength = 16384;
+  constexpr int64_t kLength = 8192;
   const auto draw = [&] {
     return torch::randn({kBatch, kHeads, kLength, kHeadDim}).requires_grad_();
   };
@@ -182,30 +185,39 @@ int table(const dist::Group& group) {
   return 0;
 }
 
-int memory(const dist::Group& group) {
+int memory(const dist::Group& group, bool backward) {
   constexpr int64_t kLength = 65536;
   const auto p = problem(
       group, kLength, dist::ContextParallelStrategy::ring, dist::SequenceLayout::zigzag);
   meter().reset_peak();
-  const double ms = elapsed_ms([&] { forward_backward(p, group); });
+  const double ms = elapsed_ms([&] {
+    if (backward) {
+      forward_backward(p, group);
+    } else {
+      const torch::NoGradGuard no_grad;
+      attend(p, group);
+    }
+  });
   const auto peaks = dist::gather_from_parallel(torch::tensor({meter().peak_bytes()}), 0, group);
-  const int64_t one_process = 8 * kBatch * kHeads * kLength * kHeadDim * 4;
+  // Q, K, V, O and, with the backward, their gradients, in float32.
+  const int64_t one_process = (backward ? 8 : 4) * kBatch * kHeads * kLength * kHeadDim * 4;
   const bool below = peaks.max().item<int64_t>() < one_process;
   if (group.rank() == 0) {
     std::printf(
         "T = %lld, B = %lld, H = %lld, D = %lld, float32, causal, zigzag ring over %lld ranks: "
-        "forward+backward %.1f s\n",
+        "%s %.1f s\n",
         static_cast<long long>(kLength), static_cast<long long>(kBatch),
         static_cast<long long>(kHeads), static_cast<long long>(kHeadDim),
-        static_cast<long long>(group.size()), ms / 1000);
+        static_cast<long long>(group.size()), backward ? "forward+backward" : "forward", ms / 1000);
     for (int64_t rank = 0; rank < group.size(); ++rank) {
       std::printf(
           "rank %lld: peak tensor memory %.0f MiB\n", static_cast<long long>(rank),
           mib(peaks[rank].item<int64_t>()));
     }
     std::printf(
-        "one process holds at least %.0f MiB (Q, K, V, O and their gradients): %s\n",
-        mib(one_process), below ? "every rank is below" : "A RANK IS NOT BELOW");
+        "one process holds at least %.0f MiB (Q, K, V, O%s): %s\n", mib(one_process),
+        backward ? " and their gradients" : "",
+        below ? "every rank is below" : "A RANK IS NOT BELOW");
   }
   return below ? 0 : 1;
 }
@@ -214,8 +226,8 @@ int memory(const dist::Group& group) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc == 2 ? argv[1] : "";
-  if (mode != "table" && mode != "memory") {
-    std::fprintf(stderr, "usage: attn_context_parallel_bench table|memory\n");
+  if (mode != "table" && mode != "memory" && mode != "memory-forward") {
+    std::fprintf(stderr, "usage: attn_context_parallel_bench table|memory|memory-forward\n");
     return 2;
   }
   meter();
@@ -224,5 +236,5 @@ int main(int argc, char** argv) {
   const auto cores = static_cast<int64_t>(std::thread::hardware_concurrency());
   at::set_num_threads(static_cast<int>(std::max<int64_t>(cores / group.size(), 1)));
   torch::manual_seed(group.rank());
-  return mode == "table" ? table(group) : memory(group);
+  return mode == "table" ? table(group) : memory(group, /*backward=*/mode == "memory");
 }

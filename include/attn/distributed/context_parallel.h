@@ -36,9 +36,10 @@ enum class ContextParallelStrategy {
   /// outputs merge through their row log-sum-exp (Ring Attention, Liu et
   /// al. 2023). Any head count.
   ring,
-  /// Two all-to-alls over heads turn the sequence chunks into whole
-  /// sequences of H/W heads, attended locally (DeepSpeed-Ulysses). Needs W
-  /// to divide the query and key/value head counts.
+  /// All-to-alls over heads turn the sequence chunks of Q, K and V into
+  /// whole sequences of H/W heads, attended locally, and one more brings
+  /// the output rows home (DeepSpeed-Ulysses): four exchanges per forward
+  /// whatever W. Needs W to divide the query and key/value head counts.
   all_to_all,
 };
 
@@ -141,7 +142,8 @@ struct ContextParallelOptions {
   TORCH_ARG(c10::optional<double>, scale) = c10::nullopt;
   /// `(B, local_length)` bool, this rank's keys: `true` marks a padding key
   /// that no query attends to (the `torch::nn::MultiheadAttention`
-  /// convention). It travels with the keys.
+  /// convention). The ring passes it on with the keys; the all-to-all
+  /// strategy gathers it whole.
   TORCH_ARG(torch::Tensor, key_padding_mask) = {};
   /// How attention crosses the ranks.
   TORCH_ARG(ContextParallelStrategy, strategy) = ContextParallelStrategy::ring;
