@@ -37,6 +37,7 @@ add_library(attn_distributed
   src/distributed/all_to_all_attention.cpp
   src/distributed/collectives.cpp
   src/distributed/context_parallel.cpp
+  src/distributed/context_parallel_multi_head_attention.cpp
   src/distributed/mappings.cpp
   src/distributed/process_group.cpp
   src/distributed/ring_attention.cpp

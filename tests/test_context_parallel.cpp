@@ -280,6 +280,26 @@ TEST(ContextParallelHalfPrecision, BFloat16IsComputedInFloat32) {
   EXPECT_CLOSE(half.to(torch::kFloat), full, (Tolerance{0, 1.0 / 128}));
 }
 
+// Heads split from a projection are strided views: the backward's key and
+// value gradients, which travel as messages, must still be contiguous.
+TEST(ContextParallelLayout, StridedInputsGiveTheGradientsOfContiguousOnes) {
+  const SequenceSharding sharding(8 * group().size(), group().size());
+  const int64_t N = sharding.local_length();
+  torch::manual_seed(4);
+  const auto projected = torch::randn({2, N, 3, 4, 8}, torch::kFloat64); // (B, N, qkv, H, D)
+  const auto run = [&](bool strided) {
+    auto leaf = projected.clone().requires_grad_();
+    auto heads = leaf.permute({2, 0, 3, 1, 4}); // (qkv, B, H, N, D), strided
+    if (!strided) {
+      heads = heads.contiguous();
+    }
+    const auto options = ContextParallelOptions(sharding).is_causal(true);
+    dist::ring_attention(heads[0], heads[1], heads[2], group(), options).sum().backward();
+    return leaf.grad();
+  };
+  EXPECT_CLOSE(run(true), run(false), (Tolerance{1e-12, 1e-12}));
+}
+
 TEST(ContextParallelCommunication, RingPassesKeysAndValuesWMinus1Times) {
   const int64_t W = group().size();
   const SequenceSharding sharding(8 * W, W);

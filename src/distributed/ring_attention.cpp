@@ -257,7 +257,11 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
                                                     : torch::zeros_like(out);
 
     const auto dq = torch::zeros_like(inputs.query);
-    Block grads{{torch::zeros_like(inputs.key), torch::zeros_like(inputs.value)}};
+    // Contiguous whatever the inputs' strides (views of projections split
+    // into heads): they travel as messages.
+    Block grads{
+        {torch::zeros(inputs.key.sizes(), inputs.key.options()),
+         torch::zeros(inputs.value.sizes(), inputs.value.options())}};
     auto block = key_value_block(inputs);
     for (int64_t step = 0; step < group.size(); ++step) {
       const bool last = step + 1 == group.size();

@@ -3,11 +3,11 @@
 #include <attn/distributed/mappings.h>
 
 #include "distributed/collectives.h"
+#include "distributed/random_state.h"
 #include "modules/multi_head_attention_forward.h"
 
 #include <torch/torch.h>
 
-#include <mutex>
 #include <ostream>
 
 namespace attn::distributed {
@@ -94,29 +94,9 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
       "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
 
   const auto D = options.embed_dim() / H;
-  {
-    // The layers draw initial values that `full`'s replace below: the
-    // random state is put back, so that what a rank draws next is what a
-    // single process would (another thread drawing meanwhile would lose
-    // its draws to this, as it would race with torch::manual_seed).
-    auto generator = at::detail::getDefaultCPUGenerator();
-    at::Tensor state;
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      state = generator.get_state();
-    }
-    const auto restore = [&] {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(state);
-    };
-    try {
-      register_layers(*this, options, local_heads() * D, local_kv_heads() * D);
-    } catch (...) {
-      restore();
-      throw;
-    }
-    restore();
-  }
+  // The layers draw initial values that `full`'s replace below.
+  detail::keeping_random_state(
+      [&] { register_layers(*this, options, local_heads() * D, local_kv_heads() * D); });
 
   torch::NoGradGuard no_grad;
   const auto whole = full->named_parameters();

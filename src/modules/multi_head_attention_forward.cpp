@@ -128,11 +128,6 @@ void check_masks(
   }
 }
 
-// Queries, keys and values split into heads: (B, H, L, D), (B, H_kv, S, D).
-struct Heads {
-  torch::Tensor q, k, v;
-};
-
 // The projections (B, ·, H·D) into heads, by strides.
 Heads split_heads(
     const torch::Tensor& q,
@@ -144,32 +139,6 @@ Heads split_heads(
   return {
       q.view({B, q.size(1), H, D}).transpose(1, 2), k.view({B, k.size(1), H_kv, D}).transpose(1, 2),
       v.view({B, v.size(1), H_kv, D}).transpose(1, 2)};
-}
-
-Heads project_heads(
-    const BatchFirstInputs& inputs,
-    const MultiHeadAttentionOptions& options,
-    const MultiHeadParameters& p) {
-  namespace F = torch::nn::functional;
-  const bool self_attention = inputs.query.is_same(inputs.key) &&
-      inputs.key.is_same(inputs.value) && options.kdim() == options.embed_dim() &&
-      options.vdim() == options.embed_dim();
-  // Self-attention: one GEMM against the stacked weights. Stacking copies
-  // the weights on every call, which only pays off once the inputs are at
-  // least as large: a decoding step projects separately.
-  if (!self_attention || inputs.B * inputs.L < options.embed_dim()) {
-    return split_heads(
-        F::linear(inputs.query, p.q_weight, p.q_bias), F::linear(inputs.key, p.k_weight, p.k_bias),
-        F::linear(inputs.value, p.v_weight, p.v_bias), p);
-  }
-  const auto weight = torch::cat({p.q_weight, p.k_weight, p.v_weight});
-  const auto bias = p.q_bias.defined() ? torch::cat({p.q_bias, p.k_bias, p.v_bias})
-                                       : torch::Tensor();
-  const auto qkv = F::linear(inputs.query, weight, bias);
-  const int64_t q_features = p.q_weight.size(0), kv_features = p.k_weight.size(0);
-  return split_heads(
-      qkv.narrow(2, 0, q_features), qkv.narrow(2, q_features, kv_features),
-      qkv.narrow(2, q_features + kv_features, kv_features), p);
 }
 
 // Rotary positions start after the `past` cached tokens.
@@ -250,16 +219,41 @@ SDPAOptions attention_options(
       .attn_mask(mask.defined() ? allow_extra_keys(mask, extra) : mask);
 }
 
-// (B, H, L, D) heads merged straight into the caller's layout, so that the
-// output is contiguous either way: (B, L, H·D) or (L, B, H·D).
+} // namespace
+
+Heads project_heads(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadParameters& p) {
+  namespace F = torch::nn::functional;
+  const bool self_attention = query.is_same(key) && key.is_same(value) &&
+      options.kdim() == options.embed_dim() && options.vdim() == options.embed_dim();
+  // Self-attention: one GEMM against the stacked weights. Stacking copies
+  // the weights on every call, which only pays off once the inputs are at
+  // least as large: a decoding step projects separately.
+  if (!self_attention || query.size(0) * query.size(1) < options.embed_dim()) {
+    return split_heads(
+        F::linear(query, p.q_weight, p.q_bias), F::linear(key, p.k_weight, p.k_bias),
+        F::linear(value, p.v_weight, p.v_bias), p);
+  }
+  const auto weight = torch::cat({p.q_weight, p.k_weight, p.v_weight});
+  const auto bias = p.q_bias.defined() ? torch::cat({p.q_bias, p.k_bias, p.v_bias})
+                                       : torch::Tensor();
+  const auto qkv = F::linear(query, weight, bias);
+  const int64_t q_features = p.q_weight.size(0), kv_features = p.k_weight.size(0);
+  return split_heads(
+      qkv.narrow(2, 0, q_features), qkv.narrow(2, q_features, kv_features),
+      qkv.narrow(2, q_features + kv_features, kv_features), p);
+}
+
 torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first) {
   const int64_t B = heads.size(0), H = heads.size(1), L = heads.size(2);
   const int64_t features = H * heads.size(3);
   return batch_first ? heads.transpose(1, 2).reshape({B, L, features})
                      : heads.permute({2, 0, 1, 3}).reshape({L, B, features});
 }
-
-} // namespace
 
 MultiHeadParameters parameters_of(
     const MultiHeadLayers& layers,
@@ -304,7 +298,7 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
       inputs.B, parameters.num_heads, inputs.L, past + inputs.key.size(1), past};
   check_masks(forward_options, query, mask_shape);
 
-  auto heads = project_heads(inputs, options, parameters);
+  auto heads = project_heads(inputs.query, inputs.key, inputs.value, options, parameters);
   heads = append_keys(rotate(std::move(heads), parameters, past), cache, options, parameters);
   auto [attended, weights] = scaled_dot_product_attention(
       heads.q, heads.k, heads.v,

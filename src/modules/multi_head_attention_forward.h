@@ -5,7 +5,8 @@
 // cached, bias and zero keys, combine the masks, attend, merge the heads and
 // project them. attn::MultiHeadAttention's forward is a call of it with the
 // module's parameters; a module that holds only some of the heads (one
-// rank's share under tensor parallelism) calls it with those.
+// rank's share under tensor parallelism) calls it with those, and one that
+// attends otherwise (over a sequence split across ranks) calls its steps.
 
 #include <attn/modules/multi_head_layers.h>
 #include <attn/modules/rotary_embedding.h>
@@ -40,6 +41,26 @@ MultiHeadParameters parameters_of(
     int64_t num_heads,
     int64_t num_kv_heads,
     int64_t head_dim);
+
+// Queries, keys and values split into heads: (B, H, L, D), (B, H_kv, S, D).
+struct Heads {
+  torch::Tensor q, k, v;
+};
+
+// The projections of batch-first `query` (B, L, E), `key` (B, S, kdim) and
+// `value` (B, S, vdim) into heads, views of the projections (no copy).
+// Self-attention (the same tensor thrice) projects with one GEMM.
+Heads project_heads(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadParameters& parameters);
+
+// (B, H, L, D) heads merged straight into the caller's layout, so that the
+// output is contiguous either way: (B, L, H·D) when `batch_first`, else
+// (L, B, H·D).
+torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first);
 
 // `options` gives the layout and the features (embed_dim, kdim, vdim,
 // batch_first, dropout, add_bias_kv, add_zero_attn); `parameters` the
