@@ -405,6 +405,9 @@ TEST(ContextParallelErrors, InputsThatDoNotFitTheShardingAreRefused) {
 }
 
 TEST(ContextParallelErrors, RanksThatDisagreeOnTheSizesFailOnEveryRank) {
+  if (group().size() == 1) {
+    GTEST_SKIP() << "one rank cannot disagree with another";
+  }
   const SequenceSharding sharding(4 * group().size(), group().size());
   const int64_t batch = group().rank() == 0 ? 2 : 1;
   const auto x = torch::zeros({batch, 2, sharding.local_length(), 8});

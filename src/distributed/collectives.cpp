@@ -141,18 +141,20 @@ torch::Tensor all_to_all(const torch::Tensor& input, const Group& group) {
   return out;
 }
 
-void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group) {
-  check_same_sizes(tensor.sizes(), what, group);
-}
+namespace {
 
-void check_same_sizes(c10::IntArrayRef sizes, const char* what, const Group& group) {
-  // Up to kMaxSizes sizes and their count, in a fixed-size message that
-  // every rank can gather whatever its sizes.
-  constexpr int64_t kMaxSizes = 16;
+// Fails unless every rank passes the same `sizes`, at most `capacity` of
+// them: they travel with their count in a message of a fixed size, so that
+// every rank can gather every other's whatever they hold.
+void check_same_sizes_in(
+    c10::IntArrayRef sizes,
+    int64_t capacity,
+    const char* what,
+    const Group& group) {
   const auto count = static_cast<int64_t>(sizes.size());
   TORCH_CHECK(
-      count <= kMaxSizes, "attn::distributed: ", what, " has more than ", kMaxSizes, " sizes");
-  auto message = torch::full({kMaxSizes + 1}, -1, torch::kInt64);
+      count <= capacity, "attn::distributed: ", what, " has more than ", capacity, " sizes");
+  auto message = torch::full({capacity + 1}, -1, torch::kInt64);
   message[0] = count;
   for (int64_t d = 0; d < count; ++d) {
     message[d + 1] = sizes[d];
@@ -168,6 +170,18 @@ void check_same_sizes(c10::IntArrayRef sizes, const char* what, const Group& gro
   }
   TORCH_CHECK(
       same, "attn::distributed: the ranks disagree on the sizes of ", what, ": ", described.str());
+}
+
+} // namespace
+
+void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group) {
+  constexpr int64_t kMaxDims = 8; // a message of 72 bytes
+  check_same_sizes_in(tensor.sizes(), kMaxDims, what, group);
+}
+
+void check_same_sizes(c10::IntArrayRef sizes, const char* what, const Group& group) {
+  constexpr int64_t kMaxSizes = 16; // a message of 136 bytes
+  check_same_sizes_in(sizes, kMaxSizes, what, group);
 }
 
 void save_group(torch::autograd::AutogradContext* ctx, const Group& group) {
