@@ -31,10 +31,10 @@ using dist::ContextParallelStrategy;
 using dist::SequenceLayout;
 using dist::SequenceSharding;
 
-// The strategies every case runs with. all_to_all (DeepSpeed-Ulysses) is
-// not built yet: add ContextParallelStrategy::all_to_all here once it is.
+// The strategies every case runs with (all_to_all skips the cases whose
+// head counts the ranks do not divide).
 std::vector<ContextParallelStrategy> strategies() {
-  return {ContextParallelStrategy::ring};
+  return {ContextParallelStrategy::ring, ContextParallelStrategy::all_to_all};
 }
 
 struct Case {
