@@ -1,6 +1,6 @@
 // Context parallelism's time and memory, run as the ranks of a group
-// started the way torchrun starts them (docs/DISTRIBUTED.md has what it
-// printed):
+// started the way torchrun starts them (docs/CONTEXT_PARALLEL.md has what
+// it printed):
 //
 //   build/apps/attn_launch_ranks W 1800 build/bench/attn_context_parallel_bench table
 //   build/apps/attn_launch_ranks 4 900 build/bench/attn_context_parallel_bench memory
@@ -11,7 +11,8 @@
 // forward+backward times, each rank's peak tensor memory, and what one rank
 // sends. With W = 1 it also times attn::scaled_dot_product_attention on the
 // whole sequence, the one-process baseline. Each rank runs on cores / W
-// intra-op threads (at least one), so W ranks share the machine's cores.
+// threads (at least one), in ATen's pool and in OpenBLAS's, so that W ranks
+// share the machine's cores rather than oversubscribe them.
 //
 // `memory`: one causal forward+backward over T = 65536 tokens (B = 1,
 // H = 8, D = 64, float32, zigzag ring); prints each rank's peak tensor
@@ -29,6 +30,8 @@
 
 #include <torch/torch.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -44,10 +47,23 @@ namespace dist = attn::distributed;
 
 constexpr int64_t kBatch = 1, kHeads = 8, kHeadDim = 64;
 
-// Counts every CPU tensor of the run.
+// Counts every CPU tensor of the run; never destroyed, so that tensors
+// freed during the program's exit still find it.
 attn::bench::PeakTensorMemory& meter() {
-  static attn::bench::PeakTensorMemory meter;
-  return meter;
+  static auto* meter = new attn::bench::PeakTensorMemory;
+  return *meter;
+}
+
+// ATen's intra-op threads and, where LibTorch uses OpenBLAS (Debian's
+// does), OpenBLAS's own pool, which the kernels' inline GEMMs run on.
+void set_threads(int threads) {
+  at::set_num_threads(threads);
+  using SetThreads = void (*)(int);
+  const auto set_blas_threads = reinterpret_cast<SetThreads>(
+      dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set_blas_threads != nullptr) {
+    set_blas_threads(threads);
+  }
 }
 
 double elapsed_ms(const std::function<void()>& step) {
@@ -57,13 +73,22 @@ double elapsed_ms(const std::function<void()>& step) {
       .count();
 }
 
+void barrier(const dist::Group& group) {
+  dist::reduce_from_parallel(torch::zeros({1}), group);
+}
+
 // The median of `repeats` timed runs of `step` after one untimed one; the
-// ranks start each run together.
+// ranks start each run together, and a run ends when the last rank is done
+// (a rank with less work, such as the first under causal attention laid out
+// contiguously, finishes its own part early).
 double median_ms(const dist::Group& group, int repeats, const std::function<void()>& step) {
   std::vector<double> times;
   for (int run = -1; run < repeats; ++run) {
-    dist::reduce_from_parallel(torch::zeros({1}), group); // a barrier
-    const double ms = elapsed_ms(step);
+    barrier(group);
+    const double ms = elapsed_ms([&] {
+      step();
+      barrier(group);
+    });
     if (run >= 0) {
       times.push_back(ms);
     }
@@ -197,6 +222,7 @@ int memory(const dist::Group& group, bool backward) {
       const torch::NoGradGuard no_grad;
       attend(p, group);
     }
+    barrier(group);
   });
   const auto peaks = dist::gather_from_parallel(torch::tensor({meter().peak_bytes()}), 0, group);
   // Q, K, V, O and, with the backward, their gradients, in float32.
@@ -234,7 +260,7 @@ int main(int argc, char** argv) {
   const auto group = dist::init_process_group(
       dist::InitOptions().timeout(std::chrono::minutes(10)));
   const auto cores = static_cast<int64_t>(std::thread::hardware_concurrency());
-  at::set_num_threads(static_cast<int>(std::max<int64_t>(cores / group.size(), 1)));
+  set_threads(static_cast<int>(std::max<int64_t>(cores / group.size(), 1)));
   torch::manual_seed(group.rank());
   return mode == "table" ? table(group) : memory(group, /*backward=*/mode == "memory");
 }

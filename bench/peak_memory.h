@@ -4,7 +4,7 @@
 // alive: it puts a counting allocator in front of LibTorch's CPU allocator,
 // so every tensor allocated from any thread counts until it is freed. It
 // must outlive the tensors it counted: a program makes one, for its whole
-// run.
+// run, and never destroys it.
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

@@ -33,10 +33,12 @@ struct Case {
   int64_t length = 24; // T
   int64_t heads = 4;   // H
   int64_t kv_heads = 4;
+  int64_t value_dim = 8; // Dv; D is 8
   bool is_causal = false;
   c10::optional<int64_t> window;
   int64_t query_offset = 0;
   bool key_padding = false;
+  bool second_sequence_all_padding = false; // its queries see no key
   SequenceLayout layout = SequenceLayout::zigzag;
   ContextParallelStrategy strategy = ContextParallelStrategy::ring;
 };
@@ -92,6 +94,23 @@ std::vector<Case> ring_cases() {
     c.window = 6;
     c.layout = SequenceLayout::contiguous;
   });
+  add("uneven_causal_key_padding", [](Case& c) {
+    c.length = 23;
+    c.is_causal = true;
+    c.key_padding = true;
+  });
+  add("window_query_offset", [](Case& c) {
+    c.window = 5;
+    c.query_offset = 4;
+  });
+  add("value_width_differs", [](Case& c) {
+    c.value_dim = 6;
+    c.is_causal = true;
+  });
+  add("a_sequence_all_padding", [](Case& c) {
+    c.key_padding = true;
+    c.second_sequence_all_padding = true;
+  });
   return cases;
 }
 
@@ -125,10 +144,13 @@ WholeSequence draw(const Case& test_case, torch::ScalarType dtype) {
   WholeSequence whole{
       torch::randn({B, test_case.heads, T, D}, options),
       torch::randn({B, test_case.kv_heads, T, D}, options),
-      torch::randn({B, test_case.kv_heads, T, D}, options), torch::Tensor(),
-      torch::randn({B, test_case.heads, T, D}, options)};
+      torch::randn({B, test_case.kv_heads, T, test_case.value_dim}, options), torch::Tensor(),
+      torch::randn({B, test_case.heads, T, test_case.value_dim}, options)};
   if (test_case.key_padding) {
     whole.padding = torch::rand({B, T}) < 0.3;
+  }
+  if (test_case.second_sequence_all_padding) {
+    whole.padding[1].fill_(true);
   }
   return whole;
 }
@@ -190,6 +212,10 @@ class ContextParallelAttention
 
 TEST_P(ContextParallelAttention, OutputAndGradientsMatchOneProcess) {
   const auto& [test_case, dtype] = GetParam();
+  if (test_case.strategy == ContextParallelStrategy::all_to_all &&
+      (test_case.heads % group().size() != 0 || test_case.kv_heads % group().size() != 0)) {
+    GTEST_SKIP() << "all_to_all needs the ranks to divide the head counts";
+  }
   const auto whole = draw(test_case, dtype);
   const auto expected = one_process(test_case, whole);
   const auto actual = context_parallel(test_case, whole);
@@ -311,7 +337,7 @@ TEST(ContextParallelCommunication, RingPassesKeysAndValuesWMinus1Times) {
   // One all-gather of the sizes, then W - 1 steps of a key and a value.
   EXPECT_EQ(count.collectives, 1 + 2 * (W - 1));
   const int64_t kv_bytes = 2 * kv.numel() * 4;
-  EXPECT_EQ(count.bytes - 17 * 8, (W - 1) * kv_bytes);
+  EXPECT_EQ(count.bytes - 25 * 8, (W - 1) * kv_bytes);
 }
 
 TEST(ContextParallelEdgeCases, EmptyBatchGivesAnEmptyOutputAndGradients) {
@@ -337,7 +363,7 @@ TEST(ContextParallelEdgeCases, StridedInputsGiveTheContiguousResult) {
 
 // Per rank and forward, with q (B, H, N, D), k (B, H_kv, N, D),
 // v (B, H_kv, N, Dv), e bytes per element and W > 1:
-//   the all-gather of the sizes (17 int64), 136 bytes;
+//   the all-gather of the sizes and options (25 int64), 200 bytes;
 //   with a key padding mask, its all-gather, B·N bytes;
 //   an all-to-all of each of q, k and v, of its own size, and one of the
 //   output (B, H, N, Dv): e·B·N·(H·D + H_kv·D + H_kv·Dv + H·Dv) bytes.
@@ -363,7 +389,7 @@ TEST(ContextParallelCommunication, AllToAllExchangesEachTensorOnceEachWay) {
   const auto out = dist::ring_attention(q, k, v, group(), options);
   const auto forward = dist::communication_count();
   EXPECT_EQ(forward.collectives, 1 + 1 + 4);
-  EXPECT_EQ(forward.bytes, 17 * 8 + B * N + all_to_all_bytes);
+  EXPECT_EQ(forward.bytes, 25 * 8 + B * N + all_to_all_bytes);
 
   dist::reset_communication_count();
   out.sum().backward();
@@ -402,6 +428,42 @@ TEST(ContextParallelErrors, InputsThatDoNotFitTheShardingAreRefused) {
   EXPECT_ATTN_ERROR(
       dist::ring_attention(x, x, x.to(torch::kDouble), group(), options),
       "must have the same floating dtype");
+}
+
+TEST(ContextParallelErrors, RankThatRefusesItsArgumentsFailsTheOthersAtOnce) {
+  if (group().size() == 1) {
+    GTEST_SKIP() << "no other rank to fail";
+  }
+  const SequenceSharding sharding(4 * group().size(), group().size());
+  const auto x = torch::zeros({1, 2, sharding.local_length(), 8});
+  auto options = ContextParallelOptions(sharding);
+  if (group().rank() == 1) {
+    options.key_padding_mask(torch::zeros({1, 3}, torch::kBool)); // not (B, N)
+  }
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_ATTN_ERROR(
+      dist::ring_attention(x, x, x, group(), options),
+      group().rank() == 1 ? "key_padding_mask must be (B, N)"
+                          : "a lone 0: a rank that refused its arguments");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+}
+
+TEST(ContextParallelErrors, RanksThatDisagreeOnTheOptionsFailOnEveryRank) {
+  if (group().size() == 1) {
+    GTEST_SKIP() << "one rank cannot disagree with another";
+  }
+  const SequenceSharding sharding(4 * group().size(), group().size());
+  const auto x = torch::zeros({1, 2, sharding.local_length(), 8});
+  const auto options = ContextParallelOptions(sharding).is_causal(group().rank() == 0);
+  EXPECT_ATTN_ERROR(
+      dist::ring_attention(x, x, x, group(), options), "the ranks disagree on the sizes of");
+  EXPECT_ATTN_ERROR(
+      dist::ring_attention(
+          group().rank() == 0 ? x : x.to(torch::kDouble),
+          group().rank() == 0 ? x : x.to(torch::kDouble),
+          group().rank() == 0 ? x : x.to(torch::kDouble), group(),
+          ContextParallelOptions(sharding)),
+      "the ranks disagree on the sizes of query, key, value, their dtype");
 }
 
 TEST(ContextParallelErrors, RanksThatDisagreeOnTheSizesFailOnEveryRank) {

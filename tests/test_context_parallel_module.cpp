@@ -400,6 +400,10 @@ TEST_F(ContextParallelModuleErrors, AttnMaskAndKVCacheAreRefused) {
   EXPECT_ATTN_ERROR(
       ContextParallelForwardOptions(sharding, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
       "a kv_cache cannot be split by sequence, expected none, got one");
+  EXPECT_ATTN_ERROR(
+      ContextParallelForwardOptions(
+          sharding, MultiHeadAttentionForwardOptions().key_padding_mask(torch::zeros({1, 8}))),
+      "key_padding_mask must be bool (true = padding) to be split by sequence, got Float");
 }
 
 TEST_F(ContextParallelModuleErrors, InputsThatDoNotFitAreNamed) {

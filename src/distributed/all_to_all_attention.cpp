@@ -87,22 +87,7 @@ torch::Tensor rows_of_every_head(
     const torch::Tensor& whole,
     const SequenceSharding& sharding,
     const Group& group) {
-  auto padded = whole;
-  const int64_t padding = sharding.padded_length() - sharding.length();
-  if (padding > 0) {
-    auto sizes = whole.sizes().vec();
-    sizes[2] = padding;
-    padded = torch::cat({whole, torch::zeros(sizes, whole.options())}, 2);
-  }
-  std::vector<torch::Tensor> by_rank;
-  for (int64_t rank = 0; rank < group.size(); ++rank) {
-    std::vector<torch::Tensor> pieces;
-    for (const auto& segment : sharding.segments(rank)) {
-      pieces.push_back(padded.narrow(2, segment.start, segment.length));
-    }
-    by_rank.push_back(pieces.size() == 1 ? pieces[0] : torch::cat(pieces, 2));
-  }
-  return all_heads(exchanged(torch::stack(by_rank), group));
+  return all_heads(exchanged(torch::stack(sharding.shard_all(whole, 2)), group));
 }
 
 // The keys of the whole sequence that may be attended, as an attention mask

@@ -180,7 +180,7 @@ void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group
 }
 
 void check_same_sizes(c10::IntArrayRef sizes, const char* what, const Group& group) {
-  constexpr int64_t kMaxSizes = 16; // a message of 136 bytes
+  constexpr int64_t kMaxSizes = 24; // a message of 200 bytes
   check_same_sizes_in(sizes, kMaxSizes, what, group);
 }
 

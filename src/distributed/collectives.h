@@ -55,7 +55,8 @@ PendingMessage start_recv(const torch::Tensor& tensor, int64_t peer, int tag, co
 // rank passes a tensor of the same sizes: a collective on tensors of
 // different sizes would fail far from the cause, or not at all.
 void check_same_sizes(const torch::Tensor& tensor, const char* what, const Group& group);
-// The same for a list of up to 16 sizes (several tensors' at once).
+// The same for a list of up to 24 numbers (several tensors' sizes and
+// options at once).
 void check_same_sizes(c10::IntArrayRef sizes, const char* what, const Group& group);
 
 // A Group kept in an autograd context for the backward: the process group

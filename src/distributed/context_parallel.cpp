@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
+#include <exception>
 #include <vector>
 
 namespace attn::distributed {
@@ -97,24 +99,55 @@ torch::Tensor allowed_keys(const ContextParallelOptions& options, const torch::T
   return padding.logical_not().contiguous();
 }
 
-// Every rank's inputs and options' sizes, compared in one all-gather, so
-// that ranks that disagree fail with a message rather than in a transfer.
-void check_ranks_agree(
-    const detail::ContextParallelInputs& inputs,
-    const ContextParallelOptions& options,
-    const Group& group) {
-  std::vector<int64_t> sizes;
-  for (const auto* tensor : {&inputs.query, &inputs.key, &inputs.value}) {
-    sizes.insert(sizes.end(), tensor->sizes().begin(), tensor->sizes().end());
+// This rank's inputs, checked, in the dtype they are computed in.
+detail::ContextParallelInputs checked_inputs(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const Group& group,
+    const ContextParallelOptions& options) {
+  check_options(options, group);
+  check_shapes(query, key, value, options.sharding());
+  check_dtypes_and_devices(query, key, value);
+  // The kernels compute in float32 or float64.
+  const auto compute_dtype = query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  return {
+      query.to(compute_dtype),
+      key.to(compute_dtype),
+      value.to(compute_dtype),
+      allowed_keys(options, query),
+      options.sharding(),
+      options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(3)))),
+      options.is_causal(),
+      std::min(options.window().value_or(0), attn::detail::kUnboundedWindow),
+      options.query_offset()};
+}
+
+constexpr const char* kAgreed =
+    "query, key, value, their dtype and the options (a lone 0: a rank that refused its "
+    "arguments, whose own error says why)";
+
+// What every rank must agree on, as numbers: a leading 1, the sizes of the
+// inputs, their dtype and every option; a lone 0 from a rank whose inputs
+// failed its own checks.
+std::vector<int64_t> agreement(const c10::optional<detail::ContextParallelInputs>& inputs) {
+  if (!inputs) {
+    return {0};
   }
-  sizes.push_back(inputs.allowed_keys.defined() ? 1 : 0);
-  sizes.push_back(static_cast<int64_t>(options.strategy()));
-  sizes.push_back(options.sharding().length());
-  sizes.push_back(static_cast<int64_t>(options.sharding().layout()));
-  detail::check_same_sizes(
-      sizes,
-      "query, key, value, key_padding_mask (defined or not), strategy, sequence length and layout",
-      group);
+  std::vector<int64_t> numbers{1};
+  for (const auto* tensor : {&inputs->query, &inputs->key, &inputs->value}) {
+    numbers.insert(numbers.end(), tensor->sizes().begin(), tensor->sizes().end());
+  }
+  int64_t scale_bits = 0;
+  static_assert(sizeof(scale_bits) == sizeof(inputs->scale));
+  std::memcpy(&scale_bits, &inputs->scale, sizeof(scale_bits));
+  const auto& sharding = inputs->sharding;
+  numbers.insert(
+      numbers.end(),
+      {static_cast<int64_t>(inputs->query.scalar_type()), inputs->allowed_keys.defined() ? 1 : 0,
+       sharding.length(), static_cast<int64_t>(sharding.layout()), inputs->causal ? 1 : 0,
+       inputs->window, inputs->query_offset, scale_bits});
+  return numbers;
 }
 
 } // namespace
@@ -128,25 +161,32 @@ torch::Tensor ring_attention(
     const torch::Tensor& value,
     const Group& group,
     const ContextParallelOptions& options) {
-  check_options(options, group);
-  check_shapes(query, key, value, options.sharding());
-  check_dtypes_and_devices(query, key, value);
-  // The kernels compute in float32 or float64.
-  const auto compute_dtype = query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  detail::ContextParallelInputs inputs{
-      query.to(compute_dtype),
-      key.to(compute_dtype),
-      value.to(compute_dtype),
-      allowed_keys(options, query),
-      options.sharding(),
-      options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(3)))),
-      options.is_causal(),
-      std::min(options.window().value_or(0), attn::detail::kUnboundedWindow),
-      options.query_offset()};
-  check_ranks_agree(inputs, options, group);
+  c10::optional<detail::ContextParallelInputs> inputs;
+  std::exception_ptr refused;
+  try {
+    inputs = checked_inputs(query, key, value, group, options);
+  } catch (const c10::Error&) {
+    refused = std::current_exception();
+  }
+  // A rank that refused its arguments still takes part in the comparison,
+  // so that the others fail at once with a message rather than wait for it
+  // until the timeout; it reports its own error.
+  auto numbers = agreement(inputs);
+  numbers.push_back(static_cast<int64_t>(options.strategy()));
+  try {
+    detail::check_same_sizes(numbers, kAgreed, group);
+  } catch (const c10::Error&) {
+    if (refused) {
+      std::rethrow_exception(refused);
+    }
+    throw;
+  }
+  if (refused) {
+    std::rethrow_exception(refused);
+  }
   const auto output = options.strategy() == ContextParallelStrategy::ring
-      ? detail::ring_attention_of(inputs, group)
-      : detail::all_to_all_attention_of(inputs, group);
+      ? detail::ring_attention_of(*inputs, group)
+      : detail::all_to_all_attention_of(*inputs, group);
   return output.to(query.scalar_type());
 }
 

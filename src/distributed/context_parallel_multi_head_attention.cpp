@@ -113,8 +113,7 @@ torch::Tensor zero_padding_rows(
   auto padding = torch::zeros({sharding.local_length()}, torch::kBool);
   int64_t row = 0;
   for (const auto& segment : sharding.segments(rank)) {
-    const int64_t inside = std::clamp<int64_t>(
-        sharding.length() - segment.start, 0, segment.length);
+    const int64_t inside = sharding.rows_inside(segment);
     padding.narrow(0, row + inside, segment.length - inside).fill_(true);
     row += segment.length;
   }
@@ -150,7 +149,12 @@ ContextParallelForwardOptions::ContextParallelForwardOptions(
   TORCH_CHECK(
       attention_options.kv_cache() == nullptr, kCaller,
       ": a kv_cache cannot be split by sequence, expected none, got one");
-  key_padding_mask_ = attention_options.key_padding_mask();
+  const auto& padding = attention_options.key_padding_mask();
+  TORCH_CHECK(
+      !padding.defined() || padding.scalar_type() == torch::kBool, kCaller,
+      ": key_padding_mask must be bool (true = padding) to be split by sequence, got ",
+      padding.scalar_type());
+  key_padding_mask_ = padding;
   is_causal_ = attention_options.is_causal();
   window_ = attention_options.window();
 }

@@ -58,13 +58,15 @@ Exchange start_exchange(const Block& block, int tag_base, const Group& group) {
   return exchange;
 }
 
-// Message tags: the forward's and the backward's passes never share one.
+// Message tags: each pass around the ring numbers its steps, the keys'
+// and values' passes (forward and backward alike) from 0, the gradients'
+// after them, so that the two passes of the backward never share a tag.
 constexpr int kTagsPerStep = 4;
-int forward_tag(int64_t step) {
+int key_value_tag(int64_t step) {
   return static_cast<int>(step) * kTagsPerStep;
 }
-int backward_tag(int64_t step, int64_t world_size) {
-  return static_cast<int>(world_size + 2 * step) * kTagsPerStep;
+int gradient_tag(int64_t step, int64_t world_size) {
+  return static_cast<int>(world_size + step) * kTagsPerStep;
 }
 
 // The keys and values of the rank that holds them (`allowed` as bytes: Gloo
@@ -84,14 +86,9 @@ struct SegmentPair {
   int64_t q_row, q_rows, k_row, k_rows, query_offset;
 };
 
-// The rows of `segment` inside the sequence: those past its end are
-// padding, neither attending nor attended to.
-int64_t rows_inside(const SequenceSharding& sharding, const SequenceSharding::Segment& segment) {
-  return std::clamp<int64_t>(sharding.length() - segment.start, 0, segment.length);
-}
-
 // The pairs of this rank's query segments and `key_rank`'s key segments in
-// which some query sees some key, padding left out.
+// which some query sees some key, padding (neither attending nor attended
+// to) left out.
 std::vector<SegmentPair> visible_pairs(
     const ContextParallelInputs& inputs,
     int64_t query_rank,
@@ -100,10 +97,10 @@ std::vector<SegmentPair> visible_pairs(
   const auto& sharding = inputs.sharding;
   int64_t q_row = 0;
   for (const auto& q_segment : sharding.segments(query_rank)) {
-    const int64_t q_rows = rows_inside(sharding, q_segment);
+    const int64_t q_rows = sharding.rows_inside(q_segment);
     int64_t k_row = 0;
     for (const auto& k_segment : sharding.segments(key_rank)) {
-      const int64_t k_rows = rows_inside(sharding, k_segment);
+      const int64_t k_rows = sharding.rows_inside(k_segment);
       const int64_t offset = q_segment.start + inputs.query_offset - k_segment.start;
       const KeyBand band{inputs.causal, offset, inputs.window, k_rows};
       // Both bounds grow with the row: no row sees a key when the last
@@ -212,6 +209,21 @@ void backward_block(
   }
 }
 
+// Zero gradients for a block of keys and values, contiguous whatever the
+// inputs' strides (views of projections split into heads): they travel as
+// messages.
+Block zero_gradients(const ContextParallelInputs& inputs) {
+  return {
+      {torch::zeros(inputs.key.sizes(), inputs.key.options()),
+       torch::zeros(inputs.value.sizes(), inputs.value.options())}};
+}
+
+void add_into(const Block& sum, const Block& addend) {
+  for (size_t i = 0; i < sum.tensors.size(); ++i) {
+    sum.tensors[i].add_(addend.tensors[i]);
+  }
+}
+
 // The rank whose keys a rank holds at `step` of the ring.
 int64_t key_rank_at(int64_t step, const Group& group) {
   return (group.rank() + group.size() - step) % group.size();
@@ -233,7 +245,7 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
     auto block = key_value_block(inputs);
     for (int64_t step = 0; step < group.size(); ++step) {
       const bool last = step + 1 == group.size();
-      auto exchange = last ? Exchange{} : start_exchange(block, forward_tag(step), group);
+      auto exchange = last ? Exchange{} : start_exchange(block, key_value_tag(step), group);
       attend_block(inputs, block, key_rank_at(step, group), group.rank(), out, lse);
       exchange.wait();
       block = std::move(exchange.incoming);
@@ -257,27 +269,31 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
                                                     : torch::zeros_like(out);
 
     const auto dq = torch::zeros_like(inputs.query);
-    // Contiguous whatever the inputs' strides (views of projections split
-    // into heads): they travel as messages.
-    Block grads{
-        {torch::zeros(inputs.key.sizes(), inputs.key.options()),
-         torch::zeros(inputs.value.sizes(), inputs.value.options())}};
     auto block = key_value_block(inputs);
+    // The gradients of the block held travel one step behind it: each rank
+    // adds its share to the partial sum the previous rank sent, which
+    // arrives while the share is computed, and sends the sum on. After the
+    // last step each rank receives its own block's.
+    c10::optional<Exchange> gradients_in_flight;
     for (int64_t step = 0; step < group.size(); ++step) {
       const bool last = step + 1 == group.size();
-      auto exchange = last ? Exchange{} : start_exchange(block, forward_tag(step), group);
+      auto exchange = last ? Exchange{} : start_exchange(block, key_value_tag(step), group);
+      auto share = zero_gradients(inputs);
       backward_block(
-          inputs, block, key_rank_at(step, group), group.rank(), out, lse, grad_out, dq, grads);
-      // The block's gradients follow it to the next rank; after the last
-      // step they reach the rank that holds the block.
-      if (group.size() > 1) {
-        auto passed = start_exchange(grads, backward_tag(step, group.size()), group);
-        passed.wait();
-        grads = std::move(passed.incoming);
+          inputs, block, key_rank_at(step, group), group.rank(), out, lse, grad_out, dq, share);
+      if (gradients_in_flight) {
+        gradients_in_flight->wait();
+        add_into(share, gradients_in_flight->incoming);
       }
+      if (group.size() == 1) {
+        return {dq, share.tensors[0], share.tensors[1], torch::Tensor(), torch::Tensor()};
+      }
+      gradients_in_flight = start_exchange(share, gradient_tag(step, group.size()), group);
       exchange.wait();
       block = std::move(exchange.incoming);
     }
+    gradients_in_flight->wait();
+    const auto& grads = gradients_in_flight->incoming;
     return {dq, grads.tensors[0], grads.tensors[1], torch::Tensor(), torch::Tensor()};
   }
 

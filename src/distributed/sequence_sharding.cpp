@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <ostream>
 
 namespace attn::distributed {
@@ -55,24 +56,52 @@ std::vector<SequenceSharding::Segment> SequenceSharding::segments(int64_t rank) 
   return {{rank * chunk, chunk}, {(2 * world_size_ - 1 - rank) * chunk, chunk}};
 }
 
-torch::Tensor SequenceSharding::shard(const torch::Tensor& whole, int64_t dim, int64_t rank) const {
+int64_t SequenceSharding::rows_inside(const Segment& segment) const {
+  return std::clamp<int64_t>(length_ - segment.start, 0, segment.length);
+}
+
+torch::Tensor SequenceSharding::padded(const torch::Tensor& whole, int64_t dim) const {
   TORCH_CHECK(
       whole.defined(), "attn::distributed::SequenceSharding::shard: the tensor is undefined");
-  dim = c10::maybe_wrap_dim(dim, whole.dim());
   TORCH_CHECK(
       whole.size(dim) == length_, "attn::distributed::SequenceSharding::shard: size ",
       whole.size(dim), " of dimension ", dim, " must be the sequence length ", length_);
-  auto padded = whole;
-  if (padded_length() > length_) {
-    auto padding_sizes = whole.sizes().vec();
-    padding_sizes[dim] = padded_length() - length_;
-    padded = torch::cat({whole, torch::zeros(padding_sizes, whole.options())}, dim);
+  if (padded_length() == length_) {
+    return whole;
   }
+  auto padding_sizes = whole.sizes().vec();
+  padding_sizes[dim] = padded_length() - length_;
+  return torch::cat({whole, torch::zeros(padding_sizes, whole.options())}, dim);
+}
+
+torch::Tensor SequenceSharding::rows_of(const torch::Tensor& padded, int64_t dim, int64_t rank)
+    const {
   std::vector<torch::Tensor> pieces;
   for (const auto& segment : segments(rank)) {
     pieces.push_back(padded.narrow(dim, segment.start, segment.length));
   }
-  return torch::cat(pieces, dim);
+  return pieces.size() == 1 ? pieces[0] : torch::cat(pieces, dim);
+}
+
+torch::Tensor SequenceSharding::shard(const torch::Tensor& whole, int64_t dim, int64_t rank) const {
+  TORCH_CHECK(
+      whole.defined(), "attn::distributed::SequenceSharding::shard: the tensor is undefined");
+  dim = c10::maybe_wrap_dim(dim, whole.dim());
+  segments(rank); // checks the rank before any copy
+  return rows_of(padded(whole, dim), dim, rank);
+}
+
+std::vector<torch::Tensor> SequenceSharding::shard_all(const torch::Tensor& whole, int64_t dim)
+    const {
+  TORCH_CHECK(
+      whole.defined(), "attn::distributed::SequenceSharding::shard: the tensor is undefined");
+  dim = c10::maybe_wrap_dim(dim, whole.dim());
+  const auto padded_whole = padded(whole, dim);
+  std::vector<torch::Tensor> parts;
+  for (int64_t rank = 0; rank < world_size_; ++rank) {
+    parts.push_back(rows_of(padded_whole, dim, rank));
+  }
+  return parts;
 }
 
 torch::Tensor SequenceSharding::unshard(const std::vector<torch::Tensor>& parts, int64_t dim)

@@ -85,16 +85,29 @@ class SequenceSharding {
   /// The positions rank `rank`'s rows hold, in local order: one segment
   /// when contiguous, two when zigzag.
   std::vector<Segment> segments(int64_t rank) const;
+  /// The rows of `segment` before the end of the sequence; the rest of it
+  /// is padding.
+  int64_t rows_inside(const Segment& segment) const;
 
   /// Rank `rank`'s rows of `whole` (its size along `dim` is `length()`),
-  /// padded with zeros past the end of the sequence. Differentiable; not a
-  /// collective (every rank is expected to hold `whole`).
+  /// padded with zeros past the end of the sequence; a view of `whole`
+  /// where one stretch of it without padding is all the rank holds (as
+  /// `narrow` gives). Differentiable; not a collective (every rank is
+  /// expected to hold `whole`).
   torch::Tensor shard(const torch::Tensor& whole, int64_t dim, int64_t rank) const;
+  /// Every rank's rows of `whole`, in rank order: `shard` for each rank,
+  /// padding `whole` once.
+  std::vector<torch::Tensor> shard_all(const torch::Tensor& whole, int64_t dim) const;
   /// The whole sequence from every rank's part (in rank order, as
   /// `shard` made them), padding removed. Differentiable.
   torch::Tensor unshard(const std::vector<torch::Tensor>& parts, int64_t dim) const;
 
  private:
+  // `whole` (length() along `dim`) with the padding appended.
+  torch::Tensor padded(const torch::Tensor& whole, int64_t dim) const;
+  // Rank `rank`'s rows of `padded`, the padded sequence along `dim`.
+  torch::Tensor rows_of(const torch::Tensor& padded, int64_t dim, int64_t rank) const;
+
   int64_t length_;
   int64_t world_size_;
   SequenceLayout layout_;
@@ -160,9 +173,13 @@ struct ContextParallelOptions {
 ///
 /// CPU tensors, float32 or float64 (float16 and bfloat16 are computed in
 /// float32), on a Gloo group. Partial results merge in the inputs' dtype
-/// (float32 at least). Every rank calls it with the same options and sizes;
-/// ranks that disagree on the sizes fail with a message naming each rank's.
-/// A rank that leaves fails the others within the group's timeout.
+/// (float32 at least). Every rank calls it with the same options and sizes,
+/// and runs its backward when one rank does; ranks that disagree on sizes,
+/// dtype or options fail together with a message listing each rank's, and
+/// a rank that refuses its own arguments fails the others at once. A rank
+/// that leaves fails the others within the group's timeout; after any
+/// failure the group's ranks are out of step, as after a failed c10d
+/// collective.
 ///
 /// With the ring strategy each rank's memory is O(N) in the sequence
 /// length: it holds its own rows, one block of keys and values in use and
