@@ -7,6 +7,9 @@
 #include <attn/distributed/process_group.h>
 
 #include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace attn::testing {
 
@@ -19,5 +22,20 @@ inline const distributed::Group& group() {
       distributed::InitOptions().timeout(kDistributedTestTimeout));
   return group;
 }
+
+// A list of named test cases, each a default `Case` (which has a `name`)
+// changed by a function: `cases.add("causal", [](Case& c) { c.is_causal = true; })`.
+template <typename Case>
+struct NamedCases {
+  std::vector<Case> cases;
+
+  template <typename Customise>
+  void add(std::string name, Customise&& customise) {
+    Case test_case;
+    test_case.name = std::move(name);
+    customise(test_case);
+    cases.push_back(std::move(test_case));
+  }
+};
 
 } // namespace attn::testing

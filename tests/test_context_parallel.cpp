@@ -51,12 +51,9 @@ void PrintTo(const Case& test_case, std::ostream* stream) {
 // the chunks do not divide (24 divides into 2W chunks for W = 2 and 4;
 // 23 and 21 do not).
 std::vector<Case> ring_cases() {
-  std::vector<Case> cases;
+  NamedCases<Case> named;
   const auto add = [&](std::string name, auto&& customise) {
-    Case test_case;
-    test_case.name = std::move(name);
-    customise(test_case);
-    cases.push_back(test_case);
+    named.add(std::move(name), customise);
   };
   add("plain", [](Case&) {});
   add("plain_contiguous", [](Case& c) { c.layout = SequenceLayout::contiguous; });
@@ -111,7 +108,7 @@ std::vector<Case> ring_cases() {
     c.key_padding = true;
     c.second_sequence_all_padding = true;
   });
-  return cases;
+  return named.cases;
 }
 
 // The ring cases for the all-to-all strategy, whose W (2 or 4) must divide

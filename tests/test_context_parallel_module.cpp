@@ -58,12 +58,9 @@ void PrintTo(const Case& test_case, std::ostream* stream) {
 // that the chunks do not divide (23 and 21 for 2 and 4 ranks) and the
 // sequence-first layout.
 std::vector<Case> cases() {
-  std::vector<Case> cases;
+  NamedCases<Case> named;
   const auto add = [&](std::string name, auto&& customise) {
-    Case test_case;
-    test_case.name = std::move(name);
-    customise(test_case);
-    cases.push_back(test_case);
+    named.add(std::move(name), customise);
   };
   const auto rotary = MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(8));
   add("plain", [](Case&) {});
@@ -125,7 +122,7 @@ std::vector<Case> cases() {
     c.is_causal = true;
     c.key_padding = true;
   });
-  return cases;
+  return named.cases;
 }
 
 // Only the order of the sums changes: float64 agrees to far below 1e-10,

@@ -152,8 +152,7 @@ std::vector<int64_t> agreement(const c10::optional<detail::ContextParallelInputs
 
 } // namespace
 
-ContextParallelOptions::ContextParallelOptions(SequenceSharding sharding)
-    : sharding_(std::move(sharding)) {}
+ContextParallelOptions::ContextParallelOptions(SequenceSharding sharding) : sharding_(sharding) {}
 
 torch::Tensor ring_attention(
     const torch::Tensor& query,

@@ -24,7 +24,7 @@ constexpr const char* kCaller = "attn::distributed::ContextParallelMultiHeadAtte
 // What the module cannot split by sequence: an extra key every token
 // attends to would have to be added once, not on every rank, and keys of
 // another sequence (cross-attention) would need their own sharding.
-const MultiHeadAttentionOptions& checked(const MultiHeadAttentionOptions& options) {
+MultiHeadAttentionOptions checked(const MultiHeadAttentionOptions& options) {
   TORCH_CHECK(
       !options.add_bias_kv(), kCaller,
       ": add_bias_kv cannot be split by sequence, expected add_bias_kv=false, got true");
@@ -134,12 +134,12 @@ ContextParallelOptions context_parallel_options(const ContextParallelForwardOpti
 } // namespace
 
 ContextParallelForwardOptions::ContextParallelForwardOptions(SequenceSharding sharding)
-    : sharding_(std::move(sharding)) {}
+    : sharding_(sharding) {}
 
 ContextParallelForwardOptions::ContextParallelForwardOptions(
     SequenceSharding sharding,
     const MultiHeadAttentionForwardOptions& attention_options)
-    : ContextParallelForwardOptions(std::move(sharding)) {
+    : ContextParallelForwardOptions(sharding) {
   const auto& attn_mask = attention_options.attn_mask();
   TORCH_CHECK(
       !attn_mask.defined(), kCaller,

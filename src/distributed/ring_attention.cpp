@@ -30,6 +30,12 @@ using torch::autograd::variable_list;
 // backward.
 struct Block {
   std::vector<torch::Tensor> tensors;
+
+  // A block of keys and values: (B, H_kv, N, D), (B, H_kv, N, Dv) and, where
+  // keys are masked, (B, N) bytes (1: may be attended).
+  const torch::Tensor& key() const { return tensors[0]; }
+  const torch::Tensor& value() const { return tensors[1]; }
+  torch::Tensor allowed() const { return tensors.size() > 2 ? tensors[2] : torch::Tensor(); }
 };
 
 // A block on its way from each rank to the next: `wait()` returns once this
@@ -169,13 +175,12 @@ void attend_block(
     int64_t rank,
     const torch::Tensor& out,
     const torch::Tensor& lse) {
-  const auto& key = block.tensors[0];
-  const auto& value = block.tensors[1];
-  const auto allowed = block.tensors.size() > 2 ? block.tensors[2] : torch::Tensor();
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
     const auto [out_part, lse_part] = attn::detail::cpu_flash_forward(
-        rows_of(inputs.query, pair.q_row, pair.q_rows), rows_of(key, pair.k_row, pair.k_rows),
-        rows_of(value, pair.k_row, pair.k_rows), pair_config(inputs, pair, allowed));
+        rows_of(inputs.query, pair.q_row, pair.q_rows),
+        rows_of(block.key(), pair.k_row, pair.k_rows),
+        rows_of(block.value(), pair.k_row, pair.k_rows),
+        pair_config(inputs, pair, block.allowed()));
     merge_partial(
         rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows), out_part,
         lse_part);
@@ -194,15 +199,13 @@ void backward_block(
     const torch::Tensor& grad_out,
     const torch::Tensor& dq,
     const Block& grads) {
-  const auto& key = block.tensors[0];
-  const auto& value = block.tensors[1];
-  const auto allowed = block.tensors.size() > 2 ? block.tensors[2] : torch::Tensor();
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
     const auto [dq_part, dk_part, dv_part] = attn::detail::cpu_flash_backward(
-        rows_of(inputs.query, pair.q_row, pair.q_rows), rows_of(key, pair.k_row, pair.k_rows),
-        rows_of(value, pair.k_row, pair.k_rows), rows_of(out, pair.q_row, pair.q_rows),
+        rows_of(inputs.query, pair.q_row, pair.q_rows),
+        rows_of(block.key(), pair.k_row, pair.k_rows),
+        rows_of(block.value(), pair.k_row, pair.k_rows), rows_of(out, pair.q_row, pair.q_rows),
         rows_of(lse, pair.q_row, pair.q_rows), rows_of(grad_out, pair.q_row, pair.q_rows),
-        pair_config(inputs, pair, allowed));
+        pair_config(inputs, pair, block.allowed()));
     rows_of(dq, pair.q_row, pair.q_rows).add_(dq_part);
     rows_of(grads.tensors[0], pair.k_row, pair.k_rows).add_(dk_part);
     rows_of(grads.tensors[1], pair.k_row, pair.k_rows).add_(dv_part);

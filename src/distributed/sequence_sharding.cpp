@@ -98,6 +98,7 @@ std::vector<torch::Tensor> SequenceSharding::shard_all(const torch::Tensor& whol
   dim = c10::maybe_wrap_dim(dim, whole.dim());
   const auto padded_whole = padded(whole, dim);
   std::vector<torch::Tensor> parts;
+  parts.reserve(world_size_);
   for (int64_t rank = 0; rank < world_size_; ++rank) {
     parts.push_back(rows_of(padded_whole, dim, rank));
   }
