@@ -2,10 +2,15 @@
 #   CASE=loss_falls       one short run: the training loss at its last
 #                         milestone is below half the first step's, and the
 #                         piped output is plain lines.
+#   CASE=builtin          the short run with --attention attn and with
+#                         --attention builtin: the built-in's loss falls as
+#                         in loss_falls, its first loss is attn's to the
+#                         printed digit, and both report their speed.
 #   CASE=resume           a run to step HALF with a checkpoint, resumed to
 #                         step FULL, against one run straight to FULL: the
 #                         resumed run carries on from HALF and ends with the
-#                         same held-out results, to the printed digit.
+#                         same held-out results, to the printed digit. The
+#                         checkpoints' names start with PREFIX, if given.
 #   CASE=tensor_parallel  a run to FULL with --tensor-parallel over
 #                         WORLD_SIZE ranks (started by LAUNCHER) against
 #                         one process: every milestone's loss and accuracy
@@ -82,6 +87,40 @@ function(expect_success what)
   endif()
 endfunction()
 
+# Fails unless the training loss of `out`, at its last milestone, is below
+# half the first step's; sets `first` and `last` (the first and last
+# progress lines) and `first_loss` (as printed) in the caller.
+function(expect_loss_falls)
+  string(REGEX MATCHALL "step +[0-9]+/[0-9]+  loss [0-9.]+  accuracy +[0-9.]+ %  +[0-9]+ tokens/s"
+    milestones "${out}")
+  list(LENGTH milestones count)
+  if(count LESS 2)
+    fail("expected at least two progress lines, got ${count}:\n${out}")
+  endif()
+  list(GET milestones 0 first_line)
+  list(GET milestones -1 last_line)
+  string(REGEX REPLACE ".*loss ([0-9.]+).*" "\\1" first_printed "${first_line}")
+  string(REGEX REPLACE ".*loss ([0-9.]+).*" "\\1" last_printed "${last_line}")
+  # CMake compares integers only: the loss in ten-thousandths.
+  string(REPLACE "." "" first_units "${first_printed}")
+  string(REPLACE "." "" last_units "${last_printed}")
+  math(EXPR doubled "2 * ${last_units}")
+  if(NOT doubled LESS first_units)
+    fail("the loss did not fall below half its first value:\n  ${first_line}\n  ${last_line}")
+  endif()
+  set(first "${first_line}" PARENT_SCOPE)
+  set(last "${last_line}" PARENT_SCOPE)
+  set(first_loss "${first_printed}" PARENT_SCOPE)
+endfunction()
+
+# Fails unless `out` ends its training with the steps per second and the
+# attention's share of a step.
+function(expect_speed_report)
+  if(NOT out MATCHES "\n[0-9.]+ steps/s; attention forward: [0-9.]+ % of the step's time")
+    fail("no steps per second and attention share in\n${out}")
+  endif()
+endfunction()
+
 # The line of held-out results that ends a run.
 function(held_out_results out_var)
   if(NOT out MATCHES "\nHeld-out strings: [^\n]+")
@@ -107,48 +146,55 @@ elseif(CASE STREQUAL "loss_falls")
   if(out MATCHES "\r")
     fail("carriage returns in piped output:\n${out}")
   endif()
-  string(REGEX MATCHALL "step +[0-9]+/[0-9]+  loss [0-9.]+  accuracy +[0-9.]+ %  +[0-9]+ tokens/s"
-    milestones "${out}")
-  list(LENGTH milestones count)
-  if(count LESS 2)
-    fail("expected at least two progress lines, got ${count}:\n${out}")
-  endif()
-  list(GET milestones 0 first)
-  list(GET milestones -1 last)
-  string(REGEX REPLACE ".*loss ([0-9.]+).*" "\\1" first_loss "${first}")
-  string(REGEX REPLACE ".*loss ([0-9.]+).*" "\\1" last_loss "${last}")
-  # CMake compares integers only: the loss in ten-thousandths.
-  string(REPLACE "." "" first_loss "${first_loss}")
-  string(REPLACE "." "" last_loss "${last_loss}")
-  math(EXPR doubled "2 * ${last_loss}")
-  if(NOT doubled LESS first_loss)
-    fail("the loss did not fall below half its first value:\n  ${first}\n  ${last}")
-  endif()
+  expect_loss_falls()
   message(STATUS "first: ${first}\nlast:  ${last}")
+elseif(CASE STREQUAL "builtin")
+  train()
+  expect_success("the run with attn")
+  expect_loss_falls()
+  expect_speed_report()
+  set(attn_first "${first}")
+  set(attn_loss "${first_loss}")
+  train(--attention builtin)
+  expect_success("the run with --attention builtin")
+  if(NOT out MATCHES "heads of torch::nn::MultiheadAttention")
+    fail("the run with --attention builtin does not say so:\n${out}")
+  endif()
+  expect_loss_falls()
+  expect_speed_report()
+  # The same initial weights, data and arithmetic up to the order of sums:
+  # the first step's loss agrees to its printed 4 decimals.
+  if(NOT first_loss STREQUAL attn_loss)
+    fail("the first losses differ:\n  attn:    ${attn_first}\n  builtin: ${first}")
+  endif()
+  message(STATUS "attn:    ${attn_first}\nbuiltin: ${first}\nbuiltin: ${last}")
 elseif(CASE STREQUAL "resume")
-  file(REMOVE resumed.pt straight.pt)
-  train(--steps ${HALF} --checkpoint resumed.pt)
+  set(resumed ${PREFIX}resumed.pt)
+  set(straight ${PREFIX}straight.pt)
+  file(REMOVE ${resumed} ${straight})
+  train(--steps ${HALF} --checkpoint ${resumed})
   expect_success("the run to step ${HALF}")
-  if(NOT EXISTS resumed.pt)
+  if(NOT EXISTS ${resumed})
     fail("no checkpoint written:\n${out}")
   endif()
-  train(--steps ${FULL} --checkpoint resumed.pt --resume)
+  train(--steps ${FULL} --checkpoint ${resumed} --resume)
   expect_success("the resumed run")
-  if(NOT out MATCHES "Resumed from step ${HALF} of 'resumed.pt'")
+  if(NOT out MATCHES "Resumed from step ${HALF} of '${resumed}'")
     fail("the resumed run does not start from step ${HALF}:\n${out}")
   endif()
   math(EXPR next "${HALF} + 1")
   if(NOT out MATCHES "Trained steps ${next} to ${FULL} ")
     fail("the resumed run did not train steps ${next} to ${FULL}:\n${out}")
   endif()
-  held_out_results(resumed)
-  train(--steps ${FULL} --checkpoint straight.pt)
+  held_out_results(resumed_results)
+  train(--steps ${FULL} --checkpoint ${straight})
   expect_success("the uninterrupted run")
-  held_out_results(straight)
-  if(NOT resumed STREQUAL straight)
-    fail("resumed and uninterrupted runs differ:\n  resumed:${resumed}\n  straight:${straight}")
+  held_out_results(straight_results)
+  if(NOT resumed_results STREQUAL straight_results)
+    fail("resumed and uninterrupted runs differ:\n  resumed:${resumed_results}\n"
+         "  straight:${straight_results}")
   endif()
-  message(STATUS "both runs:${straight}")
+  message(STATUS "both runs:${straight_results}")
 elseif(CASE STREQUAL "tensor_parallel")
   file(REMOVE parallel_${WORLD_SIZE}.pt)
   train(--steps ${FULL})
@@ -209,7 +255,8 @@ elseif(CASE STREQUAL "tensor_parallel")
 elseif(CASE STREQUAL "help")
   train(--help)
   expect_success("--help")
-  foreach(flag device steps seed digits batch eval-every checkpoint resume tensor-parallel)
+  foreach(flag device steps seed digits batch eval-every checkpoint resume tensor-parallel
+      attention)
     if(NOT out MATCHES "\n  --${flag} ")
       fail("--help does not list --${flag}:\n${out}")
     endif()

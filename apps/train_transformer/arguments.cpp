@@ -3,8 +3,13 @@
 #include "reversal_task.h"
 
 #include "common/command_line.h"
+#include "common/failure.h"
 
 #include <fmt/format.h>
+
+#include <map>
+#include <string>
+#include <vector>
 
 namespace train {
 namespace {
@@ -16,11 +21,12 @@ constexpr int64_t kMaxDigits = 64;
 constexpr int64_t kMaxBatch = int64_t{1} << 16;
 
 constexpr const char* kDescription =
-    "Trains a small causal transformer, built from attn::MultiHeadAttention,\n"
-    "feed-forward layers and layer norm, to reverse strings of digits:\n"
-    "after '3 0 5 7 |' it must continue '7 5 0 3'. Sequences are drawn at\n"
-    "random for every step; a fixed eighth of all digit strings is held\n"
-    "out of training and measures the token accuracy.\n";
+    "Trains a small causal transformer, built from attn::MultiHeadAttention\n"
+    "(or torch::nn::MultiheadAttention), feed-forward layers and layer norm,\n"
+    "to reverse strings of digits: after '3 0 5 7 |' it must continue\n"
+    "'7 5 0 3'. Sequences are drawn at random for every step; a fixed\n"
+    "eighth of all digit strings is held out of training and measures the\n"
+    "token accuracy.\n";
 
 // A file name: CLI11 takes an empty argument as a value.
 CLI::Validator non_empty() {
@@ -28,6 +34,25 @@ CLI::Validator non_empty() {
     return text.empty() ? "expected a file name, got ''" : "";
   };
   return CLI::Validator(check, /*validator_desc=*/"");
+}
+
+// --attention attn|builtin.
+void add_attention_option(CLI::App& app, AttentionKind& attention) {
+  const std::map<std::string, AttentionKind> kinds = {
+      {attention_name(AttentionKind::kAttn), AttentionKind::kAttn},
+      {attention_name(AttentionKind::kBuiltin), AttentionKind::kBuiltin}};
+  std::vector<std::string> names;
+  for (const auto& entry : kinds) {
+    names.push_back(entry.first);
+  }
+  app.add_option_function<std::string>(
+         "--attention",
+         [&attention, kinds](const std::string& name) { attention = kinds.at(name); },
+         "attn: attn::MultiHeadAttention; builtin:\n"
+         "torch::nn::MultiheadAttention from the\nsame initial weights, without KV cache")
+      ->type_name("A")
+      ->check(CLI::IsMember(names).description(""))
+      ->default_str(attention_name(attention));
 }
 
 void add_options(CLI::App& app, TrainArguments& arguments) {
@@ -57,13 +82,27 @@ void add_options(CLI::App& app, TrainArguments& arguments) {
       "--tensor-parallel", arguments.tensor_parallel,
       "split the attention heads over the ranks\nthat attn_launch_ranks or torchrun started\n"
       "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)");
+  add_attention_option(app, arguments.attention);
+}
+
+// What the flags cannot do together, beyond what CLI11 checks.
+void check_combination(const TrainArguments& arguments) {
+  if (arguments.tensor_parallel && arguments.attention == AttentionKind::kBuiltin) {
+    throw apps::UsageError(
+        "--tensor-parallel splits attn::MultiHeadAttention only: expected --attention attn, got "
+        "builtin");
+  }
 }
 
 } // namespace
 
 std::optional<TrainArguments> parse_arguments(int argc, const char* const* argv) {
-  return apps::parse_command_line<TrainArguments>(
+  auto arguments = apps::parse_command_line<TrainArguments>(
       "train_transformer", kDescription, argc, argv, add_options);
+  if (arguments) {
+    check_combination(*arguments);
+  }
+  return arguments;
 }
 
 } // namespace train

@@ -4,6 +4,8 @@
 // or malformed value, or flags that contradict each other is an
 // apps::UsageError.
 
+#include "model.h"
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -29,6 +31,8 @@ struct TrainArguments {
   /// Split every attention layer's heads over the ranks a launcher
   /// started (parallelism.h).
   bool tensor_parallel = false;
+  /// The module every block attends with.
+  AttentionKind attention = AttentionKind::kAttn;
 };
 
 /// Parses and checks `argv`. Returns nothing, having printed the help,

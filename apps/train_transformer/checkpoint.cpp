@@ -21,6 +21,16 @@ int64_t read_scalar(torch::serialize::InputArchive& archive, const char* key) {
   return value.item<int64_t>();
 }
 
+// Checkpoints written before the trainer offered the built-in hold no
+// "attention" entry: theirs is attn's.
+AttentionKind read_attention(torch::serialize::InputArchive& archive) {
+  torch::Tensor value;
+  if (!archive.try_read("attention", value)) {
+    return AttentionKind::kAttn;
+  }
+  return static_cast<AttentionKind>(value.item<int64_t>());
+}
+
 } // namespace
 
 void save_checkpoint(
@@ -33,6 +43,7 @@ void save_checkpoint(
   archive.write("step", scalar(step));
   archive.write("seed", scalar(static_cast<int64_t>(identity.seed)));
   archive.write("digits", scalar(identity.digits));
+  archive.write("attention", scalar(static_cast<int64_t>(identity.attention)));
   torch::serialize::OutputArchive model_archive;
   model->save(model_archive);
   archive.write("model", model_archive);
@@ -63,6 +74,10 @@ int64_t load_checkpoint(
       seed == identity.seed && digits == identity.digits, "cannot resume: '", path,
       "' holds a run with --seed ", seed, " --digits ", digits, ", not --seed ", identity.seed,
       " --digits ", identity.digits);
+  const auto attention = read_attention(archive);
+  TORCH_CHECK(
+      attention == identity.attention, "cannot resume: '", path, "' holds a run with --attention ",
+      attention_name(attention), ", not --attention ", attention_name(identity.attention));
   torch::serialize::InputArchive model_archive;
   archive.read("model", model_archive);
   model->load(model_archive);

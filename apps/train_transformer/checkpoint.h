@@ -19,6 +19,9 @@ namespace train {
 struct RunIdentity {
   uint64_t seed = 0;
   int64_t digits = 0;
+  /// Whose parameters the checkpoint holds: a run resumes with the same
+  /// --attention only. Checkpoints that do not say are of attn's.
+  AttentionKind attention = AttentionKind::kAttn;
 };
 
 /// Writes the checkpoint to `path` through a temporary file and a rename,

@@ -1,37 +1,113 @@
 #include "model.h"
 
+#include <attn/interop.h>
+
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <limits>
+#include <mutex>
+
 namespace train {
+namespace {
+
+// torch::nn::MultiheadAttention holding `drawn`'s weights. Its own
+// initialisation draws from the random state as well; the state is put
+// back, so that the layers after it draw what they draw in the attn model.
+torch::nn::MultiheadAttention builtin_copy(const attn::MultiHeadAttentionImpl& drawn) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const auto state = [&] {
+    const std::lock_guard<std::mutex> lock(generator.mutex());
+    return generator.get_state();
+  }();
+  torch::nn::MultiheadAttention builtin(
+      torch::nn::MultiheadAttentionOptions(drawn.options.embed_dim(), drawn.options.num_heads()));
+  {
+    const std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(state);
+  }
+  attn::copy_weights(drawn, *builtin);
+  return builtin;
+}
+
+// On CUDA, waits for the kernels queued so far, so that a time taken next
+// covers them rather than their launch.
+void wait_for_device(const torch::Tensor& tensor) {
+  if (tensor.is_cuda()) {
+    torch::cuda::synchronize(tensor.device().index());
+  }
+}
+
+} // namespace
+
+const char* attention_name(AttentionKind kind) {
+  return kind == AttentionKind::kBuiltin ? "builtin" : "attn";
+}
 
 DecoderBlockImpl::DecoderBlockImpl(
-    int64_t d_model,
-    int64_t heads,
-    int64_t feed_forward_width,
+    const TransformerConfig& config,
     const Parallelism& parallelism) {
   using torch::nn::LayerNormOptions;
+  const auto d_model = config.d_model;
   attention_norm_ = register_module(
       "attention_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
-  attention_ = parallelism.attention(d_model, heads);
-  register_module("attention", attention_.ptr());
+  if (config.attention == AttentionKind::kBuiltin) {
+    // Drawn as the attn block draws it, so that every layer starts alike.
+    const attn::MultiHeadAttention drawn(d_model, config.heads);
+    builtin_attention_ = register_module("attention", builtin_copy(*drawn));
+  } else {
+    attention_ = parallelism.attention(d_model, config.heads);
+    register_module("attention", attention_.ptr());
+  }
   feed_forward_norm_ = register_module(
       "feed_forward_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
   feed_forward_ = register_module(
       "feed_forward",
       torch::nn::Sequential(
-          torch::nn::Linear(d_model, feed_forward_width), torch::nn::GELU(),
-          torch::nn::Linear(feed_forward_width, d_model)));
+          torch::nn::Linear(d_model, config.feed_forward_width), torch::nn::GELU(),
+          torch::nn::Linear(config.feed_forward_width, d_model)));
 }
 
 torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, attn::KVCache* cache) {
-  const auto normed = attention_norm_(x);
+  const auto h = x + attend(attention_norm_(x), cache);
+  return h + feed_forward_->forward(feed_forward_norm_(h));
+}
+
+torch::Tensor DecoderBlockImpl::attend(const torch::Tensor& normed, attn::KVCache* cache) {
+  wait_for_device(normed);
+  const auto started = std::chrono::steady_clock::now();
+  auto attended = builtin_attention_ ? attend_with_builtin(normed, cache)
+                                     : attend_with_attn(normed, cache);
+  wait_for_device(attended);
+  attention_forward_seconds_ +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return attended;
+}
+
+torch::Tensor DecoderBlockImpl::attend_with_attn(
+    const torch::Tensor& normed,
+    attn::KVCache* cache) {
   // No weights asked for: the fused kernel never materialises (T, T).
-  const auto attended = std::get<0>(attention_.forward<std::tuple<torch::Tensor, torch::Tensor>>(
+  return std::get<0>(attention_.forward<std::tuple<torch::Tensor, torch::Tensor>>(
       normed, normed, normed,
       attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(false).kv_cache(
           cache)));
-  const auto h = x + attended;
-  return h + feed_forward_->forward(feed_forward_norm_(h));
+}
+
+torch::Tensor DecoderBlockImpl::attend_with_builtin(
+    const torch::Tensor& normed,
+    const attn::KVCache* cache) {
+  TORCH_CHECK(!cache, "DecoderBlock: torch::nn::MultiheadAttention keeps no KV cache");
+  const auto T = normed.size(1);
+  // -inf above the diagonal: position t sees positions 0..t only.
+  const auto causal_mask =
+      torch::full({T, T}, -std::numeric_limits<double>::infinity(), normed.options()).triu(1);
+  const auto sequence_first = normed.transpose(0, 1); // (T, B, E)
+  const auto attended = std::get<0>(builtin_attention_->forward(
+      sequence_first, sequence_first, sequence_first, /*key_padding_mask=*/{},
+      /*need_weights=*/false, causal_mask));
+  return attended.transpose(0, 1); // (B, T, E)
 }
 
 TransformerImpl::TransformerImpl(const TransformerConfig& config, const Parallelism& parallelism)
@@ -42,8 +118,7 @@ TransformerImpl::TransformerImpl(const TransformerConfig& config, const Parallel
       "position_embedding", torch::nn::Embedding(config.max_length, config.d_model));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.layers; ++i) {
-    blocks_->push_back(
-        DecoderBlock(config.d_model, config.heads, config.feed_forward_width, parallelism));
+    blocks_->push_back(DecoderBlock(config, parallelism));
   }
   final_norm_ = register_module(
       "final_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config.d_model})));
@@ -65,6 +140,14 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
     x = block->as<DecoderBlock>()->forward(x);
   }
   return head_(final_norm_(x)); // (B, T, V)
+}
+
+double TransformerImpl::attention_forward_seconds() const {
+  double seconds = 0.0;
+  for (const auto& block : *blocks_) {
+    seconds += block->as<DecoderBlock>()->attention_forward_seconds();
+  }
+  return seconds;
 }
 
 torch::Tensor TransformerImpl::decode(

@@ -5,7 +5,9 @@
 // (causal attn::MultiHeadAttention, then a feed-forward layer, each added
 // to its input), a final layer norm and a linear head over the vocabulary.
 // Under tensor parallelism each rank holds a share of every attention
-// layer's heads (parallelism.h) and the rest whole.
+// layer's heads (parallelism.h) and the rest whole. For comparison, the
+// attention can be torch::nn::MultiheadAttention instead, starting from the
+// same weights; it has no KV cache.
 
 #include "parallelism.h"
 
@@ -13,6 +15,7 @@
 #include <attn/modules/multi_head_attention.h>
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -24,6 +27,18 @@
 
 namespace train {
 
+/// Which module every block attends with.
+enum class AttentionKind {
+  /// attn::MultiHeadAttention (or, under tensor parallelism, a share of it).
+  kAttn,
+  /// torch::nn::MultiheadAttention, given the weights that an
+  /// attn::MultiHeadAttention drew.
+  kBuiltin,
+};
+
+/// "attn" or "builtin", as --attention names it.
+const char* attention_name(AttentionKind kind);
+
 struct TransformerConfig {
   int64_t vocabulary_size;
   /// Longest input the position embedding covers.
@@ -33,25 +48,37 @@ struct TransformerConfig {
   int64_t layers = 2;
   /// Width of the feed-forward layer's hidden activation.
   int64_t feed_forward_width = 256;
+  AttentionKind attention = AttentionKind::kAttn;
 };
 
 /// x + attention(norm(x)), then x + feed_forward(norm(x)).
 class DecoderBlockImpl : public torch::nn::Module {
  public:
-  DecoderBlockImpl(
-      int64_t d_model,
-      int64_t heads,
-      int64_t feed_forward_width,
-      const Parallelism& parallelism);
+  DecoderBlockImpl(const TransformerConfig& config, const Parallelism& parallelism);
 
   /// (B, T, E) -> (B, T, E); position t sees positions 0..t only. With a
-  /// cache, x holds the tokens after the cached ones, which it also sees.
+  /// cache, x holds the tokens after the cached ones, which it also sees
+  /// (AttentionKind::kAttn only).
   torch::Tensor forward(const torch::Tensor& x, attn::KVCache* cache = nullptr);
 
+  /// Wall time spent in the attention module's forward so far, on CUDA
+  /// with the device synchronised around it.
+  double attention_forward_seconds() const { return attention_forward_seconds_; }
+
  private:
+  // Causal self-attention of `normed` (B, T, E) by whichever module the
+  // block holds, timed.
+  torch::Tensor attend(const torch::Tensor& normed, attn::KVCache* cache);
+  torch::Tensor attend_with_attn(const torch::Tensor& normed, attn::KVCache* cache);
+  // The built-in takes (T, B, E) and a float mask, and no cache.
+  torch::Tensor attend_with_builtin(const torch::Tensor& normed, const attn::KVCache* cache);
+
   torch::nn::LayerNorm attention_norm_ = nullptr;
-  // attn::MultiHeadAttention, or a rank's share of one.
+  // attn::MultiHeadAttention, or a rank's share of one; empty where the
+  // block holds the built-in.
   torch::nn::AnyModule attention_;
+  torch::nn::MultiheadAttention builtin_attention_ = nullptr;
+  double attention_forward_seconds_ = 0.0;
   torch::nn::LayerNorm feed_forward_norm_ = nullptr;
   torch::nn::Sequential feed_forward_ = nullptr;
 };
@@ -69,7 +96,11 @@ class TransformerImpl : public torch::nn::Module {
   /// keys and values `caches` (one per block, created on the first call)
   /// hold, and are appended to them. Logits as `forward` gives them for
   /// these positions, at the cost of the new tokens only.
+  /// AttentionKind::kAttn only: the built-in keeps no cache.
   torch::Tensor decode(const torch::Tensor& tokens, std::vector<attn::KVCache>& caches);
+
+  /// The blocks' attention_forward_seconds, summed.
+  double attention_forward_seconds() const;
 
   const TransformerConfig& config() const { return config_; }
 

@@ -45,10 +45,12 @@ uint64_t batch_seed(uint64_t seed, int64_t step) {
 
 Transformer new_model(
     const ReversalTask& task,
+    AttentionKind attention,
     const torch::Device& device,
     const Parallelism& parallelism) {
-  Transformer model(
-      TransformerConfig{ReversalTask::kVocabularySize, task.input_length()}, parallelism);
+  TransformerConfig config{ReversalTask::kVocabularySize, task.input_length()};
+  config.attention = attention;
+  Transformer model(config, parallelism);
   model->to(device);
   return model;
 }
@@ -56,12 +58,12 @@ Transformer new_model(
 // The weights are drawn here, so the seed is set here: every rank draws
 // the whole model's, as one process does.
 Transformer seeded_model(
-    uint64_t seed,
+    const TrainArguments& arguments,
     const ReversalTask& task,
     const torch::Device& device,
     const Parallelism& parallelism) {
-  torch::manual_seed(seed);
-  return new_model(task, device, parallelism);
+  torch::manual_seed(arguments.seed);
+  return new_model(task, arguments.attention, device, parallelism);
 }
 
 torch::optim::AdamW adamw(const Transformer& model) {
@@ -98,19 +100,37 @@ Evaluation evaluate(Transformer& model, const ReversalTask& task, const Reversal
   return {loss.item<double>(), right.to(torch::kDouble).mean().item<double>()};
 }
 
-// The likeliest next token after each sequence of `tokens` (B, T): (B, 1).
-torch::Tensor next_token(
-    Transformer& model,
-    const torch::Tensor& tokens,
-    std::vector<attn::KVCache>& caches) {
-  return model->decode(tokens, caches).select(1, -1).argmax(-1, /*keepdim=*/true);
+// The likeliest token after each sequence, from their logits (B, T, V):
+// (B, 1).
+torch::Tensor likeliest_next(const torch::Tensor& logits) {
+  return logits.select(1, -1).argmax(-1, /*keepdim=*/true);
+}
+
+// `count` tokens written greedily after `prompt` (B, T): the prompt goes
+// through the model once; each later step feeds only the token just
+// written, attending to the earlier ones through the blocks' KV caches.
+// Returns (B, count).
+torch::Tensor write_with_caches(Transformer& model, const torch::Tensor& prompt, int64_t count) {
+  std::vector<attn::KVCache> caches;
+  std::vector<torch::Tensor> written = {likeliest_next(model->decode(prompt, caches))};
+  while (static_cast<int64_t>(written.size()) < count) {
+    written.push_back(likeliest_next(model->decode(written.back(), caches)));
+  }
+  return torch::cat(written, 1);
+}
+
+// The same for attention without a KV cache (torch::nn::MultiheadAttention):
+// every step runs the model over the whole sequence written so far.
+torch::Tensor write_recomputing(Transformer& model, const torch::Tensor& prompt, int64_t count) {
+  auto sequence = prompt;
+  for (int64_t i = 0; i < count; ++i) {
+    sequence = torch::cat({sequence, likeliest_next(model(sequence))}, 1);
+  }
+  return sequence.narrow(1, prompt.size(1), count);
 }
 
 // The model's own reversal of the strings (B, N): it writes one token at a
-// time after the separator, always taking the likeliest. The prompt goes
-// through the model once; each later step feeds only the token just
-// written, attending to the earlier ones through the blocks' KV caches.
-// Returns (B, N).
+// time after the separator, always taking the likeliest. Returns (B, N).
 torch::Tensor reverse_greedily(
     Transformer& model,
     const ReversalTask& task,
@@ -120,13 +140,16 @@ torch::Tensor reverse_greedily(
   const auto separators = torch::full(
       {digits.size(0), 1}, ReversalTask::kSeparator, digits.options());
   const auto prompt = torch::cat({digits, separators}, 1); // (B, N + 1)
-  std::vector<attn::KVCache> caches;
-  std::vector<torch::Tensor> written = {next_token(model, prompt, caches)};
-  while (static_cast<int64_t>(written.size()) < task.digits()) {
-    written.push_back(next_token(model, written.back(), caches));
-  }
+  const auto reversed = model->config().attention == AttentionKind::kBuiltin
+      ? write_recomputing(model, prompt, task.digits())
+      : write_with_caches(model, prompt, task.digits());
   model->train();
-  return torch::cat(written, 1);
+  return reversed;
+}
+
+const char* attention_module_name(AttentionKind kind) {
+  return kind == AttentionKind::kBuiltin ? "torch::nn::MultiheadAttention"
+                                         : "attn::MultiHeadAttention";
 }
 
 std::string digit_string(const torch::Tensor& digits) {
@@ -142,9 +165,9 @@ Trainer::Trainer(const TrainArguments& arguments)
       parallelism_(arguments.tensor_parallel),
       device_(training_device(arguments)),
       task_(arguments.digits),
-      model_(seeded_model(arguments.seed, task_, device_, parallelism_)),
+      model_(seeded_model(arguments, task_, device_, parallelism_)),
       optimizer_(adamw(model_)),
-      identity_{arguments.seed, arguments.digits},
+      identity_{arguments.seed, arguments.digits, arguments.attention},
       held_out_(held_out_batch(task_, arguments.seed, device_)),
       progress_(parallelism_.reports()) {}
 
@@ -159,8 +182,9 @@ void Trainer::print_setup() const {
   }
   fmt::print(
       "Reversing {} digits with a causal transformer: {} blocks, d_model {}, "
-      "{} heads, {} parameters{}, on {}, seed {}\n",
-      arguments_.digits, config.layers, config.d_model, config.heads, parameter_count,
+      "{} heads of {}, {} parameters{}, on {}, seed {}\n",
+      arguments_.digits, config.layers, config.d_model, config.heads,
+      attention_module_name(config.attention), parameter_count,
       parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(), arguments_.seed);
   if (parallelism_.world_size() > 1) {
     fmt::print(
@@ -189,7 +213,7 @@ void Trainer::load_whole_checkpoint() {
     step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, model_, optimizer_);
     return;
   }
-  auto whole_model = new_model(task_, device_, Parallelism(false));
+  auto whole_model = new_model(task_, arguments_.attention, device_, Parallelism(false));
   auto whole_optimizer = adamw(whole_model);
   step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, whole_model, whole_optimizer);
   parallelism_.shard(*whole_model, whole_optimizer, *model_, optimizer_);
@@ -203,7 +227,7 @@ void Trainer::save_checkpoint_if_asked() {
     save_checkpoint(arguments_.checkpoint, identity_, step_, model_, optimizer_);
     return;
   }
-  auto whole_model = new_model(task_, device_, Parallelism(false));
+  auto whole_model = new_model(task_, arguments_.attention, device_, Parallelism(false));
   auto whole_optimizer = adamw(whole_model);
   parallelism_.gather(*model_, optimizer_, *whole_model, whole_optimizer);
   if (parallelism_.reports()) {
@@ -215,11 +239,13 @@ void Trainer::train() {
   while (step_ < arguments_.steps) {
     ++step_;
     const auto started = Clock::now();
+    const auto attention_before = model_->attention_forward_seconds();
     window_.loss += train_step();
     ++window_.steps;
     const auto step_seconds = seconds_since(started);
     window_.seconds += step_seconds;
     training_seconds_ += step_seconds;
+    attention_forward_seconds_ += model_->attention_forward_seconds() - attention_before;
     if (is_milestone()) {
       reach_milestone();
     } else {
@@ -285,6 +311,10 @@ void Trainer::print_training_time() {
   progress_.line(fmt::format(
       "Trained steps {} to {} in {:.1f} s ({:.0f} tokens/s)", first_step_, step_, training_seconds_,
       tokens_per_step() * trained_steps / training_seconds_));
+  progress_.line(fmt::format(
+      "{:.2f} steps/s; attention forward: {:.1f} % of the step's time (the attention modules' "
+      "forward only: their backward is not timed)",
+      trained_steps / training_seconds_, 100.0 * attention_forward_seconds_ / training_seconds_));
 }
 
 void Trainer::print_decoding() {

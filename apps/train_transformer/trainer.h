@@ -37,7 +37,9 @@ class Trainer {
   /// Trains up to step --steps, evaluating (and saving a checkpoint) every
   /// --eval-every steps.
   void train();
-  /// How the held-out strings fare, token by token and reversed whole.
+  /// The training's speed (steps per second, and the share of its time in
+  /// the attention modules' forward), then how the held-out strings fare,
+  /// token by token and reversed whole.
   void print_results();
 
  private:
@@ -84,6 +86,8 @@ class Trainer {
   int64_t first_step_ = 1;
   Window window_;
   double training_seconds_ = 0.0;
+  /// The part of training_seconds_ spent in the attention modules' forward.
+  double attention_forward_seconds_ = 0.0;
   Evaluation evaluation_{};
   /// When the token accuracy first reached the target, if it did.
   std::optional<Milestone> target_reached_;
