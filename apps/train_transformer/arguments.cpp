@@ -42,6 +42,7 @@ void add_attention_option(CLI::App& app, AttentionKind& attention) {
       {attention_name(AttentionKind::kAttn), AttentionKind::kAttn},
       {attention_name(AttentionKind::kBuiltin), AttentionKind::kBuiltin}};
   std::vector<std::string> names;
+  names.reserve(kinds.size());
   for (const auto& entry : kinds) {
     names.push_back(entry.first);
   }
