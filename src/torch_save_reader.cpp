@@ -568,7 +568,8 @@ class MemoryReader final : public caffe2::serialize::ReadAdapterInterface {
   size_t size() const override { return size_; }
 
   size_t read(uint64_t position, void* buffer, size_t n, const char* /*what*/) const override {
-    if (position >= size_) {
+    // An empty record's buffer may be null: nothing to copy into it.
+    if (position >= size_ || n == 0) {
       return 0;
     }
     n = std::min<uint64_t>(n, size_ - position);
