@@ -21,8 +21,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kCaller = "attn::distributed::ring_attention";
-
 // A function of sizes that check_ranks_agree has compared: every rank
 // fails here alike, before any of the strategy's collectives.
 void check_heads_divide(const ContextParallelInputs& inputs, int64_t world_size) {
@@ -99,10 +97,8 @@ torch::Tensor whole_sequence_mask(
   if (!allowed_keys.defined()) {
     return {};
   }
-  // As bytes: Gloo sends every dtype but bool in all LibTorch versions.
-  const auto bytes = allowed_keys.to(torch::kByte);
-  const auto parts = group.size() == 1 ? std::vector<torch::Tensor>{bytes}
-                                       : all_gather(bytes, group);
+  const auto parts = group.size() == 1 ? std::vector<torch::Tensor>{allowed_keys}
+                                       : all_gather(allowed_keys, group);
   const auto allowed = sharding.unshard(parts, 1).to(torch::kBool);
   return allowed.view({allowed.size(0), 1, 1, allowed.size(1)});
 }

@@ -17,7 +17,7 @@
 namespace attn::distributed {
 namespace {
 
-constexpr const char* kCaller = "attn::distributed::ring_attention";
+using detail::kCaller;
 
 void check_shapes(
     const torch::Tensor& query,
@@ -81,7 +81,9 @@ void check_options(const ContextParallelOptions& options, const Group& group) {
       ": query_offset must be within ±2^60, got ", options.query_offset());
 }
 
-// The key padding mask as the keys that may be attended, or undefined.
+// The key padding mask as the keys that may be attended, in bytes (the form
+// both strategies send: Gloo sends every dtype but bool in all LibTorch
+// versions), or undefined.
 torch::Tensor allowed_keys(const ContextParallelOptions& options, const torch::Tensor& query) {
   const auto& padding = options.key_padding_mask();
   if (!padding.defined()) {
@@ -96,7 +98,7 @@ torch::Tensor allowed_keys(const ContextParallelOptions& options, const torch::T
       padding.dim() == 2 && padding.size(0) == B && padding.size(1) == N, kCaller,
       ": key_padding_mask must be (B, N) = ", torch::IntArrayRef({B, N}),
       ", this rank's keys, got ", padding.sizes());
-  return padding.logical_not().contiguous();
+  return padding.logical_not().to(torch::kByte).contiguous();
 }
 
 // This rank's inputs, checked, in the dtype they are computed in.

@@ -10,9 +10,13 @@
 
 namespace attn::distributed::detail {
 
+// The name ring_attention's messages start with, whichever strategy runs.
+constexpr const char* kCaller = "attn::distributed::ring_attention";
+
 struct ContextParallelInputs {
   torch::Tensor query, key, value; // (B, H, N, D), (B, H_kv, N, D), (B, H_kv, N, Dv)
-  torch::Tensor allowed_keys;      // (B, N) bool, true = may be attended; undefined: all
+  torch::Tensor allowed_keys;      // (B, N) uint8, 1 = may be attended (bytes travel through
+                                   // Gloo, bool does not); undefined: all
   SequenceSharding sharding;
   double scale = 1.0;
   bool causal = false;

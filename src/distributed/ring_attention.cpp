@@ -75,12 +75,12 @@ int gradient_tag(int64_t step, int64_t world_size) {
   return static_cast<int>(world_size + step) * kTagsPerStep;
 }
 
-// The keys and values of the rank that holds them (`allowed` as bytes: Gloo
-// sends every dtype but bool in all LibTorch versions).
+// The keys and values of the rank that holds them, and which of them may be
+// attended.
 Block key_value_block(const ContextParallelInputs& inputs) {
   Block block{{inputs.key.contiguous(), inputs.value.contiguous()}};
   if (inputs.allowed_keys.defined()) {
-    block.tensors.push_back(inputs.allowed_keys.to(torch::kByte));
+    block.tensors.push_back(inputs.allowed_keys);
   }
   return block;
 }
