@@ -37,10 +37,11 @@ source scripts/lib/install_missing.sh
 # libgloo-dev: the Gloo headers that c10d's ProcessGroupGloo.hpp includes,
 # for attn::distributed; Debian's LibTorch and the PyPI wheel both have Gloo
 # compiled in but ship no headers for it.
-packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-pthread
+packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-openmp
           libcli11-dev nlohmann-json3-dev libgloo-dev cmake ninja-build g++)
 [ "$libtorch" = debian ] && packages+=(libtorch-dev)
 install_missing "${packages[@]}"
+use_openmp_openblas
 
 configure=(-G Ninja -DCMAKE_BUILD_TYPE=Release)
 if [ "$libtorch" = pypi ]; then

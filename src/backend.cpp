@@ -12,6 +12,7 @@ const char* backend_name(AttentionBackend backend) {
   switch (backend) {
     case AttentionBackend::fused_cpu: return "fused_cpu";
     case AttentionBackend::fused_cpu_weights: return "fused_cpu_weights";
+    case AttentionBackend::batched_cpu: return "batched_cpu";
     case AttentionBackend::libtorch: return "libtorch";
     case AttentionBackend::math: return "math";
   }
@@ -37,12 +38,9 @@ bool inputs_need_grad(
       (query.requires_grad() || key.requires_grad() || value.requires_grad());
 }
 
-std::string fused_cpu_reason(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options,
-    bool with_weights) {
+// What attn's CPU kernels have in common: the device, no dropout, no
+// gradient for the mask.
+std::string cpu_kernel_reason(const torch::Tensor& query, const SDPAOptions& options) {
   const auto& mask = options.attn_mask();
   std::ostringstream reason;
   if (!query.device().is_cpu()) {
@@ -51,6 +49,19 @@ std::string fused_cpu_reason(
     reason << "has no dropout, and dropout_p is " << options.dropout_p() << " while training";
   } else if (mask.defined() && mask.requires_grad() && torch::GradMode::is_enabled()) {
     reason << "gives the attn_mask no gradient, and it requires one";
+  }
+  return reason.str();
+}
+
+std::string fused_cpu_reason(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options,
+    bool with_weights) {
+  std::ostringstream reason;
+  if (const auto common = cpu_kernel_reason(query, options); !common.empty()) {
+    reason << common;
   } else if (with_weights && inputs_need_grad(query, key, value)) {
     reason << "is not differentiable, and the inputs require grad";
   } else if (!with_weights && options.need_weights()) {
@@ -155,6 +166,18 @@ bool libtorch_faster_on_cpu(
   }
 }
 
+// Where attn's batched kernel outruns its tiled one: short sequences, whose
+// per-head GEMMs are too small to pay for a call each. Measured on 2 cores
+// (docs/BENCHMARKS.md, "Short sequences"), forward and backward, D = 16
+// and 64, 8 and 96 heads: with LibTorch 1.13 and OpenBLAS the batched
+// kernel is 1.0-8.4x as fast up to 64 queries and keys, level at 96 and
+// up to 3x slower from 128 on; with LibTorch 2.15 and MKL it is 1.2-8.4x
+// as fast up to 128, and 0.5-1.5x at 256. Other versions: 64.
+bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
+  constexpr int64_t kLongest = kLibTorchCpuRuleMeasured ? 128 : 64;
+  return query.size(-2) <= kLongest && key.size(-2) <= kLongest;
+}
+
 } // namespace
 
 std::string unsupported_reason(
@@ -168,6 +191,7 @@ std::string unsupported_reason(
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/false);
     case AttentionBackend::fused_cpu_weights:
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/true);
+    case AttentionBackend::batched_cpu: return cpu_kernel_reason(query, options);
     case AttentionBackend::libtorch: return libtorch_reason(query, key, value, options);
     case AttentionBackend::math: return {};
   }
@@ -183,13 +207,18 @@ AttentionBackend choose_backend(
     return unsupported_reason(backend, query, key, value, options).empty();
   };
   if (query.device().is_cpu()) {
+    if (runs(AttentionBackend::fused_cpu) && runs(AttentionBackend::libtorch) &&
+        libtorch_faster_on_cpu(query, key, value, options)) {
+      return AttentionBackend::libtorch;
+    }
+    if (runs(AttentionBackend::batched_cpu) && batched_cpu_faster(query, key)) {
+      return AttentionBackend::batched_cpu;
+    }
     if (runs(AttentionBackend::fused_cpu_weights) && options.need_weights()) {
       return AttentionBackend::fused_cpu_weights;
     }
     if (runs(AttentionBackend::fused_cpu)) {
-      return runs(AttentionBackend::libtorch) && libtorch_faster_on_cpu(query, key, value, options)
-          ? AttentionBackend::libtorch
-          : AttentionBackend::fused_cpu;
+      return AttentionBackend::fused_cpu;
     }
   } else if (query.device().is_cuda() && runs(AttentionBackend::libtorch)) {
     return AttentionBackend::libtorch;

@@ -2,6 +2,7 @@
 
 #include "backend.h"
 #include "compat.h"
+#include "kernels/batched_attention.h"
 #include "kernels/cpu_attention.h"
 #include "kernels/math_attention.h"
 #include "masks.h"
@@ -144,6 +145,19 @@ std::vector<int64_t> with_last_dim(const torch::Tensor& query, int64_t last) {
   return shape;
 }
 
+// The CPU kernels' description of the request's masks and scale.
+detail::CpuAttentionConfig cpu_kernel_config(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const SDPAOptions& options,
+    double scale) {
+  const auto& mask = options.attn_mask();
+  return {
+      mask.defined() ? as_4d(mask.expand(with_last_dim(query, key.size(-2)))) : torch::Tensor(),
+      scale, options.is_causal(), options.query_offset(),
+      std::min(options.window().value_or(0), detail::kUnboundedWindow)};
+}
+
 std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -153,11 +167,7 @@ std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
     bool with_weights) {
   const auto output_shape = with_last_dim(query, value.size(-1)); // (..., L, Ev)
   const auto weights_shape = with_last_dim(query, key.size(-2));  // (..., L, S)
-  const auto& mask = options.attn_mask();
-  const detail::CpuAttentionConfig config{
-      mask.defined() ? as_4d(mask.expand(weights_shape)) : torch::Tensor(), scale,
-      options.is_causal(), options.query_offset(),
-      std::min(options.window().value_or(0), detail::kUnboundedWindow)};
+  const auto config = cpu_kernel_config(query, key, options, scale);
   const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
   if (!with_weights) {
     return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape), torch::Tensor()};
@@ -166,6 +176,20 @@ std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
   return {
       output.reshape(output_shape),
       options.need_weights() ? weights.reshape(weights_shape) : torch::Tensor()};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> run_batched_cpu(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options,
+    double scale) {
+  const auto [output, weights] = detail::cpu_batched_attention(
+      as_4d(query), as_4d(key), as_4d(value), cpu_kernel_config(query, key, options, scale),
+      options.need_weights());
+  return {
+      output.reshape(with_last_dim(query, value.size(-1))),
+      weights.defined() ? weights.reshape(with_last_dim(query, key.size(-2))) : weights};
 }
 
 torch::Tensor run_libtorch(
@@ -220,6 +244,7 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
     case AttentionBackend::fused_cpu_weights:
       return run_fused_cpu(
           query, key, value, options, scale, backend == AttentionBackend::fused_cpu_weights);
+    case AttentionBackend::batched_cpu: return run_batched_cpu(query, key, value, options, scale);
     case AttentionBackend::libtorch:
       return {run_libtorch(query, key, value, options), torch::Tensor()};
     case AttentionBackend::math: break;

@@ -45,25 +45,36 @@ struct Inputs {
   torch::Tensor q, k, v;
 };
 
-// (B, H, L, D) = (2, 3, 40, 16) query against 40 keys, float32, from a
-// fixed seed.
-Inputs make_inputs(bool requires_grad = false, torch::ScalarType dtype = torch::kFloat) {
+// (B, H, L, D) = (2, 3, length, 16) query against as many keys, float32,
+// from a fixed seed.
+Inputs make_inputs(
+    bool requires_grad = false,
+    torch::ScalarType dtype = torch::kFloat,
+    int64_t length = 40) {
   torch::manual_seed(7);
-  const auto make = [&](int64_t length) {
+  const auto make = [&]() {
     return torch::randn({2, 3, length, 16}).to(dtype).requires_grad_(requires_grad);
   };
-  return {make(40), make(40), make(40)};
+  return {make(), make(), make()};
 }
+
+// The longest queries and keys that the batched kernel takes: as measured
+// with LibTorch 2.15 and MKL, or 1.13 and OpenBLAS (and other versions).
+constexpr int64_t kBatchedLongest = kRuleMeasured ? 128 : 64;
+
+// Sequences longer than that, for the rules between the other backends.
+constexpr int64_t kLong = 200;
 
 TEST(Backend, NamesPrintAsTheDocsWriteThem) {
   std::ostringstream printed;
   printed << AttentionBackend::fused_cpu << ' ' << AttentionBackend::fused_cpu_weights << ' '
-          << AttentionBackend::libtorch << ' ' << AttentionBackend::math;
-  EXPECT_EQ(printed.str(), "fused_cpu fused_cpu_weights libtorch math");
+          << AttentionBackend::batched_cpu << ' ' << AttentionBackend::libtorch << ' '
+          << AttentionBackend::math;
+  EXPECT_EQ(printed.str(), "fused_cpu fused_cpu_weights batched_cpu libtorch math");
 }
 
 TEST(BackendSelection, WeightsForInferenceTakeTheWeightsKernel) {
-  const auto in = make_inputs();
+  const auto in = make_inputs(false, torch::kFloat, kLong);
   EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::fused_cpu_weights);
   EXPECT_EQ(
       select_backend(in.q, in.k, in.v, SDPAOptions().is_causal(true).window(5)),
@@ -71,7 +82,7 @@ TEST(BackendSelection, WeightsForInferenceTakeTheWeightsKernel) {
 }
 
 TEST(BackendSelection, WeightsWithGradientsTakeTheMathPath) {
-  const auto in = make_inputs(/*requires_grad=*/true);
+  const auto in = make_inputs(/*requires_grad=*/true, torch::kFloat, kLong);
   EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::math);
   // Without grad mode nothing needs a gradient.
   torch::NoGradGuard no_grad;
@@ -79,18 +90,54 @@ TEST(BackendSelection, WeightsWithGradientsTakeTheMathPath) {
 }
 
 TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
-  const auto in = make_inputs(/*requires_grad=*/true);
+  const auto in = make_inputs(/*requires_grad=*/true, torch::kFloat, kLong);
   const auto no_weights = SDPAOptions().need_weights(false);
   // Masks, windows and offsets are attn's alone, whatever the version.
-  const auto mask = torch::ones({40, 40}, torch::kBool).tril();
+  const auto mask = torch::ones({kLong, kLong}, torch::kBool).tril();
   for (const auto& options :
        {SDPAOptions(no_weights).attn_mask(mask), SDPAOptions(no_weights).window(8),
         SDPAOptions(no_weights).is_causal(true).query_offset(3)}) {
     EXPECT_EQ(select_backend(in.q, in.k, in.v, options), AttentionBackend::fused_cpu);
   }
   // float64 is never LibTorch's here: its kernel is measured for float32.
-  const auto d = make_inputs(true, torch::kDouble);
+  const auto d = make_inputs(true, torch::kDouble, kLong);
   EXPECT_EQ(select_backend(d.q, d.k, d.v, no_weights), AttentionBackend::fused_cpu);
+}
+
+// The measured rule of docs/BENCHMARKS.md, "Short sequences": up to
+// kBatchedLongest queries and keys, the batched kernel, with or without
+// weights and gradients; beyond either, the others. (A window keeps
+// LibTorch's kernel out of the choice.)
+TEST(BackendSelection, ShortSequencesTakeTheBatchedKernel) {
+  const auto lengths = [](int64_t L, int64_t S, bool grad) {
+    return Inputs{
+        torch::randn({2, 4, L, 16}).requires_grad_(grad),
+        torch::randn({2, 4, S, 16}).requires_grad_(grad),
+        torch::randn({2, 4, S, 16}).requires_grad_(grad)};
+  };
+  const int64_t longest = kBatchedLongest, beyond = kBatchedLongest + 1;
+  for (const bool grad : {false, true}) {
+    for (const bool need_weights : {false, true}) {
+      const auto options = SDPAOptions().need_weights(need_weights).is_causal(true).window(1000);
+      SCOPED_TRACE(
+          std::string("grad=") + (grad ? "1" : "0") +
+          " need_weights=" + (need_weights ? "1" : "0"));
+      for (const auto& in :
+           {lengths(1, 1, grad), lengths(20, 20, grad), lengths(longest, longest, grad),
+            lengths(1, longest, grad)}) {
+        EXPECT_EQ(select_backend(in.q, in.k, in.v, options), AttentionBackend::batched_cpu)
+            << "L=" << in.q.size(2) << " S=" << in.k.size(2);
+      }
+      for (const auto& in :
+           {lengths(beyond, beyond, grad), lengths(1, beyond, grad), lengths(beyond, 1, grad)}) {
+        EXPECT_NE(select_backend(in.q, in.k, in.v, options), AttentionBackend::batched_cpu)
+            << "L=" << in.q.size(2) << " S=" << in.k.size(2);
+      }
+    }
+  }
+  // Dropout while training is the math path's alone.
+  const auto in = lengths(20, 20, true);
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().dropout_p(0.1)), AttentionBackend::math);
 }
 
 // The measured rule of docs/BENCHMARKS.md: LibTorch's kernel where it was
@@ -113,20 +160,28 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const auto causal = SDPAOptions(no_weights).is_causal(true);
   const auto float32 = cpu_has("avx512f") ? AttentionBackend::libtorch
                                           : AttentionBackend::fused_cpu;
-  expect(lengths(128, 128, torch::kFloat, false), no_weights, float32);
+  const auto short_float32 = cpu_has("avx512f") ? AttentionBackend::libtorch
+                                                : AttentionBackend::batched_cpu;
+  expect(lengths(128, 128, torch::kFloat, false), no_weights, short_float32);
   expect(lengths(2048, 2048, torch::kFloat, true), no_weights, float32);
   expect(lengths(1024, 1024, torch::kFloat, false), causal, float32);
   expect(lengths(512, 512, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
   expect(lengths(512, 512, torch::kFloat, true), causal, AttentionBackend::fused_cpu);
   // A value width other than the query's: LibTorch would hold the scores.
   const auto wide_value = Inputs{
-      torch::randn({1, 2, 64, 8}), torch::randn({1, 2, 64, 8}), torch::randn({1, 2, 64, 12})};
+      torch::randn({1, 2, kLong, 8}), torch::randn({1, 2, kLong, 8}),
+      torch::randn({1, 2, kLong, 12})};
   expect(wide_value, no_weights, AttentionBackend::fused_cpu);
   const auto bf16 = cpu_has("amx-bf16") ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
   expect(lengths(512, 512, torch::kBFloat16, true), causal, bf16);
-  expect(lengths(128, 128, torch::kBFloat16, false), no_weights, bf16);
-  expect(lengths(128, 128, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
-  expect(lengths(128, 128, torch::kHalf, false), no_weights, AttentionBackend::fused_cpu);
+  expect(
+      lengths(128, 128, torch::kBFloat16, false), no_weights,
+      cpu_has("amx-bf16") ? AttentionBackend::libtorch : AttentionBackend::batched_cpu);
+  // Where LibTorch's kernel is not the faster, short sequences take the
+  // batched kernel.
+  expect(lengths(128, 128, torch::kBFloat16, true), no_weights, AttentionBackend::batched_cpu);
+  expect(lengths(128, 128, torch::kHalf, false), no_weights, AttentionBackend::batched_cpu);
+  expect(lengths(256, 256, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
 }
 
 TEST(BackendSelection, DropoutWhileTrainingTakesTheMathPath) {
@@ -267,7 +322,8 @@ void expect_matches_reference(AttentionBackend backend, bool causal, torch::Scal
 // rounding (6e-8); float64 within 1e-12 likewise.
 TEST(RequestedBackend, EveryBackendMatchesTheFloat64Reference) {
   std::vector<AttentionBackend> backends = {
-      AttentionBackend::fused_cpu, AttentionBackend::fused_cpu_weights, AttentionBackend::math};
+      AttentionBackend::fused_cpu, AttentionBackend::fused_cpu_weights,
+      AttentionBackend::batched_cpu, AttentionBackend::math};
   if (kLibTorch2) {
     backends.push_back(AttentionBackend::libtorch);
   }

@@ -1,9 +1,10 @@
-// The fused CPU kernels (src/kernels) against the math path: forward,
+// The CPU kernels (src/kernels), tiled and batched, against the math path: forward,
 // weights and gradients over a seeded random sweep of shapes and masks,
 // with 1 and 2 threads, and the vectorised exp against libm.
 
 #include "test_support.h"
 
+#include "kernels/batched_attention.h"
 #include "kernels/cpu_attention.h"
 #include "kernels/math_attention.h"
 #include "kernels/row_ops.h"
@@ -129,61 +130,99 @@ torch::Tensor make_mask(const KernelCase& c) {
   return mask;
 }
 
-class FusedKernel : public ::testing::TestWithParam<KernelCase> {};
+// A case's inputs, kernel config and the math path's results on them.
+struct KernelRun {
+  torch::Tensor q, k, v;
+  attn::detail::CpuAttentionConfig config;
+  torch::Tensor math_out, math_weights;
+  Tolerance tolerance, gradient_tolerance;
 
-TEST_P(FusedKernel, MatchesTheMathPathInOutputWeightsAndGradients) {
+  explicit KernelRun(const KernelCase& c) {
+    torch::manual_seed(static_cast<uint64_t>(c.L * 1000 + c.S));
+    const auto opts = torch::TensorOptions(c.dtype);
+    q = torch::randn({c.B, c.H, c.L, c.D}, opts).requires_grad_();
+    k = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
+    v = torch::randn({c.B, c.Hkv, c.S, c.Dv}, opts).requires_grad_();
+    const auto mask = make_mask(c);
+    const double scale = 1.0 / std::sqrt(c.D);
+    config = {mask, scale, c.causal, c.query_offset, c.window};
+    auto options = attn::SDPAOptions()
+                       .attn_mask(mask)
+                       .is_causal(c.causal)
+                       .query_offset(c.query_offset)
+                       .enable_gqa(true);
+    if (c.window > 0) {
+      options.window(c.window);
+    }
+    std::tie(math_out, math_weights) = attn::detail::math_attention(q, k, v, options, scale);
+    // float32: O(1) values after sums of up to 700 terms in another order.
+    // Gradients sum once more, relative to their largest entry (at least 1).
+    const bool single = c.dtype == torch::kFloat;
+    tolerance = Tolerance{single ? 2e-5 : 1e-12};
+    const double gradient_error = single ? 5e-5 : 1e-11;
+    gradient_tolerance = Tolerance{gradient_error, gradient_error};
+  }
+
+  // The gradients of q, k and v for `upstream` flowing into `outputs`,
+  // checked against the math path's for the same upstream into `reference`.
+  void expect_same_gradients(
+      const std::vector<torch::Tensor>& outputs,
+      const std::vector<torch::Tensor>& reference,
+      const std::vector<torch::Tensor>& upstream) const {
+    // The graphs are kept: a test may ask through several of their outputs.
+    const auto grads = torch::autograd::grad(outputs, {q, k, v}, upstream, /*retain_graph=*/true);
+    const auto math_grads = torch::autograd::grad(
+        reference, {q, k, v}, upstream, /*retain_graph=*/true);
+    const char* names[] = {"dq", "dk", "dv"};
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_CLOSE(grads[i], math_grads[i], gradient_tolerance) << names[i];
+      EXPECT_TRUE(torch::isfinite(grads[i]).all().item<bool>()) << names[i];
+    }
+  }
+};
+
+class CpuKernels : public ::testing::TestWithParam<KernelCase> {};
+
+TEST_P(CpuKernels, TiledKernelsMatchTheMathPathInOutputWeightsAndGradients) {
   const auto& c = GetParam();
   SCOPED_TRACE(c.describe());
   ThreadCount threads(c.threads);
-  torch::manual_seed(static_cast<uint64_t>(c.L * 1000 + c.S));
-  const auto opts = torch::TensorOptions(c.dtype);
-  auto q = torch::randn({c.B, c.H, c.L, c.D}, opts).requires_grad_();
-  auto k = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
-  auto v = torch::randn({c.B, c.Hkv, c.S, c.Dv}, opts).requires_grad_();
-  const auto mask = make_mask(c);
-  const double scale = 1.0 / std::sqrt(c.D);
-  const attn::detail::CpuAttentionConfig config{mask, scale, c.causal, c.query_offset, c.window};
-
-  auto options = attn::SDPAOptions()
-                     .attn_mask(mask)
-                     .is_causal(c.causal)
-                     .query_offset(c.query_offset)
-                     .enable_gqa(true);
-  if (c.window > 0) {
-    options.window(c.window);
-  }
-  const auto [math_out, math_w] = attn::detail::math_attention(q, k, v, options, scale);
-  const auto out = attn::detail::cpu_flash_attention(q, k, v, config);
+  const KernelRun run(c);
+  const auto out = attn::detail::cpu_flash_attention(run.q, run.k, run.v, run.config);
   torch::Tensor weights_out, weights;
   {
     torch::NoGradGuard no_grad;
-    std::tie(weights_out, weights) = attn::detail::cpu_attention_with_weights(q, k, v, config);
+    std::tie(weights_out, weights) = attn::detail::cpu_attention_with_weights(
+        run.q, run.k, run.v, run.config);
   }
-
-  // float32: O(1) values after sums of up to 700 terms in another order.
-  // Gradients sum once more, relative to their largest entry (at least 1).
-  const bool single = c.dtype == torch::kFloat;
-  const Tolerance tolerance{single ? 2e-5 : 1e-12};
-  const double gradient_error = single ? 5e-5 : 1e-11;
-  const Tolerance gradient_tolerance{gradient_error, gradient_error};
-  EXPECT_CLOSE(out, math_out, tolerance);
-  EXPECT_CLOSE(weights_out, math_out, tolerance);
-  EXPECT_CLOSE(weights, math_w, tolerance);
-
-  const auto upstream = torch::randn(out.sizes(), opts);
-  const auto grads = [&](const torch::Tensor& output) {
-    return torch::autograd::grad({output}, {q, k, v}, {upstream});
-  };
-  const auto fused_grads = grads(out);
-  const auto math_grads = grads(math_out);
-  const char* names[] = {"dq", "dk", "dv"};
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_CLOSE(fused_grads[i], math_grads[i], gradient_tolerance) << names[i];
-    EXPECT_TRUE(torch::isfinite(fused_grads[i]).all().item<bool>()) << names[i];
-  }
+  EXPECT_CLOSE(out, run.math_out, run.tolerance);
+  EXPECT_CLOSE(weights_out, run.math_out, run.tolerance);
+  EXPECT_CLOSE(weights, run.math_weights, run.tolerance);
+  run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes(), out.options())});
 }
 
-INSTANTIATE_TEST_SUITE_P(RandomSweep, FusedKernel, ::testing::ValuesIn(random_cases(64)));
+TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
+  const auto& c = GetParam();
+  SCOPED_TRACE(c.describe());
+  ThreadCount threads(c.threads);
+  const KernelRun run(c);
+  const auto [out, weights] = attn::detail::cpu_batched_attention(
+      run.q, run.k, run.v, run.config, /*need_weights=*/true);
+  EXPECT_CLOSE(out, run.math_out, run.tolerance);
+  EXPECT_CLOSE(weights, run.math_weights, run.tolerance);
+  // Through the output alone, and through the output and the weights.
+  const auto upstream = torch::randn(out.sizes(), out.options());
+  run.expect_same_gradients({out}, {run.math_out}, {upstream});
+  run.expect_same_gradients(
+      {out, weights}, {run.math_out, run.math_weights},
+      {upstream, torch::randn(weights.sizes(), weights.options())});
+  const auto [alone, no_weights] = attn::detail::cpu_batched_attention(
+      run.q, run.k, run.v, run.config, /*need_weights=*/false);
+  EXPECT_FALSE(no_weights.defined());
+  EXPECT_TRUE(torch::equal(alone, out));
+}
+
+INSTANTIATE_TEST_SUITE_P(RandomSweep, CpuKernels, ::testing::ValuesIn(random_cases(64)));
 
 TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   torch::manual_seed(3);

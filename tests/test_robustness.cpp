@@ -5,7 +5,10 @@
 
 #include "test_support.h"
 
-#include "kernels/blas_threads.h"
+#include "threads.h"
+
+#include <attn/backend.h>
+#include <attn/threads.h>
 
 #include <attn/functional.h>
 #include <attn/modules/multi_head_attention.h>
@@ -16,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -35,19 +39,31 @@ using attn::testing::Tolerance;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// The function's four routes on the CPU: fused without weights (with and
-// without a gradient), fused with weights (inference), and the math path
-// (weights with a gradient).
+// The function's routes on the CPU, each backend asked for by name: the
+// tiled kernel without weights (with and without a gradient), the tiled
+// kernel with weights (inference), the math path (weights with a
+// gradient), and the batched kernel for short sequences in all four
+// combinations.
 struct Route {
+  attn::AttentionBackend backend;
   bool need_weights;
   bool requires_grad;
   std::string describe() const {
     std::ostringstream s;
-    s << "need_weights=" << need_weights << " requires_grad=" << requires_grad;
+    s << backend << " need_weights=" << need_weights << " requires_grad=" << requires_grad;
     return s.str();
   }
+  SDPAOptions options() const { return SDPAOptions().backend(backend).need_weights(need_weights); }
 };
-const Route kRoutes[] = {{false, false}, {false, true}, {true, false}, {true, true}};
+const Route kRoutes[] = {
+    {attn::AttentionBackend::fused_cpu, false, false},
+    {attn::AttentionBackend::fused_cpu, false, true},
+    {attn::AttentionBackend::fused_cpu_weights, true, false},
+    {attn::AttentionBackend::math, true, true},
+    {attn::AttentionBackend::batched_cpu, false, false},
+    {attn::AttentionBackend::batched_cpu, false, true},
+    {attn::AttentionBackend::batched_cpu, true, false},
+    {attn::AttentionBackend::batched_cpu, true, true}};
 
 bool all_finite(const torch::Tensor& t) {
   return torch::isfinite(t).all().item<bool>();
@@ -66,7 +82,7 @@ TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath
           torch::randint(-100, 101, {2, 600, 2}, dtype).requires_grad_(route.requires_grad);
       const auto v = torch::randn({2, 600, 3}, dtype).requires_grad_(route.requires_grad);
       const auto [out, weights] = attn::scaled_dot_product_attention(
-          q, k, v, SDPAOptions().scale(1.0).is_causal(true).need_weights(route.need_weights));
+          q, k, v, route.options().scale(1.0).is_causal(true));
       const auto causal = additive_bias(attn::testing::band_mask(130, 600, 0, /*causal=*/true, 0));
       const auto [ref_out, ref_weights] = attn::testing::reference_attention(q, k, v, causal, 1.0);
       const auto tolerance = attn::testing::tolerance_for(dtype);
@@ -117,7 +133,7 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
       const auto k = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto v = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto mask = torch::randn({70, 40}).masked_fill(torch::rand({70, 40}) > 0.7, -kInf);
-      const auto options = SDPAOptions().need_weights(route.need_weights).is_causal(true);
+      const auto options = route.options().is_causal(true);
       const auto [out, weights] = attn::scaled_dot_product_attention(
           q, k, v, SDPAOptions(options).attn_mask(mask.to(dtype)));
       const auto as_float = [](const torch::Tensor& t) {
@@ -200,7 +216,7 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
         allowed.select(1, 133).fill_(false); // in the second query tile
         const auto mask = bool_mask ? allowed : additive_bias(allowed).to(dtype);
         const auto [out, weights] = attn::scaled_dot_product_attention(
-            q, k, v, SDPAOptions().attn_mask(mask).need_weights(route.need_weights));
+            q, k, v, route.options().attn_mask(mask));
         for (const int64_t row : {3, 133}) {
           EXPECT_EQ(out.select(1, row).abs().max().item<double>(), 0.0) << "row " << row;
           if (route.need_weights) {
@@ -234,7 +250,7 @@ TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPa
       const auto v = torch::randn({sizes.B, sizes.S, 3}).requires_grad_(route.requires_grad);
       const auto mask = torch::ones({sizes.L, sizes.S}, torch::kBool);
       const auto [out, weights] = attn::scaled_dot_product_attention(
-          q, k, v, SDPAOptions().attn_mask(mask).is_causal(true).need_weights(route.need_weights));
+          q, k, v, route.options().attn_mask(mask).is_causal(true));
       ASSERT_EQ(out.sizes(), torch::IntArrayRef({sizes.B, sizes.L, 3}));
       if (out.numel() > 0) {
         EXPECT_EQ(out.abs().max().item<float>(), 0.0f); // no keys: zero output
@@ -388,6 +404,11 @@ TEST(Concurrency, OverlappingKernelCallsRestoreTheOpenBlasThreadCount) {
   if (get == nullptr) {
     GTEST_SKIP() << "the BLAS in use is not OpenBLAS, whose thread count the kernels lower";
   }
+  if (attn::thread_setup().blas != "pthreads") {
+    GTEST_SKIP() << "OpenBLAS here is the " << attn::thread_setup().blas
+                 << " build, which runs single-threaded inside ATen's OpenMP tasks by itself; "
+                    "the kernels lower only the pthreads build's count";
+  }
   const ThreadCount intra_op(2); // the guards act only with more than one
   const int before = get();
   if (before < 2) {
@@ -403,6 +424,32 @@ TEST(Concurrency, OverlappingKernelCallsRestoreTheOpenBlasThreadCount) {
   second.reset();
   EXPECT_EQ(get(), before);
 #endif
+}
+
+// attn/threads.h's rule, read from what the library found when it loaded:
+// ATen's pool gets one thread per CPU unless the environment sets a count
+// or OpenBLAS keeps a pthreads pool of its own. ctest runs this test a
+// second time with OMP_NUM_THREADS=1 (threads.environment_count_is_kept).
+TEST(ThreadPools, AtenPoolGetsOneThreadPerCpuUnlessTheEnvironmentOrTheBlasSaysOtherwise) {
+  const auto& setup = attn::thread_setup();
+  SCOPED_TRACE(
+      "found " + std::to_string(setup.threads_found) + ", chose " +
+      std::to_string(setup.threads_chosen) + ", " + std::to_string(setup.cpus) + " CPUs, BLAS " +
+      setup.blas + ": " + setup.reason);
+  EXPECT_GT(setup.cpus, 0);
+  EXPECT_FALSE(setup.reason.empty());
+  if (std::getenv("OMP_NUM_THREADS") != nullptr || std::getenv("MKL_NUM_THREADS") != nullptr) {
+    EXPECT_EQ(setup.threads_chosen, setup.threads_found);
+    EXPECT_NE(setup.reason.find("environment"), std::string::npos);
+    const char* count = std::getenv("OMP_NUM_THREADS");
+    if (count != nullptr && std::string(count) == "1") {
+      EXPECT_EQ(setup.threads_chosen, 1);
+    }
+  } else if (setup.blas == "pthreads") {
+    EXPECT_EQ(setup.threads_chosen, setup.threads_found);
+  } else {
+    EXPECT_EQ(setup.threads_chosen, std::max(setup.threads_found, setup.cpus));
+  }
 }
 
 TEST(Determinism, SameSeedGivesBitwiseIdenticalResultsOnEveryPath) {

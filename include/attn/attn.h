@@ -12,6 +12,7 @@
 #include <attn/modules/rotary_embedding.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 #include <attn/options.h>
+#include <attn/threads.h>
 #include <attn/version.h>
 
 /// \namespace attn

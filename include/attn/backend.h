@@ -26,6 +26,13 @@ enum class AttentionBackend {
   /// attn's CPU kernel that writes the weights as it goes. CPU only, for
   /// inference: no gradients, no dropout.
   fused_cpu_weights,
+  /// attn's CPU kernel for short sequences: every head's scores in one
+  /// batched GEMM, masked and normalised in one pass, then one batched GEMM
+  /// into V; the backward likewise from the kept probabilities. Holds the
+  /// `(B, H, L, S)` probabilities; returns them as the weights when asked,
+  /// differentiable too. CPU only; no dropout; a mask must not need a
+  /// gradient. bfloat16 and float16 are computed in float32.
+  batched_cpu,
   /// LibTorch's own `at::scaled_dot_product_attention` (LibTorch 2.0 and
   /// later; a custom `scale` needs 2.1 and must be positive): flash and
   /// memory-efficient kernels on CUDA, a fused kernel on the CPU. Only for

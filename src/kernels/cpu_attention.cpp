@@ -1,7 +1,8 @@
 #include "cpu_attention.h"
 
-#include "blas_threads.h"
+#include "kernels/mask_view.h"
 #include "row_ops.h"
+#include "threads.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -20,9 +21,6 @@ namespace {
 // 64 × 512, 256 × 512, 128 × 256, 64 × 1024 and 256 × 1024.
 constexpr int64_t kQueryTile = 128;
 constexpr int64_t kKeyBlock = 512;
-
-template <typename scalar_t>
-constexpr scalar_t kNegativeInfinity = -std::numeric_limits<scalar_t>::infinity();
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -88,60 +86,6 @@ torch::Tensor empty_heads_interleaved(
     const torch::TensorOptions& options) {
   return torch::empty({B, T, H, F}, options).permute({0, 2, 1, 3});
 }
-
-// Element access to the (B, H, L, S) mask through its (possibly zero,
-// broadcast) strides, plus the band of keys that `causal` and `window`
-// leave visible.
-template <typename scalar_t>
-struct MaskView {
-  const bool* allowed = nullptr;  // bool mask: true = may attend
-  const scalar_t* bias = nullptr; // additive mask
-  int64_t stride_b = 0, stride_h = 0, stride_l = 0, stride_s = 0;
-  KeyBand band;
-
-  MaskView(const CpuAttentionConfig& config, int64_t S) : band(config.key_band(S)) {
-    const auto& mask = config.mask;
-    if (!mask.defined()) {
-      return;
-    }
-    stride_b = mask.stride(0);
-    stride_h = mask.stride(1);
-    stride_l = mask.stride(2);
-    stride_s = mask.stride(3);
-    if (mask.scalar_type() == torch::kBool) {
-      allowed = mask.data_ptr<bool>();
-    } else {
-      bias = mask.data_ptr<scalar_t>();
-    }
-  }
-
-  // The keys [key_begin, key_end) that some query of `tile` sees.
-  int64_t tile_key_begin(const QueryTile& tile) const { return band.begin(tile.i0); }
-  int64_t tile_key_end(const QueryTile& tile) const {
-    return std::max(tile_key_begin(tile), band.end(tile.i0 + tile.rows - 1));
-  }
-
-  // Applies the masks to the scores of query i against keys j0 .. j0+n-1.
-  void apply(scalar_t* scores, int64_t n, int64_t b, int64_t h, int64_t i, int64_t j0) const {
-    const int64_t base = b * stride_b + h * stride_h + i * stride_l + j0 * stride_s;
-    if (allowed != nullptr) {
-      for (int64_t j = 0; j < n; ++j) {
-        if (!allowed[base + j * stride_s]) {
-          scores[j] = kNegativeInfinity<scalar_t>;
-        }
-      }
-    } else if (bias != nullptr) {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        scores[j] += bias[base + j * stride_s];
-      }
-    }
-    const int64_t visible_begin = std::clamp<int64_t>(band.begin(i) - j0, 0, n);
-    const int64_t visible_end = std::clamp<int64_t>(band.end(i) - j0, visible_begin, n);
-    std::fill(scores, scores + visible_begin, kNegativeInfinity<scalar_t>);
-    std::fill(scores + visible_end, scores + n, kNegativeInfinity<scalar_t>);
-  }
-};
 
 // Query heads per key/value head (1 when there are no heads at all).
 int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
@@ -256,8 +200,8 @@ void flash_forward(
         std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
 
         const auto k_head = in.k[b][h / in.group], v_head = in.v[b][h / in.group];
-        const int64_t key_end = in.mask.tile_key_end(tile);
-        for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
+        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+        for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
           const int64_t cols = std::min(in.key_block, key_end - j0);
           auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
           at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, in.scale);
@@ -320,8 +264,8 @@ void flash_backward(
           const auto q_tile = in.q[b][h].narrow(0, i0, rows);
           const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
           auto dq_tile = dq[b][h].narrow(0, i0, rows);
-          const int64_t key_end = in.mask.tile_key_end(tile);
-          for (int64_t j0 = in.mask.tile_key_begin(tile); j0 < key_end; j0 += in.key_block) {
+          const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+          for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
             const int64_t cols = std::min(in.key_block, key_end - j0);
             const auto k_block = in.k[b][h / in.group].narrow(0, j0, cols);
             const auto v_block = in.v[b][h / in.group].narrow(0, j0, cols);
@@ -376,8 +320,8 @@ void forward_with_weights(
         auto out_tile = out[b][h].narrow(0, i0, rows);
         auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
         // Keys outside [key_begin, key_end) are invisible to every row.
-        const int64_t key_begin = in.mask.tile_key_begin(tile);
-        const int64_t key_end = in.mask.tile_key_end(tile);
+        const int64_t key_begin = in.mask.tile_key_begin(tile.i0);
+        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
         const int64_t cols = key_end - key_begin;
         w_tile.narrow(1, 0, key_begin).zero_();
         w_tile.narrow(1, key_end, in.S - key_end).zero_();

@@ -242,10 +242,11 @@ Heads project_heads(
   const auto bias = p.q_bias.defined() ? torch::cat({p.q_bias, p.k_bias, p.v_bias})
                                        : torch::Tensor();
   const auto qkv = F::linear(query, weight, bias);
-  const int64_t q_features = p.q_weight.size(0), kv_features = p.k_weight.size(0);
-  return split_heads(
-      qkv.narrow(2, 0, q_features), qkv.narrow(2, q_features, kv_features),
-      qkv.narrow(2, q_features + kv_features, kv_features), p);
+  // One split, whose backward concatenates the three gradients once (three
+  // narrows would each pad theirs with zeros to the whole width).
+  const auto parts = qkv.split_with_sizes(
+      {p.q_weight.size(0), p.k_weight.size(0), p.v_weight.size(0)}, 2);
+  return split_heads(parts[0], parts[1], parts[2], p);
 }
 
 torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first) {

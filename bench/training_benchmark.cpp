@@ -1,0 +1,352 @@
+// attn against torch::nn::MultiheadAttention at the shapes training runs,
+// forward and forward+backward, in a process that sets no thread variables:
+// the thread pools are what LibTorch and the BLAS start with, as in a user's
+// program.
+//
+//   build/bench/attn_training_bench [--quick] [--filter SUBSTRING[,SUBSTRING...]]
+//   build/bench/attn_training_bench --kernels   # the CPU kernels on short sequences
+//
+// Each case builds both modules with the same weights and times them
+// interleaved, in rounds that alternate which goes first; a round times
+// several calls of each. The table gives each one's median time per call
+// over the rounds and the ratio builtin ÷ attn (above 1: attn is faster),
+// and the rates as a share of the same run's sgemm rate.
+//
+// FLOPs: attention 4·B·H·T²·D (halved when causal), each of the four
+// projections 2·B·T·E²; forward+backward counts 3× the forward.
+
+#include <attn/attn.h>
+
+#include "compat.h" // whether LibTorch has its own attention
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Case {
+  std::string name;
+  int64_t E, H, B, T;
+  bool causal;
+  bool backward;
+  bool core_only = false; // the attention core (B, H, T, E/H), no projections
+};
+
+std::string label(const Case& c) {
+  char text[160];
+  std::snprintf(
+      text, sizeof text, "%s E=%lld H=%lld B=%lld T=%lld%s %s", c.name.c_str(),
+      static_cast<long long>(c.E), static_cast<long long>(c.H), static_cast<long long>(c.B),
+      static_cast<long long>(c.T), c.causal ? " causal" : "", c.backward ? "fwd+bwd" : "fwd");
+  return text;
+}
+
+double flops(const Case& c) {
+  const double attention = 4.0 * c.B * c.T * c.T * c.E / (c.causal ? 2.0 : 1.0);
+  const double projections = c.core_only ? 0.0 : 4 * 2.0 * c.B * c.T * c.E * c.E;
+  return (attention + projections) * (c.backward ? 3.0 : 1.0);
+}
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+// One implementation's call, forward or forward+backward.
+using Step = std::function<void()>;
+
+// Median seconds per call of each step, interleaved in rounds of a few
+// calls each whose order rotates, after a warm-up.
+std::vector<double> time_interleaved(const std::vector<Step>& steps, double budget_seconds) {
+  for (int i = 0; i < 2; ++i) {
+    for (const auto& step : steps) {
+      step();
+    }
+  }
+  const auto start = Clock::now();
+  for (const auto& step : steps) {
+    step();
+  }
+  const double all_seconds = std::max(seconds_since(start), 1e-6);
+  constexpr int kRounds = 9;
+  const int calls = std::max(1, static_cast<int>(budget_seconds / kRounds / all_seconds));
+  const size_t n = steps.size();
+  std::vector<std::vector<double>> times(n);
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t position = 0; position < n; ++position) {
+      const size_t which = (position + static_cast<size_t>(round)) % n;
+      const auto begin = Clock::now();
+      for (int i = 0; i < calls; ++i) {
+        steps[which]();
+      }
+      times[which].push_back(seconds_since(begin) / calls);
+    }
+  }
+  std::vector<double> medians;
+  for (const auto& samples : times) {
+    medians.push_back(median(samples));
+  }
+  return medians;
+}
+
+// A step that runs `forward` and, for a backward case, backward() of the
+// output's sum; a forward case runs without grad.
+template <typename Forward>
+Step make_step(const Case& c, Forward forward) {
+  if (c.backward) {
+    return [forward]() mutable { forward().sum().backward(); };
+  }
+  return [forward]() mutable {
+    const torch::NoGradGuard no_grad;
+    forward();
+  };
+}
+
+// A case's steps: attn's module, the built-in, and the four projections
+// alone (one (3E, E) and one (E, E) GEMM with their biases), which both
+// modules compute and no attention kernel can make faster.
+std::vector<Step> module_steps(const Case& c) {
+  torch::manual_seed(0);
+  attn::MultiHeadAttention ours(attn::MultiHeadAttentionOptions(c.E, c.H));
+  torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(c.E, c.H));
+  attn::copy_weights(*ours, *builtin);
+  const auto x = torch::randn({c.B, c.T, c.E}).requires_grad_(c.backward);
+  const auto x_seq_first = x.detach().transpose(0, 1).contiguous().requires_grad_(c.backward);
+  // The built-in takes a causal mask as an additive float mask.
+  const auto causal_bias = c.causal
+      ? torch::full({c.T, c.T}, -std::numeric_limits<float>::infinity()).triu(1)
+      : torch::Tensor();
+  const auto options = attn::MultiHeadAttentionForwardOptions().is_causal(c.causal).need_weights(
+      false);
+  const auto in_weight = builtin->in_proj_weight.detach().clone().requires_grad_(c.backward);
+  const auto in_bias = builtin->in_proj_bias.detach().clone().requires_grad_(c.backward);
+  const auto out_weight = builtin->out_proj->weight.detach().clone().requires_grad_(c.backward);
+  const auto out_bias = builtin->out_proj->bias.detach().clone().requires_grad_(c.backward);
+  const int64_t E = c.E;
+  return {
+      make_step(
+          c, [ours, x, options]() mutable { return std::get<0>(ours->forward(x, x, x, options)); }),
+      make_step(
+          c,
+          [builtin, x_seq_first, causal_bias]() mutable {
+            return std::get<0>(builtin->forward(
+                x_seq_first, x_seq_first, x_seq_first, torch::Tensor(), /*need_weights=*/false,
+                causal_bias));
+          }),
+      make_step(c, [x, in_weight, in_bias, out_weight, out_bias, E] {
+        const auto qkv = torch::nn::functional::linear(x, in_weight, in_bias);
+        return torch::nn::functional::linear(qkv.narrow(2, 0, E), out_weight, out_bias);
+      })};
+}
+
+// The attention core: attn's default choice against the reference text's
+// composite, on (B, H, T, D).
+std::vector<Step> core_steps(const Case& c) {
+  torch::manual_seed(0);
+  const int64_t D = c.E / c.H;
+  const auto input = [&] { return torch::randn({c.B, c.H, c.T, D}).requires_grad_(c.backward); };
+  const auto q = input(), k = input(), v = input();
+  const auto lower = c.causal ? torch::ones({c.T, c.T}, torch::kBool).tril() : torch::Tensor();
+  const auto options = attn::SDPAOptions().is_causal(c.causal).need_weights(false);
+  const auto ours_step = make_step(c, [q, k, v, options] {
+    return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+  });
+  const auto naive_step = make_step(c, [q, k, v, lower, D] {
+    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
+    if (lower.defined()) {
+      scores = scores.masked_fill(lower.logical_not(), -std::numeric_limits<float>::infinity());
+    }
+    return torch::matmul(torch::softmax(scores, -1), v);
+  });
+  return {ours_step, naive_step};
+}
+
+// The CPU kernels side by side on the core (B·H = 8 or 96 heads, L = S = T),
+// for the rule that chooses between them: attn's tiled kernel, its batched
+// one and, on LibTorch 2.x, LibTorch's own.
+void compare_kernels(double budget) {
+  using attn::AttentionBackend;
+  std::vector<AttentionBackend> backends = {
+      AttentionBackend::fused_cpu, AttentionBackend::batched_cpu};
+  if (attn::detail::kHasNativeAttention) {
+    backends.push_back(AttentionBackend::libtorch);
+  }
+  std::printf("| pass | causal | D | T | B·H |");
+  for (const auto backend : backends) {
+    std::printf(" %s ms |", attn::backend_name(backend));
+  }
+  std::printf(" fused_cpu ÷ batched_cpu |\n|---|---|---|---|---|");
+  for (size_t i = 0; i <= backends.size(); ++i) {
+    std::printf("---|");
+  }
+  std::printf("\n");
+  for (const bool backward : {false, true}) {
+    for (const bool causal : {false, true}) {
+      for (const int64_t D : {16, 64}) {
+        for (const int64_t T : {16, 32, 64, 96, 128, 256}) {
+          for (const int64_t heads : {8, 96}) {
+            const Case c{"kernels", 8 * D, 8, heads / 8, T, causal, backward, true};
+            const auto input = [&] {
+              return torch::randn({c.B, 8, T, D}).requires_grad_(backward);
+            };
+            const auto q = input(), k = input(), v = input();
+            std::vector<Step> steps;
+            for (const auto backend : backends) {
+              const auto options =
+                  attn::SDPAOptions().is_causal(causal).need_weights(false).backend(backend);
+              steps.push_back(make_step(c, [q, k, v, options] {
+                return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+              }));
+            }
+            const auto seconds = time_interleaved(steps, budget);
+            std::printf(
+                "| %s | %s | %lld | %lld | %lld |", backward ? "fwd+bwd" : "fwd",
+                causal ? "yes" : "no", static_cast<long long>(D), static_cast<long long>(T),
+                static_cast<long long>(heads));
+            for (const double time : seconds) {
+              std::printf(" %.3f |", time * 1e3);
+            }
+            std::printf(" %.2f× |\n", seconds[0] / seconds[1]);
+            std::fflush(stdout);
+          }
+        }
+      }
+    }
+  }
+}
+
+double sgemm_gflops() {
+  const torch::NoGradGuard no_grad;
+  const auto a = torch::randn({1024, 1024}), b = torch::randn({1024, 1024});
+  auto out = torch::empty({1024, 1024});
+  for (int i = 0; i < 3; ++i) {
+    torch::mm_out(out, a, b);
+  }
+  std::vector<double> rates;
+  for (int i = 0; i < 9; ++i) {
+    const auto start = Clock::now();
+    torch::mm_out(out, a, b);
+    rates.push_back(2.0 * 1024 * 1024 * 1024 / seconds_since(start) / 1e9);
+  }
+  return median(rates);
+}
+
+int blas_threads() {
+  using Get = int (*)();
+  const auto get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : -1;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> all;
+  for (const bool backward : {false, true}) {
+    all.push_back({"train_transformer", 64, 4, 64, 16, true, backward});
+    all.push_back({"demo", 512, 8, 4, 20, false, backward});
+    all.push_back({"batch", 512, 8, 16, 64, false, backward});
+    for (const int64_t T : {128, 256, 512, 1024}) {
+      all.push_back({"gpt2_small", 768, 12, 8, T, true, backward});
+    }
+    all.push_back({"mha", 512, 8, 4, 512, false, backward});
+    all.push_back({"mha", 512, 8, 1, 2048, false, backward});
+    all.push_back({"mha", 512, 8, 1, 4096, false, backward});
+  }
+  for (const int64_t T : {1024, 2048, 4096}) {
+    all.push_back({"core", 512, 8, 1, T, false, false, true});
+  }
+  return all;
+}
+
+std::string fixed(double value, const char* format) {
+  char text[32];
+  std::snprintf(text, sizeof text, format, value);
+  return text;
+}
+
+// Whether `name` contains one of the comma-separated parts of `filter`.
+bool matches(const std::string& name, const std::string& filter) {
+  size_t begin = 0;
+  while (true) {
+    const size_t end = std::min(filter.find(',', begin), filter.size());
+    if (name.find(filter.substr(begin, end - begin)) != std::string::npos) {
+      return true;
+    }
+    if (end == filter.size()) {
+      return false;
+    }
+    begin = end + 1;
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  double budget = 1.5;
+  std::string filter;
+  bool kernels = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      budget = 0.3;
+    } else if (std::strcmp(argv[i], "--kernels") == 0) {
+      kernels = true;
+    } else if (std::strcmp(argv[i], "--filter") == 0 && i + 1 < argc) {
+      filter = argv[++i];
+    } else {
+      std::fprintf(
+          stderr, "usage: %s [--quick] [--kernels | --filter SUBSTRING[,SUBSTRING...]]\n", argv[0]);
+      return 2;
+    }
+  }
+  const double sgemm = sgemm_gflops();
+  const auto& threads = attn::thread_setup();
+  std::printf(
+      "LibTorch %s, %d CPUs, ATen threads %d (LibTorch started with %d; attn: %s), "
+      "BLAS threading %s, OpenBLAS threads %d, sgemm 1024^3 %.1f GFLOP/s\n\n",
+      TORCH_VERSION, threads.cpus, at::get_num_threads(), threads.threads_found,
+      threads.reason.c_str(), threads.blas.c_str(), blas_threads(), sgemm);
+  if (kernels) {
+    compare_kernels(budget);
+    return 0;
+  }
+  std::printf(
+      "| case | attn ms | builtin ms | builtin ÷ attn | projections ms | ceiling | attn %% of "
+      "sgemm | builtin %% of sgemm |\n|---|---|---|---|---|---|---|---|\n");
+  for (const auto& c : cases()) {
+    const auto name = label(c);
+    if (!matches(name, filter)) {
+      continue;
+    }
+    const auto seconds = time_interleaved(c.core_only ? core_steps(c) : module_steps(c), budget);
+    const double ours = seconds[0], other = seconds[1];
+    const double gflop = flops(c) / 1e9;
+    // The ceiling: the built-in's time over the projections' alone, the
+    // ratio attn would reach with attention taking no time at all.
+    const std::string projections = c.core_only ? "–" : fixed(seconds[2] * 1e3, "%.3f");
+    const std::string ceiling = c.core_only ? "–" : fixed(other / seconds[2], "%.2f×");
+    std::printf(
+        "| %s%s | %.3f | %.3f | %.2f× | %s | %s | %.0f %% | %.0f %% |\n", name.c_str(),
+        c.core_only ? " (vs naive)" : "", ours * 1e3, other * 1e3, other / ours,
+        projections.c_str(), ceiling.c_str(), 100 * gflop / ours / sgemm,
+        100 * gflop / other / sgemm);
+    std::fflush(stdout);
+  }
+  return 0;
+}
