@@ -63,7 +63,10 @@ cmake --build "build$suffix"
 if [ "$mode" = demo ]; then
   "./build$suffix/apps/attn_demo"
 else
-  ctest --test-dir "build$suffix" --output-on-failure -j "$(nproc)"
+  # ctest runs as many test processes as there are cores, each with an
+  # OpenMP pool as large as the machine: idle workers that spin (OpenMP's
+  # default) would take the cores the other processes need.
+  OMP_WAIT_POLICY=passive ctest --test-dir "build$suffix" --output-on-failure -j "$(nproc)"
   # The reliability suites again, built with AddressSanitizer and UBSan over
   # attn's own code (LibTorch is not instrumented), in one process. -O1 and
   # a test binary of four sources keep the instrumented build short.
