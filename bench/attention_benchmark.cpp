@@ -15,6 +15,7 @@
 #include <attn/attn.h>
 
 #include "compat.h" // LibTorch's own attention, where the version has it
+#include "naive_attention.h"
 
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -176,19 +177,6 @@ const char* impl_name(Impl impl) {
   return "";
 }
 
-// The reference text's Python, in C++: matmul, masked_fill, softmax, matmul.
-torch::Tensor naive_attention(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const torch::Tensor& allowed) {
-  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(q.size(-1));
-  if (allowed.defined()) {
-    scores = scores.masked_fill(allowed == 0, -std::numeric_limits<float>::infinity());
-  }
-  return torch::matmul(torch::softmax(scores, -1), v);
-}
-
 struct NaiveMultiHeadAttention {
   torch::nn::Linear w_q{kEmbed, kEmbed}, w_k{kEmbed, kEmbed}, w_v{kEmbed, kEmbed},
       w_o{kEmbed, kEmbed};
@@ -197,7 +185,7 @@ struct NaiveMultiHeadAttention {
     return x.view({x.size(0), x.size(1), kHeads, kHeadDim}).transpose(1, 2); // (B, H, T, D)
   }
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& allowed) {
-    const auto out = naive_attention(
+    const auto out = attn::bench::naive_attention(
         split_heads(w_q(x)), split_heads(w_k(x)), split_heads(w_v(x)), allowed);
     return w_o(out.transpose(1, 2).contiguous().view(x.sizes())); // (B, T, E)
   }
@@ -302,7 +290,7 @@ void attention_core(benchmark::State& state, Impl impl, bool backward, const Tar
   }
   const auto forward = [&]() -> torch::Tensor {
     if (impl == Impl::naive) {
-      return naive_attention(q, k, v, lower);
+      return attn::bench::naive_attention(q, k, v, lower);
     }
     if (impl == Impl::aten_sdpa) {
       return attn::detail::native_attention(q, k, v, 0.0, c.causal, c10::nullopt);

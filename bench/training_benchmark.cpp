@@ -18,6 +18,7 @@
 #include <attn/attn.h>
 
 #include "compat.h" // whether LibTorch has its own attention
+#include "naive_attention.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -170,13 +171,8 @@ std::vector<Step> core_steps(const Case& c) {
   const auto ours_step = make_step(c, [q, k, v, options] {
     return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   });
-  const auto naive_step = make_step(c, [q, k, v, lower, D] {
-    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
-    if (lower.defined()) {
-      scores = scores.masked_fill(lower.logical_not(), -std::numeric_limits<float>::infinity());
-    }
-    return torch::matmul(torch::softmax(scores, -1), v);
-  });
+  const auto naive_step = make_step(
+      c, [q, k, v, lower] { return attn::bench::naive_attention(q, k, v, lower); });
   return {ours_step, naive_step};
 }
 

@@ -1,6 +1,7 @@
 #include "cpu_attention.h"
 
 #include "kernels/mask_view.h"
+#include "kernels/parallel_grain.h"
 #include "row_ops.h"
 #include "threads.h"
 
@@ -32,12 +33,6 @@ int64_t ceil_div(int64_t a, int64_t b) {
 // query against 512 keys, 8 heads) takes about 0.5 MFLOP.
 constexpr double kMinParallelFlops = 4e6;
 
-// at::parallel_for runs `units` inline when they number at most its grain:
-// units per task such that each task does at least kMinParallelFlops.
-int64_t parallel_grain(double flops_per_unit) {
-  return static_cast<int64_t>(std::ceil(kMinParallelFlops / std::max(flops_per_unit, 1.0)));
-}
-
 // One task's share of the work: query rows [i0, i0 + rows) of head (b, h).
 struct QueryTile {
   int64_t b = 0, h = 0, i0 = 0, rows = 0;
@@ -58,7 +53,7 @@ void parallel_query_tiles(
     const MakeScratch& make_scratch,
     const Body& body) {
   const int64_t tiles = L > 0 ? ceil_div(L, tile_rows) : 0;
-  const int64_t grain = parallel_grain(flops_per_tile);
+  const int64_t grain = parallel_grain(flops_per_tile, kMinParallelFlops);
   c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
   if (B * H * tiles > grain) {
     one_blas_thread_per_task.emplace();
@@ -99,14 +94,6 @@ template <typename scalar_t>
 scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
   scalar_t* data = t.data_ptr<scalar_t>();
   return t.numel() == 0 ? data : data + b * t.stride(0) + h * t.stride(1) + row * t.stride(2);
-}
-
-template <typename scalar_t>
-void scale_row(scalar_t* row, int64_t n, scalar_t factor) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    row[j] *= factor;
-  }
 }
 
 // What every kernel reads: the inputs (B, H, L, D), (B, Hkv, S, D),

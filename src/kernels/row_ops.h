@@ -1,7 +1,7 @@
 #pragma once
 
 // Row operations of the attention kernels on raw float/double arrays:
-// max, shifted exp with sum. The float versions run AVX2+FMA code when the
+// max, shifted exp with sum, scaling. The float versions run AVX2+FMA code when the
 // CPU has it (chosen once at run time) and portable C++ otherwise.
 
 #include <cstdint>
@@ -16,6 +16,15 @@ double row_max(const double* x, int64_t n);
 // entry of -inf becomes 0. Callers never pass shift == -inf.
 float exp_shifted_sum(float* x, int64_t n, float shift);
 double exp_shifted_sum(double* x, int64_t n, double shift);
+
+// x[j] *= factor for every j in [0, n).
+template <typename T>
+void scale_row(T* x, int64_t n, T factor) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] *= factor;
+  }
+}
 
 // The two float implementations behind the dispatch, for tests.
 float exp_shifted_sum_portable(float* x, int64_t n, float shift);
