@@ -5,6 +5,8 @@
 //
 //   build/bench/attn_training_bench [--quick] [--filter SUBSTRING[,SUBSTRING...]]
 //   build/bench/attn_training_bench --kernels   # the CPU kernels on short sequences
+//   build/bench/attn_training_bench --products  # the tiled kernel's products:
+//                                               # attn's own against BLAS
 //
 // Each case builds both modules with the same weights and times them
 // interleaved, in rounds that alternate which goes first; a round times
@@ -17,7 +19,8 @@
 
 #include <attn/attn.h>
 
-#include "compat.h" // whether LibTorch has its own attention
+#include "compat.h"               // whether LibTorch has its own attention
+#include "kernels/tile_product.h" // the tiled kernel's products, attn's or BLAS's
 #include "naive_attention.h"
 
 #include <ATen/Parallel.h>
@@ -230,6 +233,41 @@ void compare_kernels(double budget) {
   }
 }
 
+// The tiled kernel on the core (B·H = 8, D = 64, L = S = T) with attn's own
+// products and with BLAS's (tile_product.h), side by side; the rates as a
+// share of the same run's sgemm rate.
+void compare_products(double budget, double sgemm) {
+  std::printf(
+      "| pass | causal | T | attn's products ms | BLAS products ms | BLAS ÷ attn's | attn's %% of "
+      "sgemm | BLAS %% of sgemm |\n|---|---|---|---|---|---|---|---|\n");
+  for (const bool backward : {false, true}) {
+    for (const bool causal : {false, true}) {
+      for (const int64_t T : {256, 512, 1024, 2048, 4096}) {
+        const Case c{"products", 512, 8, 1, T, causal, backward, true};
+        const auto input = [&] { return torch::randn({1, 8, T, 64}).requires_grad_(backward); };
+        const auto q = input(), k = input(), v = input();
+        const auto options = attn::SDPAOptions().is_causal(causal).need_weights(false).backend(
+            attn::AttentionBackend::fused_cpu);
+        const auto tiled = make_step(c, [q, k, v, options] {
+          return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+        });
+        const Step blas = [tiled] {
+          const attn::detail::ScopedBlasProducts blas_products;
+          tiled();
+        };
+        const auto seconds = time_interleaved({tiled, blas}, budget);
+        const double gflop = flops(c) / 1e9;
+        std::printf(
+            "| %s | %s | %lld | %.3f | %.3f | %.2f× | %.0f %% | %.0f %% |\n",
+            backward ? "fwd+bwd" : "fwd", causal ? "yes" : "no", static_cast<long long>(T),
+            seconds[0] * 1e3, seconds[1] * 1e3, seconds[1] / seconds[0],
+            100 * gflop / seconds[0] / sgemm, 100 * gflop / seconds[1] / sgemm);
+        std::fflush(stdout);
+      }
+    }
+  }
+}
+
 double sgemm_gflops() {
   const torch::NoGradGuard no_grad;
   const auto a = torch::randn({1024, 1024}), b = torch::randn({1024, 1024});
@@ -297,17 +335,21 @@ bool matches(const std::string& name, const std::string& filter) {
 int main(int argc, char** argv) {
   double budget = 1.5;
   std::string filter;
-  bool kernels = false;
+  bool kernels = false, products = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       budget = 0.3;
     } else if (std::strcmp(argv[i], "--kernels") == 0) {
       kernels = true;
+    } else if (std::strcmp(argv[i], "--products") == 0) {
+      products = true;
     } else if (std::strcmp(argv[i], "--filter") == 0 && i + 1 < argc) {
       filter = argv[++i];
     } else {
       std::fprintf(
-          stderr, "usage: %s [--quick] [--kernels | --filter SUBSTRING[,SUBSTRING...]]\n", argv[0]);
+          stderr,
+          "usage: %s [--quick] [--kernels | --products | --filter SUBSTRING[,SUBSTRING...]]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -320,6 +362,10 @@ int main(int argc, char** argv) {
       threads.reason.c_str(), threads.blas.c_str(), blas_threads(), sgemm);
   if (kernels) {
     compare_kernels(budget);
+    return 0;
+  }
+  if (products) {
+    compare_products(budget, sgemm);
     return 0;
   }
   std::printf(

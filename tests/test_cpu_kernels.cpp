@@ -8,6 +8,7 @@
 #include "kernels/cpu_attention.h"
 #include "kernels/math_attention.h"
 #include "kernels/row_ops.h"
+#include "kernels/tile_product.h"
 
 #include <ATen/Parallel.h>
 
@@ -50,6 +51,45 @@ TEST(RowOps, VectorisedExpMatchesLibmToAFewUlp) {
       EXPECT_NEAR(portable[j], exact, 2 * 1.2e-7 * exact + 1e-37) << "x=" << x[j];
     }
     EXPECT_NEAR(fast_sum, portable_sum, 1e-6 * std::max(1.0f, portable_sum));
+  }
+}
+
+TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
+  if (!attn::detail::tile_products_run(torch::kFloat)) {
+    GTEST_SKIP() << "this CPU or build has no AVX-512: tile_addmm hands every product to "
+                    "at::addmm_out here";
+  }
+  torch::manual_seed(7);
+  ThreadCount one_thread(1); // attn's loops run every product on one thread
+  // Rows around the 8-row micro-tile, columns around its 32 (two registers
+  // of 16), depths from none to a key block's; a read plain and transposed,
+  // c overwritten and accumulated into, as the kernels call it.
+  for (const int64_t rows : {1, 3, 8, 9, 17, 128}) {
+    for (const int64_t cols : {1, 15, 16, 17, 32, 33, 70}) {
+      for (const int64_t depth : {0, 1, 5, 64}) {
+        for (const bool a_transposed : {false, true}) {
+          for (const double beta : {0.0, 1.0}) {
+            SCOPED_TRACE(
+                "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
+                " depth=" + std::to_string(depth) +
+                " a_transposed=" + std::to_string(a_transposed) + " beta=" + std::to_string(beta));
+            const auto a = a_transposed ? torch::randn({depth, rows}).t()
+                                        : torch::randn({rows, depth});
+            const auto b = torch::randn({depth + 2, cols}).narrow(0, 1, depth); // ld = cols
+            // c inside a wider buffer, so that a write past its columns shows.
+            const auto buffer = torch::randn({rows, cols + 3});
+            const auto c = buffer.narrow(1, 0, cols);
+            const auto before = buffer.clone();
+            const double alpha = 0.125;
+            attn::detail::tile_addmm(c, a, b, beta, alpha);
+            const auto expected = before.narrow(1, 0, cols).to(torch::kDouble) * beta +
+                alpha * torch::mm(a.to(torch::kDouble), b.to(torch::kDouble));
+            EXPECT_CLOSE(c, expected, (Tolerance{1e-5, 1e-5}));
+            EXPECT_TRUE(torch::equal(buffer.narrow(1, cols, 3), before.narrow(1, cols, 3)));
+          }
+        }
+      }
+    }
   }
 }
 
@@ -223,6 +263,36 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(RandomSweep, CpuKernels, ::testing::ValuesIn(random_cases(64)));
+
+TEST(FusedKernel, BackwardSplitAcrossKeyRangesMatchesTheMathPath) {
+  // Fewer heads than threads: the backward splits each head's 1300 keys
+  // (three key blocks) into ranges, each with its own share of dQ.
+  for (const int threads : {2, 4}) {
+    for (const bool causal : {false, true}) {
+      KernelCase c{
+          1,
+          2,
+          1,
+          130,
+          1300,
+          16,
+          8,
+          MaskKind::float_per_head,
+          causal,
+          1170,
+          700,
+          /*empty_row=*/true,
+          torch::kFloat,
+          threads};
+      SCOPED_TRACE(c.describe());
+      ThreadCount thread_count(threads);
+      const KernelRun run(c);
+      const auto out = attn::detail::cpu_flash_attention(run.q, run.k, run.v, run.config);
+      EXPECT_CLOSE(out, run.math_out, run.tolerance);
+      run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes())});
+    }
+  }
+}
 
 TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   torch::manual_seed(3);

@@ -4,6 +4,7 @@
 #include "kernels/parallel_grain.h"
 #include "row_ops.h"
 #include "threads.h"
+#include "tile_product.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -33,16 +34,38 @@ int64_t ceil_div(int64_t a, int64_t b) {
 // query against 512 keys, 8 heads) takes about 0.5 MFLOP.
 constexpr double kMinParallelFlops = 4e6;
 
-// One task's share of the work: query rows [i0, i0 + rows) of head (b, h).
+// The kernels' parallel loop: `body(scratch, unit)` for units 0 .. units-1,
+// with one `make_scratch()` per task. BLAS runs on one thread inside the
+// tasks when they run in parallel (two pools on the same cores would
+// contend), and as it is set when the loop runs inline.
+template <typename MakeScratch, typename Body>
+void parallel_units(
+    int64_t units,
+    double flops_per_unit,
+    const MakeScratch& make_scratch,
+    const Body& body) {
+  const int64_t grain = parallel_grain(flops_per_unit, kMinParallelFlops);
+  c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
+  if (units > grain) {
+    one_blas_thread_per_task.emplace();
+  }
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    // Grad mode is thread-local: worker threads start with it on.
+    const torch::NoGradGuard no_grad;
+    auto scratch = make_scratch();
+    for (int64_t unit = begin; unit < end; ++unit) {
+      body(scratch, unit);
+    }
+  });
+}
+
+// One task's share of the forward: query rows [i0, i0 + rows) of head (b, h).
 struct QueryTile {
   int64_t b = 0, h = 0, i0 = 0, rows = 0;
 };
 
-// The kernels' parallel loop: `body(scratch, tile)` for every tile of
-// `tile_rows` queries of every (b, h) head of a (B, H, L) grid, with one
-// `make_scratch()` per task. BLAS runs on one thread inside the tasks when
-// they run in parallel (two pools on the same cores would contend), and as
-// it is set when the loop runs inline.
+// parallel_units over every tile of `tile_rows` queries of every (b, h)
+// head of a (B, H, L) grid: `body(scratch, tile)`.
 template <typename MakeScratch, typename Body>
 void parallel_query_tiles(
     int64_t B,
@@ -53,21 +76,9 @@ void parallel_query_tiles(
     const MakeScratch& make_scratch,
     const Body& body) {
   const int64_t tiles = L > 0 ? ceil_div(L, tile_rows) : 0;
-  const int64_t grain = parallel_grain(flops_per_tile, kMinParallelFlops);
-  c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
-  if (B * H * tiles > grain) {
-    one_blas_thread_per_task.emplace();
-  }
-  at::parallel_for(0, B * H * tiles, grain, [&](int64_t begin, int64_t end) {
-    // Grad mode is thread-local: worker threads start with it on.
-    const torch::NoGradGuard no_grad;
-    auto scratch = make_scratch();
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t i0 = unit % tiles * tile_rows;
-      body(
-          scratch,
-          QueryTile{unit / (H * tiles), unit / tiles % H, i0, std::min(tile_rows, L - i0)});
-    }
+  parallel_units(B * H * tiles, flops_per_tile, make_scratch, [&](auto& scratch, int64_t unit) {
+    const int64_t i0 = unit % tiles * tile_rows;
+    body(scratch, QueryTile{unit / (H * tiles), unit / tiles % H, i0, std::min(tile_rows, L - i0)});
   });
 }
 
@@ -96,6 +107,19 @@ scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
   return t.numel() == 0 ? data : data + b * t.stride(0) + h * t.stride(1) + row * t.stride(2);
 }
 
+// tᵀ over its last two dimensions, for the products that read it as their
+// right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that operand
+// by rows, so its rows are made contiguous once per call, where attn's own
+// products run and each row of Kᵀ is read by at least kMinRowsForCopy
+// queries (a decoding step's one query would pay as much for the copy as
+// for the product). BLAS reads the transposed view as it is.
+constexpr int64_t kMinRowsForCopy = 16;
+
+torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries) {
+  const auto t_t = t.transpose(2, 3);
+  return queries >= kMinRowsForCopy && tile_products_run(t.scalar_type()) ? t_t.contiguous() : t_t;
+}
+
 // What every kernel reads: the inputs (B, H, L, D), (B, Hkv, S, D),
 // (B, Hkv, S, Dv), their sizes, the masks and the scale.
 template <typename scalar_t>
@@ -114,6 +138,7 @@ struct KernelInputs {
         S(k.size(2)),
         group(kv_group(q, k)),
         key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
+        k_t(transposed_for_products(k, L)),
         mask(config, S),
         scale(static_cast<scalar_t>(config.scale)) {}
 
@@ -123,6 +148,7 @@ struct KernelInputs {
   int64_t B, H, L, S;
   int64_t group;     // query heads per key/value head
   int64_t key_block; // keys scored per GEMM
+  torch::Tensor k_t; // Kᵀ (B, Hkv, D, S), see transposed_for_products
   MaskView<scalar_t> mask;
   scalar_t scale;
 };
@@ -186,18 +212,18 @@ void flash_forward(
             scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
         std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
 
-        const auto k_head = in.k[b][h / in.group], v_head = in.v[b][h / in.group];
+        const auto k_t_head = in.k_t[b][h / in.group], v_head = in.v[b][h / in.group];
         const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
         for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
           const int64_t cols = std::min(in.key_block, key_end - j0);
           auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
-          at::addmm_out(block, block, q_tile, k_head.narrow(0, j0, cols).t(), 0, in.scale);
+          tile_addmm(block, q_tile, k_t_head.narrow(1, j0, cols), 0, in.scale);
           for (int64_t r = 0; r < rows; ++r) {
             scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * in.key_block;
             in.mask.apply(row, cols, b, h, i0 + r, j0);
             online_softmax_row(scratch, r, row, cols, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
           }
-          at::addmm_out(out_tile, out_tile, block, v_head.narrow(0, j0, cols));
+          tile_addmm(out_tile, block, v_head.narrow(0, j0, cols), 1, 1);
         }
 
         scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
@@ -217,77 +243,122 @@ struct BackwardScratch {
   torch::Tensor probs, grad_scores; // (kQueryTile, key_block)
 };
 
+// What the backward reads besides the inputs, and the key/value gradients
+// it accumulates.
+struct BackwardTensors {
+  torch::Tensor grad_out;   // (B, H, L, Dv)
+  torch::Tensor v_t;        // Vᵀ (B, Hkv, Dv, S), see transposed_for_products
+  torch::Tensor lse, delta; // (B, H, L)
+  torch::Tensor dk, dv;     // (B, H, S, ·)
+};
+
+// One query tile against keys [j0, j0 + cols): recomputes the tile's
+// probabilities P and adds its shares of dV, dQ (into `dq_tile`) and dK.
+template <typename scalar_t>
+void backward_block(
+    const KernelInputs<scalar_t>& in,
+    const BackwardTensors& t,
+    BackwardScratch& scratch,
+    const QueryTile& tile,
+    int64_t j0,
+    int64_t cols,
+    const torch::Tensor& dq_tile) {
+  const auto [b, h, i0, rows] = tile;
+  const int64_t kv_head = h / in.group;
+  const auto q_tile = in.q[b][h].narrow(0, i0, rows);
+  const auto go_tile = t.grad_out[b][h].narrow(0, i0, rows);
+  const scalar_t* lse_rows = t.lse[b][h].data_ptr<scalar_t>() + i0;
+  const scalar_t* delta_rows = t.delta[b][h].data_ptr<scalar_t>() + i0;
+  auto p = scratch.probs.narrow(0, 0, rows).narrow(1, 0, cols);
+  auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
+
+  // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
+  tile_addmm(p, q_tile, in.k_t[b][kv_head].narrow(1, j0, cols), 0, in.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
+    in.mask.apply(row, cols, b, h, i0 + r, j0);
+    if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
+      std::fill(row, row + cols, scalar_t(0)); // fully masked row
+    } else {
+      exp_shifted_sum(row, cols, lse_rows[r]);
+    }
+  }
+  tile_addmm(t.dv[b][h].narrow(0, j0, cols), p.t(), go_tile, 1, 1);     // dV += Pᵀ dO
+  tile_addmm(ds, go_tile, t.v_t[b][kv_head].narrow(1, j0, cols), 0, 1); // dP = dO Vᵀ
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
+    scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
+    const scalar_t d = delta_rows[r];
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) {
+      ds_row[j] = p_row[j] * (ds_row[j] - d); // dS
+    }
+  }
+  tile_addmm(dq_tile, ds, in.k[b][kv_head].narrow(0, j0, cols), 1, in.scale); // dQ += s·dS K
+  tile_addmm(t.dk[b][h].narrow(0, j0, cols), ds.t(), q_tile, 1, in.scale);    // dK += s·dSᵀ Q
+}
+
+// Into how many key ranges the backward splits each head: one when there
+// are at least as many heads as threads; else enough ranges of whole key
+// blocks for a task per thread, as far as the keys allow.
+int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
+  const int64_t threads = at::get_num_threads();
+  if (heads >= threads) {
+    return 1;
+  }
+  return std::clamp<int64_t>(
+      ceil_div(threads, std::max<int64_t>(heads, 1)), 1, ceil_div(S, key_block));
+}
+
 // Backward: accumulates dq, dk, dv (zero-initialised, (B, H, ·, ·): one
-// key/value gradient per query head, which grouped-query callers sum). One
-// (b, h) per task, so the accumulations never race.
+// key/value gradient per query head, which grouped-query callers sum). A
+// task takes one range of keys of one (b, h) and owns their rows of dK and
+// dV; where a head's keys are split, each range adds its share of dQ into
+// a buffer of its own, summed into dq at the end. No accumulation races.
 template <typename scalar_t>
 void flash_backward(
     const KernelInputs<scalar_t>& in,
     const torch::Tensor& out,
-    const torch::Tensor& lse,
     const torch::Tensor& grad_out,
+    const torch::Tensor& lse,
     const torch::Tensor& dq,
     const torch::Tensor& dk,
     const torch::Tensor& dv) {
   // delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij: the softmax backward's
   // row term, computed once instead of once per key block.
   const auto delta = (grad_out * out).sum(-1).contiguous(); // (B, H, L)
+  const BackwardTensors t{grad_out, transposed_for_products(in.v, in.L), lse, delta, dk, dv};
+  const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
+  const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
+  const auto dq_parts = splits == 1
+      ? dq.unsqueeze(0)
+      : torch::zeros({splits, in.B, in.H, in.L, in.q.size(3)}, dq.options());
 
   const auto make_scratch = [&] {
     const auto tile = torch::empty({std::min(kQueryTile, in.L), in.key_block}, in.q.options());
     return BackwardScratch{tile, torch::empty_like(tile)};
   };
-  // A whole head per task, in query tiles: five GEMMs of L·S·D.
-  const double flops_per_head = 10.0 * in.L * in.S * in.q.size(3);
-  parallel_query_tiles(
-      in.B, in.H, in.L, std::max<int64_t>(in.L, 1), flops_per_head, make_scratch,
-      [&](BackwardScratch& scratch, const QueryTile& head) {
-        const int64_t b = head.b, h = head.h;
-        const scalar_t* lse_bh = lse[b][h].data_ptr<scalar_t>();
-        const scalar_t* delta_bh = delta[b][h].data_ptr<scalar_t>();
+  // Five GEMMs of L·S·D per head.
+  const double flops_per_task = 10.0 * in.L * in.S * in.q.size(3) / static_cast<double>(splits);
+  parallel_units(
+      in.B * in.H * splits, flops_per_task, make_scratch,
+      [&](BackwardScratch& scratch, int64_t unit) {
+        const int64_t b = unit / (in.H * splits), h = unit / splits % in.H, split = unit % splits;
+        const int64_t keys_begin = split * keys_per_split;
+        const int64_t keys_end = std::min(in.S, keys_begin + keys_per_split);
         for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
           const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
-          const int64_t rows = tile.rows;
-          const auto q_tile = in.q[b][h].narrow(0, i0, rows);
-          const auto go_tile = grad_out[b][h].narrow(0, i0, rows);
-          auto dq_tile = dq[b][h].narrow(0, i0, rows);
-          const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
-          for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
-            const int64_t cols = std::min(in.key_block, key_end - j0);
-            const auto k_block = in.k[b][h / in.group].narrow(0, j0, cols);
-            const auto v_block = in.v[b][h / in.group].narrow(0, j0, cols);
-            auto dk_block = dk[b][h].narrow(0, j0, cols);
-            auto dv_block = dv[b][h].narrow(0, j0, cols);
-            auto p = scratch.probs.narrow(0, 0, rows).narrow(1, 0, cols);
-            auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
-
-            // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
-            at::addmm_out(p, p, q_tile, k_block.t(), 0, in.scale);
-            for (int64_t r = 0; r < rows; ++r) {
-              scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
-              in.mask.apply(row, cols, b, h, i0 + r, j0);
-              if (lse_bh[i0 + r] == kNegativeInfinity<scalar_t>) {
-                std::fill(row, row + cols, scalar_t(0)); // fully masked row
-              } else {
-                exp_shifted_sum(row, cols, lse_bh[i0 + r]);
-              }
-            }
-            at::addmm_out(dv_block, dv_block, p.t(), go_tile); // dV += Pᵀ dO
-            at::addmm_out(ds, ds, go_tile, v_block.t(), 0, 1); // dP = dO Vᵀ
-            for (int64_t r = 0; r < rows; ++r) {
-              const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
-              scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
-              const scalar_t d = delta_bh[i0 + r];
-#pragma omp simd
-              for (int64_t j = 0; j < cols; ++j) {
-                ds_row[j] = p_row[j] * (ds_row[j] - d); // dS
-              }
-            }
-            at::addmm_out(dq_tile, dq_tile, ds, k_block, 1, in.scale);      // dQ += s·dS K
-            at::addmm_out(dk_block, dk_block, ds.t(), q_tile, 1, in.scale); // dK += s·dSᵀ Q
+          const auto dq_tile = dq_parts[split][b][h].narrow(0, i0, tile.rows);
+          const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
+          const int64_t end = std::min(keys_end, in.mask.tile_key_end(i0, tile.rows));
+          for (int64_t j0 = begin; j0 < end; j0 += in.key_block) {
+            backward_block(in, t, scratch, tile, j0, std::min(in.key_block, end - j0), dq_tile);
           }
         }
       });
+  if (splits > 1) {
+    dq.copy_(dq_parts.sum(0));
+  }
 }
 
 // Weights materialised in (B, H, L, S): each query tile's rows are scored
@@ -317,9 +388,9 @@ void forward_with_weights(
           return;
         }
         auto visible = w_tile.narrow(1, key_begin, cols);
-        at::addmm_out(
-            visible, visible, in.q[b][h].narrow(0, i0, rows),
-            in.k[b][h / in.group].narrow(0, key_begin, cols).t(), 0, in.scale);
+        tile_addmm(
+            visible, in.q[b][h].narrow(0, i0, rows),
+            in.k_t[b][h / in.group].narrow(1, key_begin, cols), 0, in.scale);
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
           in.mask.apply(row, cols, b, h, i0 + r, key_begin);
@@ -330,8 +401,7 @@ void forward_with_weights(
           }
           scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
         }
-        at::addmm_out(
-            out_tile, out_tile, visible, in.v[b][h / in.group].narrow(0, key_begin, cols), 0, 1);
+        tile_addmm(out_tile, visible, in.v[b][h / in.group].narrow(0, key_begin, cols), 0, 1);
       });
 }
 
@@ -427,8 +497,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
   const auto dv = torch::zeros({B, H, S, v.size(3)}, v.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
     flash_backward<scalar_t>(
-        {q.contiguous(), k.contiguous(), v.contiguous(), config}, out, lse.contiguous(),
-        grad_out.contiguous(), dq, dk, dv);
+        {q.contiguous(), k.contiguous(), v.contiguous(), config}, out, grad_out.contiguous(),
+        lse.contiguous(), dq, dk, dv);
   });
   if (Hkv == H) {
     return {dq, dk, dv};

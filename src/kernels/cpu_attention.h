@@ -1,10 +1,12 @@
 #pragma once
 
 // Fused attention on the CPU, FlashAttention style: queries in tiles of
-// kQueryTile rows, keys in blocks of kKeyBlock, one BLAS GEMM per
-// (tile, block) pair, a running max and sum per query row (online softmax)
-// and no L×S tensor. The backward recomputes each block's probabilities
-// from the row log-sum-exp saved by the forward.
+// kQueryTile rows, keys in blocks of kKeyBlock, one matrix product per
+// operand of each (tile, block) pair (tile_product.h), a running max and
+// sum per query row (online softmax) and no L×S tensor. The backward
+// recomputes each block's probabilities from the row log-sum-exp saved by
+// the forward, split over key ranges when there are fewer heads than
+// threads.
 //
 // Below the API boundary: inputs are already checked. q (B, H, L, D),
 // k (B, Hkv, S, D), v (B, Hkv, S, Dv) with Hkv dividing H (query head h

@@ -1,0 +1,225 @@
+#include "tile_product.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <utility>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_HAVE_X86_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace attn::detail {
+namespace {
+
+#ifdef ATTN_HAVE_X86_AVX512
+
+// A micro-tile is up to kTileRows rows of c by up to kTileCols columns
+// (kTileVectors 16-float registers per row): kTileRows · kTileVectors
+// accumulators, fed per step of the depth loop by kTileVectors loads of b
+// and kTileRows broadcasts of a. Measured on the kernels' products (128 ×
+// 512 × 64, 128 × 64 × 512, 512 × 64 × 128; AMD EPYC, one thread): 8 × 2,
+// 12 × 2, 6 × 4 and 4 × 4 registers within 3 % of each other, 14 × 2 4 %
+// slower.
+constexpr int kTileRows = 8;
+constexpr int64_t kLanes = 16; // floats per register
+constexpr int64_t kTileVectors = 2;
+constexpr int64_t kTileCols = kLanes * kTileVectors;
+
+// The operands of one product, as tile_gemm_avx512 takes them.
+struct GemmOperands {
+  int64_t depth;
+  float alpha;
+  const float* a;
+  int64_t a_row_stride, a_depth_stride;
+  const float* b;
+  int64_t ldb;
+  float* c;
+  int64_t ldc;
+  bool accumulate;
+};
+
+// c[r0 .. r0+Rows) × [c0 .. c0+width) of the product, width ≤ kTileCols.
+template <int Rows>
+__attribute__((target("avx512f"))) void micro_tile(
+    const GemmOperands& g,
+    int64_t r0,
+    int64_t c0,
+    int64_t width) {
+  __mmask16 lanes[kTileVectors];
+  for (int64_t v = 0; v < kTileVectors; ++v) {
+    const int64_t n = std::clamp<int64_t>(width - kLanes * v, 0, kLanes);
+    lanes[v] = static_cast<__mmask16>((1u << n) - 1u);
+  }
+  __m512 acc[Rows][kTileVectors];
+  const float* a_rows[Rows];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      acc[r][v] = _mm512_setzero_ps();
+    }
+    a_rows[r] = g.a + (r0 + r) * g.a_row_stride;
+  }
+  const float* b_row = g.b + c0;
+  const int64_t depth = g.depth, ldb = g.ldb, a_step = g.a_depth_stride;
+  for (int64_t i = 0, a_offset = 0; i < depth; ++i, b_row += ldb, a_offset += a_step) {
+    __m512 b_values[kTileVectors];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      b_values[v] = _mm512_maskz_loadu_ps(lanes[v], b_row + kLanes * v);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 a_value = _mm512_set1_ps(a_rows[r][a_offset]);
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kTileVectors; ++v) {
+        acc[r][v] = _mm512_fmadd_ps(a_value, b_values[v], acc[r][v]);
+      }
+    }
+  }
+  const __m512 alpha = _mm512_set1_ps(g.alpha);
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+    float* c_row = g.c + (r0 + r) * g.ldc + c0;
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      __m512 result = _mm512_mul_ps(acc[r][v], alpha);
+      if (g.accumulate) {
+        result = _mm512_add_ps(result, _mm512_maskz_loadu_ps(lanes[v], c_row + kLanes * v));
+      }
+      _mm512_mask_storeu_ps(c_row + kLanes * v, lanes[v], result);
+    }
+  }
+}
+
+using MicroTileFn = void (*)(const GemmOperands&, int64_t, int64_t, int64_t);
+
+template <int... Rows>
+constexpr std::array<MicroTileFn, sizeof...(Rows)> micro_tiles(
+    std::integer_sequence<int, Rows...>) {
+  return {micro_tile<Rows + 1>...};
+}
+
+// micro_tile for 1 .. kTileRows rows.
+constexpr auto kMicroTiles = micro_tiles(std::make_integer_sequence<int, kTileRows>());
+
+// Column panels outside, row blocks inside: a panel of b (depth × kTileCols)
+// is read from cache by every row block in turn.
+void gemm_by_micro_tiles(int64_t rows, int64_t cols, const GemmOperands& g) {
+  for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
+    const int64_t width = std::min(kTileCols, cols - c0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - r0);
+      kMicroTiles[tile_rows - 1](g, r0, c0, width);
+    }
+  }
+}
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+#endif
+
+// Whether tile_addmm can hand this product to tile_gemm_avx512: float, rows
+// of b and of out contiguous, beta 0 or 1.
+bool fits_tile_gemm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta) {
+  return out.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
+      b.scalar_type() == at::kFloat && (beta == 0 || beta == 1) &&
+      (out.size(1) <= 1 || out.stride(1) == 1) && (b.size(1) <= 1 || b.stride(1) == 1);
+}
+
+// Multiply-adds from which a product outside the kernels' parallel tasks
+// goes to the BLAS, which shares it between threads: as much work as the
+// kernels give one task (kMinParallelFlops in cpu_attention.cpp).
+constexpr double kMinSharedProduct = 2e6;
+
+// attn's loops run on the calling thread: inside a parallel task, with one
+// thread, or on a product too small to share. A kernel whose tiles are too
+// few for a task per thread (one head of 128 queries against many keys)
+// leaves its products to a BLAS that uses every thread.
+bool product_stays_on_one_thread(int64_t rows, int64_t cols, int64_t depth) {
+  return at::in_parallel_region() || at::get_num_threads() == 1 ||
+      static_cast<double>(rows) * static_cast<double>(cols) * static_cast<double>(depth) <
+      kMinSharedProduct;
+}
+
+// False while a ScopedBlasProducts lives.
+std::atomic<bool> tile_products_allowed{true};
+
+bool cpu_runs_tile_gemm() {
+#ifdef ATTN_HAVE_X86_AVX512
+  static const bool available = cpu_has_avx512();
+  return available && tile_products_allowed.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+} // namespace
+
+ScopedBlasProducts::ScopedBlasProducts()
+    : previous_(tile_products_allowed.exchange(false, std::memory_order_relaxed)) {}
+
+ScopedBlasProducts::~ScopedBlasProducts() {
+  tile_products_allowed.store(previous_, std::memory_order_relaxed);
+}
+
+bool tile_products_run(torch::ScalarType dtype) {
+  return dtype == torch::kFloat && cpu_runs_tile_gemm();
+}
+
+bool tile_gemm_avx512(
+    int64_t rows,
+    int64_t cols,
+    int64_t depth,
+    float alpha,
+    const float* a,
+    int64_t a_row_stride,
+    int64_t a_depth_stride,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    bool accumulate) {
+#ifdef ATTN_HAVE_X86_AVX512
+  if (!cpu_runs_tile_gemm()) {
+    return false;
+  }
+  gemm_by_micro_tiles(
+      rows, cols, {depth, alpha, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate});
+  return true;
+#else
+  return false;
+#endif
+}
+
+void tile_addmm(
+    const torch::Tensor& out,
+    const torch::Tensor& a,
+    const torch::Tensor& b,
+    double beta,
+    double alpha) {
+  const int64_t rows = out.size(0), cols = out.size(1), depth = a.size(1);
+  if (rows == 0 || cols == 0) {
+    return;
+  }
+  if (fits_tile_gemm(out, a, b, beta) && depth > 0 &&
+      product_stays_on_one_thread(rows, cols, depth) &&
+      tile_gemm_avx512(
+          rows, cols, depth, static_cast<float>(alpha), a.data_ptr<float>(), a.stride(0),
+          a.stride(1), b.data_ptr<float>(), b.stride(0), out.data_ptr<float>(), out.stride(0),
+          beta == 1)) {
+    return;
+  }
+  torch::Tensor result = out; // addmm_out takes its output by reference
+  at::addmm_out(result, out, a, b, beta, alpha);
+}
+
+} // namespace attn::detail
