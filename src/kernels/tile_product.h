@@ -3,11 +3,11 @@
 // The matrix products of the tiled CPU kernels: out = beta·out + alpha·a·b
 // on 2-D views, as at::addmm_out computes them. For float, on CPUs with
 // AVX-512, attn's own register-tiled loops compute them: a score tile is
-// 128 × 512 × D, where a BLAS call's packing of both operands and its
-// per-call set-up cost a large share of the arithmetic (OpenBLAS most of
-// all). Other dtypes, CPUs and layouts go to at::addmm_out, and so do large
-// products called outside a parallel region, which the BLAS shares between
-// threads.
+// 128 × 512 × D, small enough that a BLAS call's packing of both operands
+// and its set-up on every call show (the forward measured 1.00-1.07× with
+// attn's loops against OpenBLAS's, docs/BENCHMARKS.md). Other dtypes, CPUs
+// and layouts go to at::addmm_out, and so do large products called outside
+// a parallel region, which the BLAS shares between threads.
 
 #include <torch/types.h>
 
