@@ -180,6 +180,7 @@ ContextParallelMultiHeadAttentionImpl::ContextParallelMultiHeadAttentionImpl(
   for (auto& parameter : named_parameters()) {
     parameter.value().set_data(whole[parameter.key()].clone());
   }
+  stack_input_projections();
   train(full->is_training());
 }
 

@@ -103,6 +103,7 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
   for (auto& parameter : named_parameters()) {
     parameter.value().set_data(shard(parameter.key(), whole[parameter.key()]));
   }
+  stack_input_projections();
   train(full->is_training());
 }
 

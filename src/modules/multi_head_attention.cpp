@@ -1,6 +1,7 @@
 #include <attn/modules/multi_head_attention.h>
 
 #include "modules/multi_head_attention_forward.h"
+#include "modules/stacked_projection.h"
 
 #include <torch/torch.h>
 
@@ -38,6 +39,21 @@ void MultiHeadLayers::register_layers(
   }
   if (options.rotary()) {
     rotary = owner.register_module("rotary", RotaryEmbedding(*options.rotary()));
+  }
+  stack_input_projections();
+}
+
+void MultiHeadLayers::stack_input_projections() {
+  const auto& q = q_proj->weight;
+  if (k_proj->weight.size(1) != q.size(1) || v_proj->weight.size(1) != q.size(1)) {
+    return; // kdim or vdim differ from E: never one product
+  }
+  for (const auto& layers :
+       {std::vector<torch::Tensor>{q, k_proj->weight, v_proj->weight},
+        std::vector<torch::Tensor>{q_proj->bias, k_proj->bias, v_proj->bias}}) {
+    if (layers[0].defined() && !detail::stacked_rows(layers).defined()) {
+      detail::stack_rows(layers);
+    }
   }
 }
 
@@ -114,6 +130,33 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
       *this, H, options.num_kv_heads().value_or(H), options.embed_dim() / H);
   return detail::multi_head_attention_forward(
       query, key, value, options, parameters, forward_options, is_training());
+}
+
+void MultiHeadAttentionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  Cloneable::to(device, dtype, non_blocking);
+  stack_input_projections();
+}
+
+void MultiHeadAttentionImpl::to(torch::Dtype dtype, bool non_blocking) {
+  Cloneable::to(dtype, non_blocking);
+  stack_input_projections();
+}
+
+void MultiHeadAttentionImpl::to(torch::Device device, bool non_blocking) {
+  Cloneable::to(device, non_blocking);
+  stack_input_projections();
+}
+
+void MultiHeadAttentionImpl::load(torch::serialize::InputArchive& archive) {
+  Cloneable::load(archive);
+  stack_input_projections();
+}
+
+std::shared_ptr<torch::nn::Module> MultiHeadAttentionImpl::clone(
+    const c10::optional<torch::Device>& device) const {
+  auto copy = Cloneable::clone(device);
+  std::dynamic_pointer_cast<MultiHeadAttentionImpl>(copy)->stack_input_projections();
+  return copy;
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {

@@ -4,6 +4,7 @@
 #include <attn/kv_cache.h>
 
 #include "masks.h"
+#include "modules/stacked_projection.h"
 
 #include <torch/torch.h>
 
@@ -230,18 +231,18 @@ Heads project_heads(
   namespace F = torch::nn::functional;
   const bool self_attention = query.is_same(key) && key.is_same(value) &&
       options.kdim() == options.embed_dim() && options.vdim() == options.embed_dim();
-  // Self-attention: one GEMM against the stacked weights. Stacking copies
-  // the weights on every call, which only pays off once the inputs are at
-  // least as large: a decoding step projects separately.
-  if (!self_attention || query.size(0) * query.size(1) < options.embed_dim()) {
+  // Self-attention: one GEMM against the stacked weights, a view where the
+  // module keeps them stacked (stacked_projection.h). Stacking copies pays
+  // off only once the inputs are at least as large as the weights: a
+  // decoding step then projects separately.
+  const std::vector<torch::Tensor> weights{p.q_weight, p.k_weight, p.v_weight};
+  if (!self_attention ||
+      (!stacked_rows(weights).defined() && query.size(0) * query.size(1) < options.embed_dim())) {
     return split_heads(
         F::linear(query, p.q_weight, p.q_bias), F::linear(key, p.k_weight, p.k_bias),
         F::linear(value, p.v_weight, p.v_bias), p);
   }
-  const auto weight = torch::cat({p.q_weight, p.k_weight, p.v_weight});
-  const auto bias = p.q_bias.defined() ? torch::cat({p.q_bias, p.k_bias, p.v_bias})
-                                       : torch::Tensor();
-  const auto qkv = F::linear(query, weight, bias);
+  const auto qkv = stacked_linear(query, weights, {p.q_bias, p.k_bias, p.v_bias});
   // One split, whose backward concatenates the three gradients once (three
   // narrows would each pad theirs with zeros to the whole width).
   const auto parts = qkv.split_with_sizes(

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/common.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
+#include <torch/serialize/input-archive.h>
 #include <torch/types.h>
 
 #include <iosfwd>
@@ -72,6 +73,15 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// Xavier-uniform Q/K/V weights, zero biases, `out_proj` weight as in
   /// `torch::nn::Linear`, Xavier-normal `bias_k` and `bias_v`.
   void reset_parameters();
+
+  /// As `torch::nn::Module`'s, keeping the Q/K/V weights stacked
+  /// (`MultiHeadLayers::stack_input_projections`).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+  void load(torch::serialize::InputArchive& archive) override;
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override;
 
   /// Prints `attn::MultiHeadAttention(embed_dim=512, num_heads=8, ...)`.
   void pretty_print(std::ostream& stream) const override;

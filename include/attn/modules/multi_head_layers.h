@@ -40,6 +40,15 @@ struct MultiHeadLayers {
       const MultiHeadAttentionOptions& options,
       int64_t query_width,
       int64_t kv_width);
+
+  /// Makes the weights of `q_proj`, `k_proj` and `v_proj` (and their
+  /// biases) consecutive row blocks of one tensor, values kept, so that
+  /// self-attention projects with one product and no copy. Does nothing
+  /// when they are stacked already or when kdim or vdim differ from E.
+  /// `register_layers` calls it; call it again after replacing their
+  /// storage (`set_data`, `torch::load`, `to`, `clone`), which ends the
+  /// stacking, though not the results.
+  void stack_input_projections();
 };
 
 } // namespace attn
