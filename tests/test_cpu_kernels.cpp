@@ -24,14 +24,12 @@ using attn::testing::Tolerance;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-TEST(RowOps, VectorisedExpMatchesLibmToAFewUlp) {
-  const auto avx2 = attn::detail::exp_shifted_sum_avx2();
-  if (avx2 == nullptr) {
-    GTEST_SKIP() << "this CPU or build has no AVX2+FMA; only the portable exp runs here";
-  }
+// One vectorised exp against libm in float64, every tail length, -inf and
+// 0 among the inputs; its sum against the portable version's.
+void expect_exp_matches_libm(attn::detail::ExpShiftedSumFn vectorised) {
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> uniform(-90.0f, 0.0f);
-  for (int64_t n = 0; n <= 37; ++n) { // every tail length
+  for (int64_t n = 0; n <= 37; ++n) { // every tail length of 8 and of 16
     std::vector<float> x(n);
     for (auto& value : x) {
       value = uniform(rng);
@@ -42,15 +40,49 @@ TEST(RowOps, VectorisedExpMatchesLibmToAFewUlp) {
     }
     auto fast = x;
     auto portable = x;
-    const float fast_sum = avx2(fast.data(), n, -0.5f);
+    const float fast_sum = vectorised(fast.data(), n, -0.5f);
     const float portable_sum = attn::detail::exp_shifted_sum_portable(portable.data(), n, -0.5f);
     for (int64_t j = 0; j < n; ++j) {
       const double exact = std::exp(static_cast<double>(x[j]) + 0.5);
       // 4 float ulps relative; values below float's normal range may flush.
-      EXPECT_NEAR(fast[j], exact, 4 * 1.2e-7 * exact + 1e-37) << "x=" << x[j];
+      EXPECT_NEAR(fast[j], exact, 4 * 1.2e-7 * exact + 1e-37) << "x=" << x[j] << " n=" << n;
       EXPECT_NEAR(portable[j], exact, 2 * 1.2e-7 * exact + 1e-37) << "x=" << x[j];
     }
-    EXPECT_NEAR(fast_sum, portable_sum, 1e-6 * std::max(1.0f, portable_sum));
+    EXPECT_NEAR(fast_sum, portable_sum, 1e-6 * std::max(1.0f, portable_sum)) << "n=" << n;
+  }
+}
+
+TEST(RowOps, VectorisedExpMatchesLibmToAFewUlp) {
+  const auto avx2 = attn::detail::exp_shifted_sum_avx2();
+  if (avx2 == nullptr) {
+    GTEST_SKIP() << "this CPU or build has no AVX2+FMA; only the portable exp runs here";
+  }
+  expect_exp_matches_libm(avx2);
+}
+
+TEST(RowOps, Avx512ExpMatchesLibmToAFewUlp) {
+  const auto avx512 = attn::detail::exp_shifted_sum_avx512();
+  if (avx512 == nullptr) {
+    GTEST_SKIP() << "this CPU or build has no AVX-512; the AVX2 or portable exp runs here";
+  }
+  expect_exp_matches_libm(avx512);
+}
+
+TEST(RowOps, RowMaxFindsTheLargestAtEveryTailLength) {
+  std::mt19937 rng(2);
+  std::uniform_real_distribution<float> uniform(-50.0f, 50.0f);
+  EXPECT_EQ(attn::detail::row_max(static_cast<const float*>(nullptr), 0), -kInf);
+  for (int64_t n = 1; n <= 37; ++n) {
+    for (int64_t where = 0; where < n; ++where) { // the largest in every lane
+      std::vector<float> x(n);
+      for (auto& value : x) {
+        value = uniform(rng);
+      }
+      x[where] = 60.0f;
+      EXPECT_EQ(attn::detail::row_max(x.data(), n), 60.0f) << "n=" << n << " at " << where;
+    }
+    const std::vector<float> masked(n, -std::numeric_limits<float>::infinity());
+    EXPECT_EQ(attn::detail::row_max(masked.data(), n), -kInf) << "n=" << n;
   }
 }
 

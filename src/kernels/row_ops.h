@@ -1,8 +1,9 @@
 #pragma once
 
 // Row operations of the attention kernels on raw float/double arrays:
-// max, shifted exp with sum, scaling. The float versions run AVX2+FMA code when the
-// CPU has it (chosen once at run time) and portable C++ otherwise.
+// max, shifted exp with sum, scaling. The float versions run AVX-512 or
+// AVX2+FMA code when the CPU has it (chosen once at run time) and portable
+// C++ otherwise.
 
 #include <cstdint>
 
@@ -26,10 +27,12 @@ void scale_row(T* x, int64_t n, T factor) {
   }
 }
 
-// The two float implementations behind the dispatch, for tests.
+// The float implementations behind the dispatch, for tests.
 float exp_shifted_sum_portable(float* x, int64_t n, float shift);
 // Null when this build or CPU has no AVX2+FMA.
 using ExpShiftedSumFn = float (*)(float*, int64_t, float);
 ExpShiftedSumFn exp_shifted_sum_avx2();
+// Null when this build or CPU has no AVX-512.
+ExpShiftedSumFn exp_shifted_sum_avx512();
 
 } // namespace attn::detail

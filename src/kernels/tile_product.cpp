@@ -43,8 +43,11 @@ struct GemmOperands {
   bool accumulate;
 };
 
-// c[r0 .. r0+Rows) × [c0 .. c0+width) of the product, width ≤ kTileCols.
-template <int Rows>
+// c[r0 .. r0+Rows) × [c0 .. c0+width) of the product, width ≤ kTileCols;
+// kFull: width == kTileCols, whose loads and stores need no lane masks (the
+// masks of the edge version, kept in memory, cost a load per step: the full
+// version made the tiled backward 1.2x faster on an AVX-512 Xeon).
+template <int Rows, bool kFull>
 __attribute__((target("avx512f"))) void micro_tile(
     const GemmOperands& g,
     int64_t r0,
@@ -52,7 +55,7 @@ __attribute__((target("avx512f"))) void micro_tile(
     int64_t width) {
   __mmask16 lanes[kTileVectors];
   for (int64_t v = 0; v < kTileVectors; ++v) {
-    const int64_t n = std::clamp<int64_t>(width - kLanes * v, 0, kLanes);
+    const int64_t n = kFull ? kLanes : std::clamp<int64_t>(width - kLanes * v, 0, kLanes);
     lanes[v] = static_cast<__mmask16>((1u << n) - 1u);
   }
   __m512 acc[Rows][kTileVectors];
@@ -71,7 +74,11 @@ __attribute__((target("avx512f"))) void micro_tile(
     __m512 b_values[kTileVectors];
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kTileVectors; ++v) {
-      b_values[v] = _mm512_maskz_loadu_ps(lanes[v], b_row + kLanes * v);
+      if constexpr (kFull) {
+        b_values[v] = _mm512_loadu_ps(b_row + kLanes * v);
+      } else {
+        b_values[v] = _mm512_maskz_loadu_ps(lanes[v], b_row + kLanes * v);
+      }
     }
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
@@ -89,33 +96,43 @@ __attribute__((target("avx512f"))) void micro_tile(
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kTileVectors; ++v) {
       __m512 result = _mm512_mul_ps(acc[r][v], alpha);
-      if (g.accumulate) {
-        result = _mm512_add_ps(result, _mm512_maskz_loadu_ps(lanes[v], c_row + kLanes * v));
+      if constexpr (kFull) {
+        if (g.accumulate) {
+          result = _mm512_add_ps(result, _mm512_loadu_ps(c_row + kLanes * v));
+        }
+        _mm512_storeu_ps(c_row + kLanes * v, result);
+      } else {
+        if (g.accumulate) {
+          result = _mm512_add_ps(result, _mm512_maskz_loadu_ps(lanes[v], c_row + kLanes * v));
+        }
+        _mm512_mask_storeu_ps(c_row + kLanes * v, lanes[v], result);
       }
-      _mm512_mask_storeu_ps(c_row + kLanes * v, lanes[v], result);
     }
   }
 }
 
 using MicroTileFn = void (*)(const GemmOperands&, int64_t, int64_t, int64_t);
 
-template <int... Rows>
+template <bool kFull, int... Rows>
 constexpr std::array<MicroTileFn, sizeof...(Rows)> micro_tiles(
     std::integer_sequence<int, Rows...>) {
-  return {micro_tile<Rows + 1>...};
+  return {micro_tile<Rows + 1, kFull>...};
 }
 
-// micro_tile for 1 .. kTileRows rows.
-constexpr auto kMicroTiles = micro_tiles(std::make_integer_sequence<int, kTileRows>());
+// micro_tile for 1 .. kTileRows rows, for full and partial widths.
+constexpr auto kFullMicroTiles = micro_tiles<true>(std::make_integer_sequence<int, kTileRows>());
+constexpr auto kEdgeMicroTiles = micro_tiles<false>(std::make_integer_sequence<int, kTileRows>());
 
 // Column panels outside, row blocks inside: a panel of b (depth × kTileCols)
-// is read from cache by every row block in turn.
+// is read from cache by every row block in turn. (Splitting the depth into
+// blocks of 128 or 256, for a panel that stays in L1, measured no faster.)
 void gemm_by_micro_tiles(int64_t rows, int64_t cols, const GemmOperands& g) {
   for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
     const int64_t width = std::min(kTileCols, cols - c0);
+    const auto& tiles = width == kTileCols ? kFullMicroTiles : kEdgeMicroTiles;
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - r0);
-      kMicroTiles[tile_rows - 1](g, r0, c0, width);
+      tiles[tile_rows - 1](g, r0, c0, width);
     }
   }
 }
