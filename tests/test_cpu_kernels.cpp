@@ -9,6 +9,7 @@
 #include "kernels/math_attention.h"
 #include "kernels/row_ops.h"
 #include "kernels/tile_product.h"
+#include "kernels/workspace.h"
 
 #include <ATen/Parallel.h>
 
@@ -16,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <sstream>
+#include <thread>
 
 namespace {
 
@@ -84,6 +86,42 @@ TEST(RowOps, RowMaxFindsTheLargestAtEveryTailLength) {
     const std::vector<float> masked(n, -std::numeric_limits<float>::infinity());
     EXPECT_EQ(attn::detail::row_max(masked.data(), n), -kInf) << "n=" << n;
   }
+}
+
+TEST(Workspace, ReusesEachThreadsBufferPerSlot) {
+  using attn::detail::workspace_tensor;
+  using attn::detail::WorkspaceSlot;
+  const auto options = torch::TensorOptions(torch::kFloat);
+  const auto first = workspace_tensor(WorkspaceSlot::tile_scores, {4, 8}, options);
+  EXPECT_EQ(first.sizes(), torch::IntArrayRef({4, 8}));
+  EXPECT_TRUE(first.is_contiguous());
+  // The same slot again: the same memory, shaped as asked.
+  const auto again = workspace_tensor(WorkspaceSlot::tile_scores, {2, 3}, options);
+  EXPECT_EQ(again.data_ptr(), first.data_ptr());
+  EXPECT_EQ(again.sizes(), torch::IntArrayRef({2, 3}));
+  // Another slot: other memory, alive at the same time.
+  const auto other = workspace_tensor(WorkspaceSlot::tile_grad_scores, {4, 8}, options);
+  EXPECT_NE(other.data_ptr(), first.data_ptr());
+  // Larger than the buffer: it grows; another dtype: a buffer of that dtype.
+  const auto larger = workspace_tensor(WorkspaceSlot::tile_scores, {512, 512}, options);
+  EXPECT_EQ(larger.numel(), 512 * 512);
+  const auto doubles = workspace_tensor(
+      WorkspaceSlot::tile_scores, {512, 512}, torch::TensorOptions(torch::kDouble));
+  EXPECT_EQ(doubles.scalar_type(), torch::kDouble);
+  doubles.fill_(1.0); // writable through its whole size
+  EXPECT_EQ(doubles.sum().item<double>(), 512.0 * 512.0);
+  // Beyond the cap: fresh memory each time.
+  const int64_t beyond = static_cast<int64_t>(attn::detail::kMaxWorkspaceBytes / sizeof(float)) + 1;
+  const auto big = workspace_tensor(WorkspaceSlot::keys_transposed, {beyond}, options);
+  const auto big_again = workspace_tensor(WorkspaceSlot::keys_transposed, {beyond}, options);
+  EXPECT_NE(big.data_ptr(), big_again.data_ptr());
+  // Another thread: a buffer of its own.
+  const void* mine = workspace_tensor(WorkspaceSlot::tile_scores, {4, 8}, options).data_ptr();
+  const void* theirs = nullptr;
+  std::thread([&] {
+    theirs = workspace_tensor(WorkspaceSlot::tile_scores, {4, 8}, options).data_ptr();
+  }).join();
+  EXPECT_NE(theirs, mine);
 }
 
 TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {

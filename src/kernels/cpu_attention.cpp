@@ -2,6 +2,7 @@
 
 #include "kernels/mask_view.h"
 #include "kernels/parallel_grain.h"
+#include "kernels/workspace.h"
 #include "row_ops.h"
 #include "threads.h"
 #include "tile_product.h"
@@ -115,9 +116,14 @@ scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
 // for the product). BLAS reads the transposed view as it is.
 constexpr int64_t kMinRowsForCopy = 16;
 
-torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries) {
+torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, WorkspaceSlot slot) {
   const auto t_t = t.transpose(2, 3);
-  return queries >= kMinRowsForCopy && tile_products_run(t.scalar_type()) ? t_t.contiguous() : t_t;
+  if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
+    return t_t;
+  }
+  auto copy = workspace_tensor(slot, t_t.sizes(), t.options());
+  copy.copy_(t_t);
+  return copy;
 }
 
 // What every kernel reads: the inputs (B, H, L, D), (B, Hkv, S, D),
@@ -138,7 +144,7 @@ struct KernelInputs {
         S(k.size(2)),
         group(kv_group(q, k)),
         key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
-        k_t(transposed_for_products(k, L)),
+        k_t(transposed_for_products(k, L, WorkspaceSlot::keys_transposed)),
         mask(config, S),
         scale(static_cast<scalar_t>(config.scale)) {}
 
@@ -197,7 +203,8 @@ void flash_forward(
 
   const auto make_scratch = [&] {
     return ForwardScratch<scalar_t>{
-        torch::empty({std::min(kQueryTile, in.L), in.key_block}, in.q.options()),
+        workspace_tensor(
+            WorkspaceSlot::tile_scores, {std::min(kQueryTile, in.L), in.key_block}, in.q.options()),
         std::vector<scalar_t>(kQueryTile), std::vector<scalar_t>(kQueryTile)};
   };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
@@ -327,7 +334,10 @@ void flash_backward(
   // delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij: the softmax backward's
   // row term, computed once instead of once per key block.
   const auto delta = (grad_out * out).sum(-1).contiguous(); // (B, H, L)
-  const BackwardTensors t{grad_out, transposed_for_products(in.v, in.L), lse, delta, dk, dv};
+  const BackwardTensors t{
+      grad_out, transposed_for_products(in.v, in.L, WorkspaceSlot::values_transposed),
+      lse,      delta,
+      dk,       dv};
   const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
   const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
   const auto dq_parts = splits == 1
@@ -335,8 +345,10 @@ void flash_backward(
       : torch::zeros({splits, in.B, in.H, in.L, in.q.size(3)}, dq.options());
 
   const auto make_scratch = [&] {
-    const auto tile = torch::empty({std::min(kQueryTile, in.L), in.key_block}, in.q.options());
-    return BackwardScratch{tile, torch::empty_like(tile)};
+    const std::vector<int64_t> tile{std::min(kQueryTile, in.L), in.key_block};
+    return BackwardScratch{
+        workspace_tensor(WorkspaceSlot::tile_scores, tile, in.q.options()),
+        workspace_tensor(WorkspaceSlot::tile_grad_scores, tile, in.q.options())};
   };
   // Five GEMMs of L·S·D per head.
   const double flops_per_task = 10.0 * in.L * in.S * in.q.size(3) / static_cast<double>(splits);
