@@ -1,6 +1,7 @@
 #include "row_ops.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -33,29 +34,33 @@ T exp_shifted_sum_generic(T* x, int64_t n, T shift) {
 
 #ifdef ATTN_HAVE_X86_TARGETS
 
-// exp(x) for 8 floats: x = k·ln2 + r with |r| <= ln2/2, exp(r) by its
-// Taylor polynomial to degree 7 (truncation below 1e-8 relative), times
-// 2^k built in the exponent bits. Inputs below -87.3 (including -inf)
-// give 0; the attention kernels never pass values above 0.
+// The vectorised exp's constants, shared by its 8- and 16-lane versions:
+// x = k·ln2 + r with |r| <= ln2/2 (ln2 split in two for an exact k·ln2_hi),
+// exp(r) by its Taylor polynomial to degree 7 (truncation below 1e-8
+// relative), highest coefficient first, times 2^k built in the exponent
+// bits. Inputs below kExpLowest (including -inf) give 0; the attention
+// kernels never pass values above 0.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpLowest = -87.3f;
+constexpr std::array<float, 8> kExpTaylor{
+    1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+
+// exp(x) for 8 floats.
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
-  const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-  const __m256 lowest = _mm256_set1_ps(-87.3f);
+  const __m256 lowest = _mm256_set1_ps(kExpLowest);
   const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lowest);
   const __m256 k = _mm256_round_ps(
-      _mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, ln2_hi, x);
-  r = _mm256_fnmadd_ps(k, ln2_lo, r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+      _mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+#pragma GCC unroll 8
+  for (size_t i = 1; i < kExpTaylor.size(); ++i) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTaylor[i]));
+  }
   const __m256i two_to_k = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_k));
@@ -117,30 +122,24 @@ bool cpu_has_avx2_fma() {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-// exp8's steps on 16 floats, the same polynomial and constants, so that
-// both give the same values; the tail of a row is a masked load and store.
-// With exp8 the row passes (max, exp, sum) took 16 % of the tiled forward's
-// time on an AVX-512 Xeon (perf, T = 2048, D = 64); with exp16 that forward
-// ran 1.1-1.2x faster.
+// exp8 on 16 floats, the same steps and constants, so that both give the
+// same values; the tail of a row is a masked load and store. With exp8 the
+// row passes (max, exp, sum) took 16 % of the tiled forward's time on an
+// AVX-512 Xeon (perf, T = 2048, D = 64); with exp16 that forward ran
+// 1.1-1.2x faster.
 __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  const __m512 lowest = _mm512_set1_ps(-87.3f);
+  const __m512 lowest = _mm512_set1_ps(kExpLowest);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lowest);
   const __m512 k = _mm512_roundscale_ps(
-      _mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
-  r = _mm512_fnmadd_ps(k, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+      _mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpTaylor[0]);
+#pragma GCC unroll 8
+  for (size_t i = 1; i < kExpTaylor.size(); ++i) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpTaylor[i]));
+  }
   const __m512i two_to_k = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(two_to_k));
