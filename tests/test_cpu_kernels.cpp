@@ -4,6 +4,8 @@
 
 #include "test_support.h"
 
+#include <attn/functional.h>
+
 #include "kernels/batched_attention.h"
 #include "kernels/cpu_attention.h"
 #include "kernels/math_attention.h"
@@ -12,6 +14,7 @@
 #include "kernels/workspace.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
 
 #include <cmath>
 #include <limits>
@@ -122,6 +125,37 @@ TEST(Workspace, ReusesEachThreadsBufferPerSlot) {
     theirs = workspace_tensor(WorkspaceSlot::tile_scores, {4, 8}, options).data_ptr();
   }).join();
   EXPECT_NE(theirs, mine);
+}
+
+// A thread whose first kernel call runs in InferenceMode (a decoding loop)
+// and whose next runs outside it (training) writes the same reused buffers
+// both times: they must be normal tensors.
+TEST(Workspace, ServesCallsInAndOutOfInferenceModeOnOneThread) {
+  torch::manual_seed(3);
+  const auto make = [] { return torch::randn({1, 2, 40, 16}); };
+  const auto q = make(), k = make(), v = make();
+  const auto tiled = attn::SDPAOptions().need_weights(false).backend(
+      attn::AttentionBackend::fused_cpu);
+  const auto math = attn::SDPAOptions().need_weights(false).backend(attn::AttentionBackend::math);
+  const auto expected = std::get<0>(attn::scaled_dot_product_attention(q, k, v, math));
+  std::thread([&] { // a thread that has run no kernel yet
+    try {
+      {
+        const c10::InferenceMode inference;
+        EXPECT_CLOSE(
+            std::get<0>(attn::scaled_dot_product_attention(q, k, v, tiled)), expected,
+            attn::testing::kFloat32Tolerance);
+      }
+      const auto q_grad = q.clone().requires_grad_();
+      const auto out = std::get<0>(attn::scaled_dot_product_attention(q_grad, k, v, tiled));
+      EXPECT_CLOSE(out, expected, attn::testing::kFloat32Tolerance);
+      out.sum().backward();
+      EXPECT_TRUE(q_grad.grad().defined());
+    } catch (const c10::Error& error) {
+      ADD_FAILURE() << error.what_without_backtrace();
+    }
+  })
+      .join();
 }
 
 TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {

@@ -88,6 +88,16 @@ TEST(StackedProjection, StaysStackedThroughToCloneAndLoad) {
   EXPECT_TRUE(torch::equal(mha->v_proj->weight, saved->v_proj->weight));
 }
 
+TEST(StackedProjection, LeavesWeightsOfDifferentKindsApart) {
+  MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4));
+  mha->k_proj->to(torch::kDouble); // one projection converted on its own
+  EXPECT_NO_THROW(mha->to(torch::Device(torch::kCPU)));
+  EXPECT_FALSE(weights_stacked(*mha));
+  EXPECT_EQ(mha->k_proj->weight.scalar_type(), torch::kDouble);
+  EXPECT_EQ(mha->q_proj->weight.scalar_type(), torch::kFloat);
+  EXPECT_FALSE(attn::detail::stack_rows({mha->q_proj->weight, mha->k_proj->weight}));
+}
+
 // attn's module against the built-in with the same weights: output, input
 // gradient and every parameter's gradient, for the token counts below and
 // above E (where an unstacked module would project separately).

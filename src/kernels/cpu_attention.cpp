@@ -121,6 +121,9 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
   if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
     return t_t;
   }
+  // Grad mode is on in a backward that builds a graph: the copy must not
+  // record one into the reused buffer.
+  const torch::NoGradGuard no_grad;
   auto copy = workspace_tensor(slot, t_t.sizes(), t.options());
   copy.copy_(t_t);
   return copy;

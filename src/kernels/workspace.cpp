@@ -1,5 +1,6 @@
 #include "kernels/workspace.h"
 
+#include <c10/core/InferenceMode.h>
 #include <torch/torch.h>
 
 #include <array>
@@ -18,6 +19,9 @@ torch::Tensor workspace_tensor(
   thread_local std::array<torch::Tensor, kWorkspaceSlots> buffers;
   auto& buffer = buffers.at(static_cast<size_t>(slot));
   if (!buffer.defined() || buffer.numel() < numel || buffer.dtype() != options.dtype()) {
+    // A normal tensor even when the first call runs in InferenceMode: an
+    // inference tensor could not be written by a later call outside it.
+    const c10::InferenceMode normal_tensor(false);
     buffer = torch::empty({numel}, options);
   }
   return buffer.narrow(0, 0, numel).view(sizes);

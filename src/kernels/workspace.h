@@ -28,6 +28,8 @@ inline constexpr size_t kMaxWorkspaceBytes = size_t{16} << 20;
 
 // An uninitialised tensor of `sizes` and `options` (CPU), contiguous,
 // over this thread's buffer for `slot` when it fits kMaxWorkspaceBytes.
+// The buffer is a normal tensor (not an inference tensor) without autograd
+// history: write into it with grad mode off.
 torch::Tensor workspace_tensor(
     WorkspaceSlot slot,
     at::IntArrayRef sizes,

@@ -79,10 +79,11 @@ class StackedLinearFunction : public torch::autograd::Function<StackedLinearFunc
 
 } // namespace
 
-void stack_rows(const std::vector<torch::Tensor>& parts) {
-  TORCH_INTERNAL_ASSERT(!parts.empty());
+bool stack_rows(const std::vector<torch::Tensor>& parts) {
   for (const auto& part : parts) {
-    TORCH_INTERNAL_ASSERT(same_kind(part, parts[0]), "stack_rows: parts of different kinds");
+    if (!same_kind(part, parts.at(0))) {
+      return false;
+    }
   }
   const torch::NoGradGuard no_grad;
   auto sizes = parts[0].sizes().vec();
@@ -95,6 +96,7 @@ void stack_rows(const std::vector<torch::Tensor>& parts) {
     part.set_data(block);
     row += block.size(0);
   }
+  return true;
 }
 
 torch::Tensor stacked_rows(const std::vector<torch::Tensor>& parts) {
@@ -114,8 +116,14 @@ torch::Tensor stacked_rows(const std::vector<torch::Tensor>& parts) {
   }
   auto sizes = first.sizes().vec();
   sizes[0] = rows;
+  // Contiguous strides of the whole (a part of one row may have any
+  // stride(0)).
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t i = sizes.size() - 1; i > 0; --i) {
+    strides[i - 1] = strides[i] * sizes[i];
+  }
   return torch::empty({0}, first.options())
-      .set_(first.storage(), first.storage_offset(), sizes, first.strides());
+      .set_(first.storage(), first.storage_offset(), sizes, strides);
 }
 
 torch::Tensor stacked_linear(

@@ -15,10 +15,11 @@
 
 namespace attn::detail {
 
-// Makes `parts` (defined, of one dtype and device, equal sizes after the
-// first dimension) consecutive row blocks of one new tensor, keeping their
-// values, their autograd identity and their gradients.
-void stack_rows(const std::vector<torch::Tensor>& parts);
+// Makes `parts` consecutive row blocks of one new tensor, keeping their
+// values, their autograd identity and their gradients. Returns false,
+// changing nothing, unless they are defined, of one dtype and device, with
+// equal sizes after the first dimension.
+bool stack_rows(const std::vector<torch::Tensor>& parts);
 
 // The tensor whose consecutive row blocks `parts` are, a view of their
 // memory, or an undefined tensor when they are not such blocks (or when any

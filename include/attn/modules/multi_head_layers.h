@@ -44,9 +44,10 @@ struct MultiHeadLayers {
   /// Makes the weights of `q_proj`, `k_proj` and `v_proj` (and their
   /// biases) consecutive row blocks of one tensor, values kept, so that
   /// self-attention projects with one product and no copy. Does nothing
-  /// when they are stacked already or when kdim or vdim differ from E.
-  /// `register_layers` calls it; call it again after replacing their
-  /// storage (`set_data`, `torch::load`, `to`, `clone`), which ends the
+  /// when they are stacked already, when kdim or vdim differ from E, or
+  /// when they differ in dtype or device. `register_layers` calls it, and
+  /// `MultiHeadAttention` again after `to`, `load` and `clone`, which
+  /// replace their storage; replacing it otherwise (`set_data`) ends the
   /// stacking, though not the results.
   void stack_input_projections();
 };
