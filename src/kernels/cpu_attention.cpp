@@ -117,7 +117,7 @@ scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
 constexpr int64_t kMinRowsForCopy = 16;
 
 torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, WorkspaceSlot slot) {
-  const auto t_t = t.transpose(2, 3);
+  auto t_t = t.transpose(2, 3);
   if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
     return t_t;
   }

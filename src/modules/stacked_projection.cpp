@@ -90,7 +90,7 @@ bool stack_rows(const std::vector<torch::Tensor>& parts) {
   sizes[0] = total_rows(parts);
   const auto whole = torch::empty(sizes, parts[0].options());
   int64_t row = 0;
-  for (auto part : parts) { // a handle: set_data changes the caller's tensor
+  for (const auto& part : parts) { // set_data changes the tensor this handle shares
     auto block = whole.narrow(0, row, part.size(0));
     block.copy_(part);
     part.set_data(block);
