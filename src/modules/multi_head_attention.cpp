@@ -44,16 +44,11 @@ void MultiHeadLayers::register_layers(
 }
 
 void MultiHeadLayers::stack_input_projections() {
-  const auto& q = q_proj->weight;
-  if (k_proj->weight.size(1) != q.size(1) || v_proj->weight.size(1) != q.size(1)) {
-    return; // kdim or vdim differ from E: never one product
-  }
-  for (const auto& layers :
-       {std::vector<torch::Tensor>{q, k_proj->weight, v_proj->weight},
-        std::vector<torch::Tensor>{q_proj->bias, k_proj->bias, v_proj->bias}}) {
-    if (layers[0].defined() && !detail::stacked_rows(layers).defined()) {
-      detail::stack_rows(layers);
-    }
+  // stack_rows refuses weights of different widths (kdim or vdim other than
+  // E); the biases are stacked only along with the weights.
+  if (detail::stack_rows({q_proj->weight, k_proj->weight, v_proj->weight}) &&
+      q_proj->bias.defined()) {
+    detail::stack_rows({q_proj->bias, k_proj->bias, v_proj->bias});
   }
 }
 

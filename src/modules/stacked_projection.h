@@ -16,9 +16,10 @@
 namespace attn::detail {
 
 // Makes `parts` consecutive row blocks of one new tensor, keeping their
-// values, their autograd identity and their gradients. Returns false,
-// changing nothing, unless they are defined, of one dtype and device, with
-// equal sizes after the first dimension.
+// values, their autograd identity and their gradients; true when they are
+// such blocks (already, or now). Returns false, changing nothing, unless
+// they are defined, of one dtype and device, with equal sizes after the
+// first dimension.
 bool stack_rows(const std::vector<torch::Tensor>& parts);
 
 // The tensor whose consecutive row blocks `parts` are, a view of their
