@@ -197,6 +197,60 @@ TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
   }
 }
 
+// One banded product against the float64 product, row block by row block:
+// inside its band the product (restricted to the band's depth), outside it
+// the values from before.
+void expect_banded_product(
+    attn::detail::ProductBand band,
+    const std::vector<attn::detail::IndexRange>& bands,
+    double beta) {
+  using attn::detail::kProductRowBlock;
+  const int64_t rows = 20, cols = 70, depth = 40; // row blocks of 8, 8 and 4
+  const auto a = torch::randn({rows, depth});
+  const auto b = torch::randn({depth, cols});
+  const auto c = torch::randn({rows, cols});
+  const auto before = c.to(torch::kDouble);
+  const double alpha = 0.5;
+  attn::detail::tile_addmm_banded(c, a, b, beta, alpha, band, bands);
+  for (size_t block = 0; block < bands.size(); ++block) {
+    SCOPED_TRACE("row block " + std::to_string(block));
+    const int64_t r0 = static_cast<int64_t>(block) * kProductRowBlock;
+    const int64_t n = std::min(kProductRowBlock, rows - r0);
+    const auto [begin, end] = bands[block];
+    auto expected = before.narrow(0, r0, n).clone();
+    const auto a_rows = a.narrow(0, r0, n).to(torch::kDouble);
+    const auto b_all = b.to(torch::kDouble);
+    if (band == attn::detail::ProductBand::columns) {
+      expected.narrow(1, begin, end - begin)
+          .mul_(beta)
+          .add_(alpha * a_rows.mm(b_all.narrow(1, begin, end - begin)));
+    } else {
+      expected.mul_(beta).add_(
+          alpha * a_rows.narrow(1, begin, end - begin).mm(b_all.narrow(0, begin, end - begin)));
+    }
+    EXPECT_CLOSE(c.narrow(0, r0, n), expected, (Tolerance{1e-5, 1e-5}));
+  }
+}
+
+TEST(TileProduct, BandedProductsComputeTheirBandsOnly) {
+  torch::manual_seed(8);
+  ThreadCount one_thread(1);
+  using attn::detail::ProductBand;
+  const std::vector<attn::detail::IndexRange> columns{{0, 32}, {32, 70}, {0, 0}};
+  const std::vector<attn::detail::IndexRange> depths{{0, 40}, {8, 24}, {0, 0}};
+  for (const bool blas : {false, true}) {
+    SCOPED_TRACE(blas ? "at::addmm_out" : "attn's loops");
+    c10::optional<attn::detail::ScopedBlasProducts> blas_products;
+    if (blas) {
+      blas_products.emplace();
+    }
+    for (const double beta : {0.0, 1.0}) {
+      expect_banded_product(ProductBand::columns, columns, beta);
+      expect_banded_product(ProductBand::depth, depths, beta);
+    }
+  }
+}
+
 enum class MaskKind { none, bool_pairs, bool_padding, float_per_head };
 
 struct KernelCase {
@@ -410,6 +464,42 @@ TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   const auto dq = torch::autograd::grad({out.sum()}, {q})[0];
   EXPECT_EQ(dq.select(2, 66).abs().max().item<float>(), 0.0f);
   EXPECT_TRUE(torch::isfinite(dq).all().item<bool>());
+}
+
+TEST(FusedKernel, GradientsOfOneProjectionsPartsAreThePartsOfOneBuffer) {
+  // Q, K and V as MultiHeadAttention's one product leaves them: (B, L, 3,
+  // H, D) and (L, B, 3, H, D) memory seen as (B, H, L, D).
+  torch::manual_seed(5);
+  const int64_t B = 2, L = 40, H = 2, D = 8;
+  const attn::detail::CpuAttentionConfig config{{}, 0.3, true};
+  for (const bool batch_first : {true, false}) {
+    SCOPED_TRACE(batch_first ? "(B, L, 3, H, D)" : "(L, B, 3, H, D)");
+    const auto memory = batch_first ? torch::randn({B, L, 3, H, D}, torch::kDouble)
+                                    : torch::randn({L, B, 3, H, D}, torch::kDouble);
+    const auto part = [&](int64_t i) {
+      const auto heads = memory.select(2, i); // (B, L, H, D) or (L, B, H, D)
+      return batch_first ? heads.transpose(1, 2) : heads.permute({1, 2, 0, 3});
+    };
+    const auto q = part(0), k = part(1), v = part(2);
+    const auto [out, lse] = attn::detail::cpu_flash_forward(q, k, v, config);
+    const auto grad_out = torch::randn(out.sizes(), out.options());
+    const auto [dq, dk, dv] = attn::detail::cpu_flash_backward(q, k, v, out, lse, grad_out, config);
+
+    std::vector<torch::Tensor> leaves{
+        q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()};
+    const auto [math_out, w] = attn::detail::math_attention(
+        leaves[0], leaves[1], leaves[2], attn::SDPAOptions().is_causal(true), 0.3);
+    const auto expected = torch::autograd::grad({math_out}, leaves, {grad_out});
+    EXPECT_CLOSE(dq, expected[0], Tolerance{1e-11});
+    EXPECT_CLOSE(dk, expected[1], Tolerance{1e-11});
+    EXPECT_CLOSE(dv, expected[2], Tolerance{1e-11});
+    for (const auto& grad : {dk, dv}) {
+      EXPECT_TRUE(grad.storage().is_alias_of(dq.storage()));
+      EXPECT_EQ(grad.strides(), q.strides());
+    }
+    EXPECT_EQ(dk.storage_offset() - dq.storage_offset(), H * D);
+    EXPECT_EQ(dv.storage_offset() - dq.storage_offset(), 2 * H * D);
+  }
 }
 
 TEST(FusedKernel, ReadsStridedHeadsAndWritesInterleavedOutput) {

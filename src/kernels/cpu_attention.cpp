@@ -83,6 +83,63 @@ void parallel_query_tiles(
   });
 }
 
+// The part of one query tile × key block that the band (causal, window)
+// leaves visible, in the blocks that attn's products work in
+// (tile_addmm_banded): for each block of kProductRowBlock queries, the keys
+// (from the block's first) that some row of it sees, widened to whole
+// panels; for each block of kProductRowBlock keys, the queries of the
+// query blocks that compute it. The products compute, and the row passes
+// visit, only these parts. Where BLAS computes the products, every part is
+// the whole tile.
+struct TileBands {
+  std::vector<IndexRange> keys_of_query_block, queries_of_key_block;
+
+  template <typename scalar_t>
+  void fit_queries(
+      const MaskView<scalar_t>& mask,
+      const QueryTile& tile,
+      int64_t j0,
+      int64_t cols,
+      bool banded) {
+    keys_of_query_block.resize(ceil_div(tile.rows, kProductRowBlock));
+    for (size_t block = 0; block < keys_of_query_block.size(); ++block) {
+      const int64_t first = tile.i0 + static_cast<int64_t>(block) * kProductRowBlock;
+      const int64_t last = std::min(tile.i0 + tile.rows, first + kProductRowBlock) - 1;
+      const int64_t begin = std::clamp<int64_t>(mask.band.begin(first) - j0, 0, cols);
+      const int64_t end = std::clamp<int64_t>(mask.band.end(last) - j0, 0, cols);
+      if (!banded) {
+        keys_of_query_block[block] = {0, cols};
+      } else if (begin >= end) {
+        keys_of_query_block[block] = {0, 0};
+      } else {
+        keys_of_query_block[block] = {
+            begin / kProductColumnPanel * kProductColumnPanel,
+            std::min(cols, ceil_div(end, kProductColumnPanel) * kProductColumnPanel)};
+      }
+    }
+  }
+
+  // After fit_queries, for products whose rows are the block's keys.
+  void fit_keys(int64_t rows, int64_t cols) {
+    queries_of_key_block.resize(ceil_div(cols, kProductRowBlock));
+    for (size_t block = 0; block < queries_of_key_block.size(); ++block) {
+      const int64_t key = static_cast<int64_t>(block) * kProductRowBlock;
+      // Query blocks' key ranges are nondecreasing, apart from empty ones:
+      // those that hold `key` are consecutive.
+      int64_t first = -1, last = -1;
+      for (size_t q = 0; q < keys_of_query_block.size(); ++q) {
+        if (keys_of_query_block[q].begin <= key && key < keys_of_query_block[q].end) {
+          first = first < 0 ? static_cast<int64_t>(q) : first;
+          last = static_cast<int64_t>(q);
+        }
+      }
+      queries_of_key_block[block] = first < 0
+          ? IndexRange{0, 0}
+          : IndexRange{first * kProductRowBlock, std::min(rows, (last + 1) * kProductRowBlock)};
+    }
+  }
+};
+
 // (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
 // writing head h of token t lands where merged heads expect it.
 torch::Tensor empty_heads_interleaved(
@@ -129,6 +186,62 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
   return copy;
 }
 
+// Heads as the kernels read them: rows of unit stride, copied into
+// contiguous heads where each key and value row is read by more than
+// kMaxQueryTilesInPlace query tiles (`queries`: how many read them; 1 for
+// the queries themselves). Heads whose rows interleave with other heads'
+// (MultiHeadAttention's (B, L, H, D) projections seen as (B, H, L, D))
+// slowed every tile's GEMM by a third at T = 4096, where one copy costs far
+// less; read in place, GPT-2-small's layer at T = 128 ran 1-3 % faster
+// and at T = 512 2-3 % slower than with the copies.
+constexpr int64_t kMaxQueryTilesInPlace = 2;
+
+torch::Tensor heads_for_kernels(const torch::Tensor& t, int64_t queries) {
+  const bool rows_have_unit_stride = t.size(-1) <= 1 || t.stride(-1) == 1;
+  const bool read_by_few_tiles = ceil_div(queries, kQueryTile) <= kMaxQueryTilesInPlace;
+  return rows_have_unit_stride && read_by_few_tiles ? t : t.contiguous();
+}
+
+// Whether q, k and v (B, H, L, D) are the query, key and value parts of
+// one projection: (B, L, 3, H, D) or (L, B, 3, H, D) memory, as
+// MultiHeadAttention's one product for Q, K and V leaves them.
+bool parts_of_one_projection(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v) {
+  const int64_t width = q.size(1) * q.size(3); // H·D
+  const auto tokens_major = [&](int64_t outer, int64_t inner) {
+    return q.stride(inner) == 3 * width && q.stride(outer) == 3 * width * q.size(inner);
+  };
+  return q.sizes() == k.sizes() && q.sizes() == v.sizes() && q.strides() == k.strides() &&
+      q.strides() == v.strides() && q.has_storage() && k.has_storage() && v.has_storage() &&
+      k.storage().is_alias_of(q.storage()) && v.storage().is_alias_of(q.storage()) &&
+      k.storage_offset() == q.storage_offset() + width &&
+      v.storage_offset() == q.storage_offset() + 2 * width && q.stride(3) == 1 &&
+      q.stride(1) == q.size(3) && (tokens_major(0, 2) || tokens_major(2, 0));
+}
+
+// Uninitialised gradients for q, k and v (B, H, L, D), (B, H, S, ·): one
+// key/value gradient per query head. Where q, k and v are the parts of one
+// projection, their gradients are the same parts of one buffer, which that
+// projection's backward reads as one matrix, with no concatenation.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> input_gradients(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v) {
+  if (parts_of_one_projection(q, k, v)) {
+    const auto buffer = torch::empty({3 * q.numel()}, q.options());
+    const auto part = [&](int64_t i) {
+      return buffer.as_strided(q.sizes(), q.strides(), i * q.size(1) * q.size(3));
+    };
+    return {part(0), part(1), part(2)};
+  }
+  const int64_t B = q.size(0), H = q.size(1), S = k.size(2);
+  return {
+      torch::empty(q.sizes(), q.options()), torch::empty({B, H, S, k.size(3)}, k.options()),
+      torch::empty({B, H, S, v.size(3)}, v.options())};
+}
+
 // What every kernel reads: the inputs (B, H, L, D), (B, Hkv, S, D),
 // (B, Hkv, S, Dv), their sizes, the masks and the scale.
 template <typename scalar_t>
@@ -168,6 +281,7 @@ template <typename scalar_t>
 struct ForwardScratch {
   torch::Tensor scores; // (kQueryTile, key_block)
   std::vector<scalar_t> running_max, running_sum;
+  TileBands bands;
 };
 
 // Folds one block of scores (row r of `scores`, already masked) into row
@@ -208,7 +322,7 @@ void flash_forward(
     return ForwardScratch<scalar_t>{
         workspace_tensor(
             WorkspaceSlot::tile_scores, {std::min(kQueryTile, in.L), in.key_block}, in.q.options()),
-        std::vector<scalar_t>(kQueryTile), std::vector<scalar_t>(kQueryTile)};
+        std::vector<scalar_t>(kQueryTile), std::vector<scalar_t>(kQueryTile), TileBands{}};
   };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
   parallel_query_tiles(
@@ -227,13 +341,20 @@ void flash_forward(
         for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
           const int64_t cols = std::min(in.key_block, key_end - j0);
           auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
-          tile_addmm(block, q_tile, k_t_head.narrow(1, j0, cols), 0, in.scale);
+          const auto k_t_block = k_t_head.narrow(1, j0, cols);
+          const auto& keys_of = scratch.bands.keys_of_query_block;
+          scratch.bands.fit_queries(
+              in.mask, tile, j0, cols, tile_loops_take(block, q_tile, k_t_block, 0));
+          tile_addmm_banded(block, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
           for (int64_t r = 0; r < rows; ++r) {
+            const auto [begin, end] = keys_of[r / kProductRowBlock];
             scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * in.key_block;
-            in.mask.apply(row, cols, b, h, i0 + r, j0);
-            online_softmax_row(scratch, r, row, cols, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
+            in.mask.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin);
+            online_softmax_row(
+                scratch, r, row + begin, end - begin, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
           }
-          tile_addmm(out_tile, block, v_head.narrow(0, j0, cols), 1, 1);
+          tile_addmm_banded(
+              out_tile, block, v_head.narrow(0, j0, cols), 1, 1, ProductBand::depth, keys_of);
         }
 
         scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
@@ -251,6 +372,7 @@ void flash_forward(
 // gradients.
 struct BackwardScratch {
   torch::Tensor probs, grad_scores; // (kQueryTile, key_block)
+  TileBands bands;
 };
 
 // What the backward reads besides the inputs, and the key/value gradients
@@ -283,29 +405,42 @@ void backward_block(
   auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
 
   // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
-  tile_addmm(p, q_tile, in.k_t[b][kv_head].narrow(1, j0, cols), 0, in.scale);
+  const auto k_t_block = in.k_t[b][kv_head].narrow(1, j0, cols);
+  scratch.bands.fit_queries(in.mask, tile, j0, cols, tile_loops_take(p, q_tile, k_t_block, 0));
+  scratch.bands.fit_keys(rows, cols);
+  const auto& keys_of = scratch.bands.keys_of_query_block;
+  const auto& queries_of = scratch.bands.queries_of_key_block;
+  tile_addmm_banded(p, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
   for (int64_t r = 0; r < rows; ++r) {
-    scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
-    in.mask.apply(row, cols, b, h, i0 + r, j0);
+    const auto [begin, end] = keys_of[r / kProductRowBlock];
+    scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block + begin;
+    in.mask.apply(row, end - begin, b, h, i0 + r, j0 + begin);
     if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
-      std::fill(row, row + cols, scalar_t(0)); // fully masked row
+      std::fill(row, row + (end - begin), scalar_t(0)); // fully masked row
     } else {
-      exp_shifted_sum(row, cols, lse_rows[r]);
+      exp_shifted_sum(row, end - begin, lse_rows[r]);
     }
   }
-  tile_addmm(t.dv[b][h].narrow(0, j0, cols), p.t(), go_tile, 1, 1);     // dV += Pᵀ dO
-  tile_addmm(ds, go_tile, t.v_t[b][kv_head].narrow(1, j0, cols), 0, 1); // dP = dO Vᵀ
+  const auto dv_block = t.dv[b][h].narrow(0, j0, cols);
+  tile_addmm_banded(dv_block, p.t(), go_tile, 1, 1, ProductBand::depth, queries_of); // dV += Pᵀ dO
+  tile_addmm_banded(
+      ds, go_tile, t.v_t[b][kv_head].narrow(1, j0, cols), 0, 1, ProductBand::columns,
+      keys_of); // dP = dO Vᵀ
   for (int64_t r = 0; r < rows; ++r) {
+    const auto [begin, end] = keys_of[r / kProductRowBlock];
     const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
     scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
     const scalar_t d = delta_rows[r];
 #pragma omp simd
-    for (int64_t j = 0; j < cols; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       ds_row[j] = p_row[j] * (ds_row[j] - d); // dS
     }
   }
-  tile_addmm(dq_tile, ds, in.k[b][kv_head].narrow(0, j0, cols), 1, in.scale); // dQ += s·dS K
-  tile_addmm(t.dk[b][h].narrow(0, j0, cols), ds.t(), q_tile, 1, in.scale);    // dK += s·dSᵀ Q
+  const auto k_block = in.k[b][kv_head].narrow(0, j0, cols);
+  tile_addmm_banded(dq_tile, ds, k_block, 1, in.scale, ProductBand::depth, keys_of); // dQ += s·dS K
+  tile_addmm_banded(
+      t.dk[b][h].narrow(0, j0, cols), ds.t(), q_tile, 1, in.scale, ProductBand::depth,
+      queries_of); // dK += s·dSᵀ Q
 }
 
 // Into how many key ranges the backward splits each head: one when there
@@ -320,11 +455,22 @@ int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
       ceil_div(threads, std::max<int64_t>(heads, 1)), 1, ceil_div(S, key_block));
 }
 
-// Backward: accumulates dq, dk, dv (zero-initialised, (B, H, ·, ·): one
+// Zeroes rows [begin, end) of head (b, h) of a (B, H, T, F) tensor whose
+// rows have unit stride.
+template <typename scalar_t>
+void zero_rows(const torch::Tensor& t, int64_t b, int64_t h, int64_t begin, int64_t end) {
+  for (int64_t row = begin; row < end; ++row) {
+    scalar_t* data = row_ptr<scalar_t>(t, b, h, row);
+    std::fill(data, data + t.size(3), scalar_t(0));
+  }
+}
+
+// Backward: writes dq, dk, dv ((B, H, ·, ·), rows of unit stride: one
 // key/value gradient per query head, which grouped-query callers sum). A
 // task takes one range of keys of one (b, h) and owns their rows of dK and
-// dV; where a head's keys are split, each range adds its share of dQ into
-// a buffer of its own, summed into dq at the end. No accumulation races.
+// dV, which it zeroes and accumulates into while they are in its cache;
+// where a head's keys are split, each range adds its share of dQ into a
+// buffer of its own, summed into dq at the end. No accumulation races.
 template <typename scalar_t>
 void flash_backward(
     const KernelInputs<scalar_t>& in,
@@ -351,7 +497,7 @@ void flash_backward(
     const std::vector<int64_t> tile{std::min(kQueryTile, in.L), in.key_block};
     return BackwardScratch{
         workspace_tensor(WorkspaceSlot::tile_scores, tile, in.q.options()),
-        workspace_tensor(WorkspaceSlot::tile_grad_scores, tile, in.q.options())};
+        workspace_tensor(WorkspaceSlot::tile_grad_scores, tile, in.q.options()), TileBands{}};
   };
   // Five GEMMs of L·S·D per head.
   const double flops_per_task = 10.0 * in.L * in.S * in.q.size(3) / static_cast<double>(splits);
@@ -361,6 +507,11 @@ void flash_backward(
         const int64_t b = unit / (in.H * splits), h = unit / splits % in.H, split = unit % splits;
         const int64_t keys_begin = split * keys_per_split;
         const int64_t keys_end = std::min(in.S, keys_begin + keys_per_split);
+        zero_rows<scalar_t>(dk, b, h, keys_begin, keys_end);
+        zero_rows<scalar_t>(dv, b, h, keys_begin, keys_end);
+        if (splits == 1) {
+          zero_rows<scalar_t>(dq, b, h, 0, in.L);
+        }
         for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
           const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
           const auto dq_tile = dq_parts[split][b][h].narrow(0, i0, tile.rows);
@@ -430,7 +581,10 @@ void run_flash_forward(
     const torch::Tensor& out,
     const torch::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_forward", [&] {
-    flash_forward<scalar_t>({q.contiguous(), k.contiguous(), v.contiguous(), config}, out, lse);
+    const int64_t L = q.size(2);
+    flash_forward<scalar_t>(
+        {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config}, out,
+        lse);
   });
 }
 
@@ -504,16 +658,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
     const torch::Tensor& lse,
     const torch::Tensor& grad_out,
     const CpuAttentionConfig& config) {
-  // Gradients of the contiguous inputs, accumulated tile by tile; with
+  // The inputs' gradients, zeroed and accumulated task by task; with
   // grouped queries, one key/value gradient per query head, summed below.
-  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = k.size(2);
-  const auto dq = torch::zeros(q.sizes(), q.options());
-  const auto dk = torch::zeros({B, H, S, k.size(3)}, k.options());
-  const auto dv = torch::zeros({B, H, S, v.size(3)}, v.options());
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
+  auto [dq, dk, dv] = input_gradients(q, k, v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
     flash_backward<scalar_t>(
-        {q.contiguous(), k.contiguous(), v.contiguous(), config}, out, grad_out.contiguous(),
-        lse.contiguous(), dq, dk, dv);
+        {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config}, out,
+        heads_for_kernels(grad_out, 1), lse.contiguous(), dq, dk, dv);
   });
   if (Hkv == H) {
     return {dq, dk, dv};
@@ -529,11 +681,7 @@ torch::Tensor cpu_flash_attention(
     const torch::Tensor& k,
     const torch::Tensor& v,
     const CpuAttentionConfig& config) {
-  // Heads whose rows interleave with other heads' (MultiHeadAttention's
-  // (B, L, H, D) projections seen as (B, H, L, D)) slow every tile's GEMM
-  // by a third at T = 4096; copying the inputs once costs far less.
-  return FlashAttentionFunction::apply(q.contiguous(), k.contiguous(), v.contiguous(), config)
-      .permute({0, 2, 1, 3});
+  return FlashAttentionFunction::apply(q, k, v, config).permute({0, 2, 1, 3});
 }
 
 std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(

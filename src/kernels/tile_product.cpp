@@ -30,7 +30,9 @@ constexpr int64_t kLanes = 16; // floats per register
 constexpr int64_t kTileVectors = 2;
 constexpr int64_t kTileCols = kLanes * kTileVectors;
 
-// The operands of one product, as tile_gemm_avx512 takes them.
+// The operands of one product: c (rows, cols; row stride ldc) = alpha·A·B
+// (+ c when `accumulate`), where A(r, i) = a[r·a_row_stride + i·a_depth_stride]
+// and B(i, j) = b[i·ldb + j].
 struct GemmOperands {
   int64_t depth;
   float alpha;
@@ -123,18 +125,63 @@ constexpr std::array<MicroTileFn, sizeof...(Rows)> micro_tiles(
 constexpr auto kFullMicroTiles = micro_tiles<true>(std::make_integer_sequence<int, kTileRows>());
 constexpr auto kEdgeMicroTiles = micro_tiles<false>(std::make_integer_sequence<int, kTileRows>());
 
+static_assert(kTileRows == kProductRowBlock && kTileCols == kProductColumnPanel);
+
+// Which part of each row block a product computes (tile_addmm_banded):
+// all of it where `ranges` is null.
+struct RowBlockBands {
+  ProductBand band = ProductBand::columns;
+  const IndexRange* ranges = nullptr;
+};
+
+// The operands restricted to depth [range.begin, range.end).
+GemmOperands with_depth(const GemmOperands& g, const IndexRange& range) {
+  GemmOperands part = g;
+  part.depth = range.end - range.begin;
+  part.a += range.begin * g.a_depth_stride;
+  part.b += range.begin * g.ldb;
+  return part;
+}
+
 // Column panels outside, row blocks inside: a panel of b (depth × kTileCols)
 // is read from cache by every row block in turn. (Splitting the depth into
 // blocks of 128 or 256, for a panel that stays in L1, measured no faster.)
-void gemm_by_micro_tiles(int64_t rows, int64_t cols, const GemmOperands& g) {
+void gemm_by_micro_tiles(
+    int64_t rows,
+    int64_t cols,
+    const GemmOperands& g,
+    const RowBlockBands& bands = {}) {
   for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
     const int64_t width = std::min(kTileCols, cols - c0);
     const auto& tiles = width == kTileCols ? kFullMicroTiles : kEdgeMicroTiles;
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-      const int64_t tile_rows = std::min<int64_t>(kTileRows, rows - r0);
-      tiles[tile_rows - 1](g, r0, c0, width);
+      const auto& tile = tiles[std::min<int64_t>(kTileRows, rows - r0) - 1];
+      if (bands.ranges == nullptr) {
+        tile(g, r0, c0, width);
+        continue;
+      }
+      const IndexRange& range = bands.ranges[r0 / kTileRows];
+      if (bands.band == ProductBand::depth) {
+        tile(with_depth(g, range), r0, c0, width);
+      } else if (c0 >= range.begin && c0 < range.end) {
+        tile(g, r0, c0, width);
+      }
     }
   }
+}
+
+// The operands of out = beta·out + alpha·a·b for attn's loops.
+GemmOperands operands_of(
+    const at::Tensor& out,
+    const at::Tensor& a,
+    const at::Tensor& b,
+    double beta,
+    double alpha) {
+  return {a.size(1),           static_cast<float>(alpha),
+          a.data_ptr<float>(), a.stride(0),
+          a.stride(1),         b.data_ptr<float>(),
+          b.stride(0),         out.data_ptr<float>(),
+          out.stride(0),       beta == 1};
 }
 
 bool cpu_has_avx512() {
@@ -144,8 +191,8 @@ bool cpu_has_avx512() {
 
 #endif
 
-// Whether tile_addmm can hand this product to tile_gemm_avx512: float, rows
-// of b and of out contiguous, beta 0 or 1.
+// Whether attn's loops can compute this product: float, rows of b and of
+// out contiguous, beta 0 or 1.
 bool fits_tile_gemm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta) {
   return out.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
       b.scalar_type() == at::kFloat && (beta == 0 || beta == 1) &&
@@ -192,29 +239,14 @@ bool tile_products_run(torch::ScalarType dtype) {
   return dtype == torch::kFloat && cpu_runs_tile_gemm();
 }
 
-bool tile_gemm_avx512(
-    int64_t rows,
-    int64_t cols,
-    int64_t depth,
-    float alpha,
-    const float* a,
-    int64_t a_row_stride,
-    int64_t a_depth_stride,
-    const float* b,
-    int64_t ldb,
-    float* c,
-    int64_t ldc,
-    bool accumulate) {
-#ifdef ATTN_HAVE_X86_AVX512
-  if (!cpu_runs_tile_gemm()) {
-    return false;
-  }
-  gemm_by_micro_tiles(
-      rows, cols, {depth, alpha, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate});
-  return true;
-#else
-  return false;
-#endif
+bool tile_loops_take(
+    const torch::Tensor& out,
+    const torch::Tensor& a,
+    const torch::Tensor& b,
+    double beta) {
+  const int64_t rows = out.size(0), cols = out.size(1), depth = a.size(1);
+  return rows > 0 && cols > 0 && depth > 0 && fits_tile_gemm(out, a, b, beta) &&
+      product_stays_on_one_thread(rows, cols, depth) && cpu_runs_tile_gemm();
 }
 
 void tile_addmm(
@@ -223,20 +255,60 @@ void tile_addmm(
     const torch::Tensor& b,
     double beta,
     double alpha) {
-  const int64_t rows = out.size(0), cols = out.size(1), depth = a.size(1);
-  if (rows == 0 || cols == 0) {
+  if (out.size(0) == 0 || out.size(1) == 0) {
     return;
   }
-  if (fits_tile_gemm(out, a, b, beta) && depth > 0 &&
-      product_stays_on_one_thread(rows, cols, depth) &&
-      tile_gemm_avx512(
-          rows, cols, depth, static_cast<float>(alpha), a.data_ptr<float>(), a.stride(0),
-          a.stride(1), b.data_ptr<float>(), b.stride(0), out.data_ptr<float>(), out.stride(0),
-          beta == 1)) {
+#ifdef ATTN_HAVE_X86_AVX512
+  if (tile_loops_take(out, a, b, beta)) {
+    gemm_by_micro_tiles(out.size(0), out.size(1), operands_of(out, a, b, beta, alpha));
     return;
   }
+#endif
   torch::Tensor result = out; // addmm_out takes its output by reference
   at::addmm_out(result, out, a, b, beta, alpha);
+}
+
+void tile_addmm_banded(
+    const torch::Tensor& out,
+    const torch::Tensor& a,
+    const torch::Tensor& b,
+    double beta,
+    double alpha,
+    ProductBand band,
+    c10::ArrayRef<IndexRange> row_block_bands) {
+  const int64_t rows = out.size(0);
+  const auto blocks = static_cast<size_t>((rows + kProductRowBlock - 1) / kProductRowBlock);
+  TORCH_INTERNAL_ASSERT(row_block_bands.size() == blocks, "one band per row block");
+  if (rows == 0 || out.size(1) == 0) {
+    return;
+  }
+#ifdef ATTN_HAVE_X86_AVX512
+  if (tile_loops_take(out, a, b, beta)) {
+    gemm_by_micro_tiles(
+        rows, out.size(1), operands_of(out, a, b, beta, alpha), {band, row_block_bands.data()});
+    return;
+  }
+#endif
+  // Row blocks with equal bands in one call each.
+  for (size_t first = 0; first < blocks;) {
+    size_t last = first + 1;
+    while (last < blocks && row_block_bands[last] == row_block_bands[first]) {
+      ++last;
+    }
+    const int64_t r0 = static_cast<int64_t>(first) * kProductRowBlock;
+    const int64_t n = std::min(rows, static_cast<int64_t>(last) * kProductRowBlock) - r0;
+    const auto [begin, end] = row_block_bands[first];
+    if (band == ProductBand::columns) {
+      tile_addmm(
+          out.narrow(0, r0, n).narrow(1, begin, end - begin), a.narrow(0, r0, n),
+          b.narrow(1, begin, end - begin), beta, alpha);
+    } else {
+      tile_addmm(
+          out.narrow(0, r0, n), a.narrow(0, r0, n).narrow(1, begin, end - begin),
+          b.narrow(0, begin, end - begin), beta, alpha);
+    }
+    first = last;
+  }
 }
 
 } // namespace attn::detail

@@ -9,6 +9,7 @@
 // and layouts go to at::addmm_out, and so do large products called outside
 // a parallel region, which the BLAS shares between threads.
 
+#include <c10/util/ArrayRef.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -42,23 +43,49 @@ void tile_addmm(
     double beta,
     double alpha);
 
-// The register-tiled float product behind tile_addmm, for tests:
-// c (rows, cols; row stride ldc) = alpha·A·B (+ c when `accumulate`), where
-// A(r, i) = a[r·a_row_stride + i·a_depth_stride] and B(i, j) = b[i·ldb + j].
-// Returns false, computing nothing, where the CPU has no AVX-512 (or a
-// ScopedBlasProducts lives).
-bool tile_gemm_avx512(
-    int64_t rows,
-    int64_t cols,
-    int64_t depth,
-    float alpha,
-    const float* a,
-    int64_t a_row_stride,
-    int64_t a_depth_stride,
-    const float* b,
-    int64_t ldb,
-    float* c,
-    int64_t ldc,
-    bool accumulate);
+// attn's loops compute `out` in blocks of kProductRowBlock rows, and a
+// row block in panels of kProductColumnPanel columns.
+constexpr int64_t kProductRowBlock = 8;
+constexpr int64_t kProductColumnPanel = 32;
+
+// Indices [begin, end).
+struct IndexRange {
+  int64_t begin = 0, end = 0;
+  bool operator==(const IndexRange& other) const {
+    return begin == other.begin && end == other.end;
+  }
+};
+
+// Whether tile_addmm would run attn's loops on this product (on the calling
+// thread) rather than hand it to at::addmm_out.
+bool tile_loops_take(
+    const torch::Tensor& out,
+    const torch::Tensor& a,
+    const torch::Tensor& b,
+    double beta);
+
+// What a banded product restricts in each row block of `out`.
+enum class ProductBand {
+  columns, // the columns of out it writes
+  depth,   // the part of the depth it sums over (the columns of a, rows of b)
+};
+
+// tile_addmm for tiles whose rows need different parts of the product (a
+// causal or windowed tile of scores): row block k of `out`, rows
+// [k·kProductRowBlock, (k+1)·kProductRowBlock), gets the product restricted
+// to `row_block_bands[k]`, one range per row block. Column bands must begin
+// on a panel (a multiple of kProductColumnPanel) and end on one or at the
+// last column; the columns outside a row block's band are left as they
+// were. A depth band sums over its part of the depth only (with beta 0 and
+// an empty band, that row block becomes zero). Where tile_loops_take says
+// no, the row blocks go to at::addmm_out, one call per distinct band.
+void tile_addmm_banded(
+    const torch::Tensor& out,
+    const torch::Tensor& a,
+    const torch::Tensor& b,
+    double beta,
+    double alpha,
+    ProductBand band,
+    c10::ArrayRef<IndexRange> row_block_bands);
 
 } // namespace attn::detail

@@ -243,11 +243,7 @@ Heads project_heads(
         F::linear(value, p.v_weight, p.v_bias), p);
   }
   const auto qkv = stacked_linear(query, weights, {p.q_bias, p.k_bias, p.v_bias});
-  // One split, whose backward concatenates the three gradients once (three
-  // narrows would each pad theirs with zeros to the whole width).
-  const auto parts = qkv.split_with_sizes(
-      {p.q_weight.size(0), p.k_weight.size(0), p.v_weight.size(0)}, 2);
-  return split_heads(parts[0], parts[1], parts[2], p);
+  return split_heads(qkv[0], qkv[1], qkv[2], p);
 }
 
 torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first) {
