@@ -239,6 +239,31 @@ bool tile_products_run(torch::ScalarType dtype) {
   return dtype == torch::kFloat && cpu_runs_tile_gemm();
 }
 
+bool tile_gemm_float(
+    int64_t rows,
+    int64_t cols,
+    int64_t depth,
+    float alpha,
+    const float* a,
+    int64_t a_row_stride,
+    int64_t a_depth_stride,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    bool accumulate) {
+#ifdef ATTN_HAVE_X86_AVX512
+  if (!cpu_runs_tile_gemm()) {
+    return false;
+  }
+  gemm_by_micro_tiles(
+      rows, cols, {depth, alpha, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate});
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool tile_loops_take(
     const torch::Tensor& out,
     const torch::Tensor& a,

@@ -88,4 +88,24 @@ void tile_addmm_banded(
     ProductBand band,
     c10::ArrayRef<IndexRange> row_block_bands);
 
+// The float product of attn's loops on raw pointers, for a caller that
+// runs many small products itself (one per matrix of a batch): c (rows,
+// cols; row stride ldc) = alpha·A·B, plus c when `accumulate`, where
+// A(r, i) = a[r·a_row_stride + i·a_depth_stride] and B(i, j) = b[i·ldb + j].
+// Returns false, computing nothing, where tile_products_run(kFloat) is
+// false.
+bool tile_gemm_float(
+    int64_t rows,
+    int64_t cols,
+    int64_t depth,
+    float alpha,
+    const float* a,
+    int64_t a_row_stride,
+    int64_t a_depth_stride,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    bool accumulate);
+
 } // namespace attn::detail
