@@ -140,41 +140,14 @@ bool libtorch_fused_cpu_kernel_applies(
       value.stride(-1) == 1;
 }
 
-// Where attn's batched kernel outruns its tiled one: short sequences, whose
-// per-head GEMMs are too small to pay for a call each. Measured on 2 cores
-// (docs/BENCHMARKS.md, "Short sequences"), forward and backward, D = 16
-// and 64, 8 and 96 heads: with LibTorch 1.13 and OpenBLAS the batched
-// kernel is 1.0-8.4x as fast up to 64 queries and keys, level at 96 and
-// up to 3x slower from 128 on; with LibTorch 2.15 and MKL it is 1.2-8.4x
-// as fast up to 128, and 0.5-1.5x at 256. Other versions: 64.
-bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
-  constexpr int64_t kLongest = kLibTorchCpuRuleMeasured ? 128 : 64;
-  return query.size(-2) <= kLongest && key.size(-2) <= kLongest;
-}
-
-// Training in float32 with heads of at least 64 features on 17-128 queries
-// and keys, where attn's batched kernel ran forward and backward level with
-// LibTorch's to 1.36x as fast (1.17x at the demo's 20 tokens, 1.07-1.3x at
-// 128; 8-96 heads). At 16 keys the two are level; with 16 features
-// LibTorch's is the faster.
-bool batched_cpu_trains_faster_in_float(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value) {
-  return inputs_need_grad(query, key, value) && query.size(-1) >= 64 && key.size(-2) > 16 &&
-      batched_cpu_faster(query, key);
-}
-
 // Where LibTorch's fused CPU kernel outruns attn's, for a request both can
 // run. Measured with LibTorch 2.15 on 2 cores of a Xeon with AVX-512 and
 // AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
 // LibTorch's forward is 1.1-1.4x faster except for causal requests of 512
 // keys, where attn's block skipping makes its own 1.15-1.25x faster,
-// forward and backward, and except for training on short sequences
-// (batched_cpu_trains_faster_in_float); in bfloat16 LibTorch multiplies on
-// the AMX units and is 2-5x faster, except that training on 128 keys runs
-// 1.5-1.7x faster through attn's float32 kernels. Other versions, CPUs and
-// dtypes: attn.
+// forward and backward; in bfloat16 LibTorch multiplies on the AMX units
+// and is 2-5x faster, except that training on 128 keys runs 1.5-1.7x faster
+// through attn's float32 kernels. Other versions, CPUs and dtypes: attn.
 bool libtorch_faster_on_cpu(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -186,13 +159,23 @@ bool libtorch_faster_on_cpu(
   const int64_t S = key.size(-2);
   const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
-    case torch::kFloat:
-      return cpu.avx512 && !batched_cpu_trains_faster_in_float(query, key, value) &&
-          (!options.is_causal() || S < 384 || S > 768);
+    case torch::kFloat: return cpu.avx512 && (!options.is_causal() || S < 384 || S > 768);
     case torch::kBFloat16:
       return cpu.amx_bfloat16 && (!inputs_need_grad(query, key, value) || S > 256);
     default: return false;
   }
+}
+
+// Where attn's batched kernel outruns its tiled one: short sequences, whose
+// per-head GEMMs are too small to pay for a call each. Measured on 2 cores
+// (docs/BENCHMARKS.md, "Short sequences"), forward and backward, D = 16
+// and 64, 8 and 96 heads: with LibTorch 1.13 and OpenBLAS the batched
+// kernel is 1.0-8.4x as fast up to 64 queries and keys, level at 96 and
+// up to 3x slower from 128 on; with LibTorch 2.15 and MKL it is 1.2-8.4x
+// as fast up to 128, and 0.5-1.5x at 256. Other versions: 64.
+bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
+  constexpr int64_t kLongest = kLibTorchCpuRuleMeasured ? 128 : 64;
+  return query.size(-2) <= kLongest && key.size(-2) <= kLongest;
 }
 
 } // namespace

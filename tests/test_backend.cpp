@@ -167,16 +167,6 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(lengths(1024, 1024, torch::kFloat, false), causal, float32);
   expect(lengths(512, 512, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
   expect(lengths(512, 512, torch::kFloat, true), causal, AttentionBackend::fused_cpu);
-  // Training on short sequences with heads of 64 features: attn's batched
-  // kernel; with 8 features, or on longer sequences, LibTorch's.
-  const auto heads_of_64 = [](int64_t T) {
-    const auto make = [&] { return torch::randn({1, 2, T, 64}).requires_grad_(); };
-    return Inputs{make(), make(), make()};
-  };
-  expect(heads_of_64(96), causal, AttentionBackend::batched_cpu);
-  expect(heads_of_64(128), no_weights, AttentionBackend::batched_cpu);
-  expect(heads_of_64(256), causal, float32);
-  expect(lengths(128, 128, torch::kFloat, true), no_weights, short_float32);
   // A value width other than the query's: LibTorch would hold the scores.
   const auto wide_value = Inputs{
       torch::randn({1, 2, kLong, 8}), torch::randn({1, 2, kLong, 8}),

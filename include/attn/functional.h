@@ -41,9 +41,9 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
 /// 2. On the CPU, without dropout and without a mask that needs a gradient:
 ///    without weights, `libtorch` where it applies and was measured faster
 ///    than attn's kernels (float32 and bfloat16, from LibTorch 2.15 on, on
-///    CPUs like the one measured, not for training on short sequences; see
-///    docs/BENCHMARKS.md, "Choosing the CPU backend"); else `batched_cpu` for short sequences (at
-///    most 64 queries and 64 keys, 128 from LibTorch 2.15 on; docs/BENCHMARKS.md, "Short
+///    CPUs like the one measured; see docs/BENCHMARKS.md, "Choosing the CPU
+///    backend"); else `batched_cpu` for short sequences (at most 64 queries
+///    and 64 keys, 128 from LibTorch 2.15 on; docs/BENCHMARKS.md, "Short
 ///    sequences"); else `fused_cpu_weights` when weights are asked for and
 ///    no gradient is needed; else `fused_cpu`.
 /// 3. On CUDA: `libtorch` where it applies.
