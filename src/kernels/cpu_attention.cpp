@@ -223,13 +223,17 @@ bool parts_of_one_projection(
 
 // Uninitialised gradients for q, k and v (B, H, L, D), (B, H, S, ·): one
 // key/value gradient per query head. Where q, k and v are the parts of one
-// projection, their gradients are the same parts of one buffer, which that
-// projection's backward reads as one matrix, with no concatenation.
+// projection, and few query tiles accumulate into each row, their
+// gradients are the same parts of one buffer, which that projection's
+// backward reads as one matrix, with no concatenation: GPT-2-small's layer
+// at T = 128 trained 7 % faster. At T = 2048 (16 tiles) the strided rows
+// made it 4 % slower, and the gradients stay apart.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> input_gradients(
     const torch::Tensor& q,
     const torch::Tensor& k,
     const torch::Tensor& v) {
-  if (parts_of_one_projection(q, k, v)) {
+  if (parts_of_one_projection(q, k, v) &&
+      ceil_div(q.size(2), kQueryTile) <= kMaxQueryTilesInPlace) {
     const auto buffer = torch::empty({3 * q.numel()}, q.options());
     const auto part = [&](int64_t i) {
       return buffer.as_strided(q.sizes(), q.strides(), i * q.size(1) * q.size(3));
