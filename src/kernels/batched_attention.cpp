@@ -98,54 +98,62 @@ bool tile_loops_outrun_bmm(int64_t multiply_adds) {
   return !kLibTorchCpuRuleMeasured || multiply_adds <= kSmallProduct;
 }
 
-// batched_product in attn's register-tiled loops.
-torch::Tensor batched_tile_product(const torch::Tensor& a, const torch::Tensor& b) {
+// out (N, m, n) = a · b, one matrix per call of `multiply(c, a,
+// a_row_stride, a_depth_stride, b, m, n, k)` (b row-major), in parallel
+// over the batch.
+template <typename scalar_t, typename Multiply>
+torch::Tensor product_per_matrix(
+    const torch::Tensor& a,
+    const torch::Tensor& b,
+    const Multiply& multiply) {
   const int64_t N = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
   const auto rows = b.contiguous();
   auto out = torch::empty({N, m, n}, a.options());
-  const float* a_data = a.data_ptr<float>();
-  const float* b_data = rows.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
+  const scalar_t* a_data = a.data_ptr<scalar_t>();
+  const scalar_t* b_data = rows.data_ptr<scalar_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
   const int64_t grain = parallel_grain(static_cast<double>(m * n * k), kMinSmallProductWork);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t batch = begin; batch < end; ++batch) {
-      tile_gemm_float(
-          m, n, k, 1.0f, a_data + batch * a.stride(0), a.stride(1), a.stride(2),
-          b_data + batch * k * n, n, out_data + batch * m * n, n, /*accumulate=*/false);
+      multiply(
+          out_data + batch * m * n, a_data + batch * a.stride(0), a.stride(1), a.stride(2),
+          b_data + batch * k * n, m, n, k);
     }
   });
   return out;
 }
 
-// a (N, m, k) · b (N, k, n), any strides: torch::bmm, or for small
-// matrices the loops above, in parallel over the batch. (The scale stays in
-// the row pass: torch::baddbmm with alpha took 1.6-1.7× bmm's time at
-// 512 × 64 × 64 × 64 on LibTorch 1.13.)
+// One float product in attn's register-tiled loops (tile_product.h).
+void tile_product(
+    float* c,
+    const float* a,
+    int64_t a_row_stride,
+    int64_t a_depth_stride,
+    const float* b,
+    int64_t m,
+    int64_t n,
+    int64_t k) {
+  tile_gemm_float(m, n, k, 1.0f, a, a_row_stride, a_depth_stride, b, n, c, n, false);
+}
+
+// a (N, m, k) · b (N, k, n), any strides: torch::bmm, or attn's loops
+// above, in parallel over the batch. (The scale stays in the row pass:
+// torch::baddbmm with alpha took 1.6-1.7× bmm's time at 512 × 64 × 64 × 64
+// on LibTorch 1.13.)
 torch::Tensor batched_product(const torch::Tensor& a, const torch::Tensor& b) {
-  const int64_t N = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
+  const int64_t m = a.size(1), k = a.size(2), n = b.size(2);
   if (m * n * k == 0) {
     return torch::bmm(a, b);
   }
   if (tile_products_run(a.scalar_type()) && tile_loops_outrun_bmm(m * n * k)) {
-    return batched_tile_product(a, b);
+    return product_per_matrix<float>(a, b, tile_product);
   }
   if (m * n * k > kSmallProduct) {
     return torch::bmm(a, b);
   }
-  const auto rows = b.contiguous();
-  auto out = torch::empty({N, m, n}, a.options());
+  torch::Tensor out;
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "batched_product", [&] {
-    const scalar_t* a_data = a.data_ptr<scalar_t>();
-    const scalar_t* b_data = rows.data_ptr<scalar_t>();
-    scalar_t* out_data = out.data_ptr<scalar_t>();
-    const int64_t grain = parallel_grain(static_cast<double>(m * n * k), kMinSmallProductWork);
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t batch = begin; batch < end; ++batch) {
-        small_product(
-            out_data + batch * m * n, a_data + batch * a.stride(0), a.stride(1), a.stride(2),
-            b_data + batch * k * n, m, n, k);
-      }
-    });
+    out = product_per_matrix<scalar_t>(a, b, small_product<scalar_t>);
   });
   return out;
 }
