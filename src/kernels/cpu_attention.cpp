@@ -431,7 +431,9 @@ void backward_block(
       ds, go_tile, t.v_t[b][kv_head].narrow(1, j0, cols), 0, 1, ProductBand::columns,
       keys_of); // dP = dO Vᵀ
   for (int64_t r = 0; r < rows; ++r) {
-    const auto [begin, end] = keys_of[r / kProductRowBlock];
+    // Plain locals: OpenMP's simd loop below cannot capture a structured binding.
+    const IndexRange keys = keys_of[r / kProductRowBlock];
+    const int64_t begin = keys.begin, end = keys.end;
     const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
     scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
     const scalar_t d = delta_rows[r];

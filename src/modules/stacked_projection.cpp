@@ -75,7 +75,7 @@ class StackedLinearFunction : public torch::autograd::Function<StackedLinearFunc
 
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
-      torch::autograd::variable_list grad_outputs) {
+      const torch::autograd::variable_list& grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const auto& input = saved[0];
     const std::vector<torch::Tensor> weights(saved.begin() + 1, saved.end());
