@@ -667,7 +667,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
   // The inputs' gradients, zeroed and accumulated task by task; with
   // grouped queries, one key/value gradient per query head, summed below.
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
-  auto [dq, dk, dv] = input_gradients(q, k, v);
+  // Named tensors, not a structured binding: the dispatch lambda below
+  // captures them, which C++17 allows only for variables.
+  torch::Tensor dq, dk, dv;
+  std::tie(dq, dk, dv) = input_gradients(q, k, v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
     flash_backward<scalar_t>(
         {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config}, out,
