@@ -211,7 +211,9 @@ void expect_banded_product(
   const auto c = torch::randn({rows, cols});
   const auto before = c.to(torch::kDouble);
   const double alpha = 0.5;
-  attn::detail::tile_addmm_banded(c, a, b, beta, alpha, band, bands);
+  using attn::detail::matrix_of;
+  attn::detail::tile_addmm_banded(
+      matrix_of<float>(c), matrix_of<float>(a), matrix_of<float>(b), beta, alpha, band, bands);
   for (size_t block = 0; block < bands.size(); ++block) {
     SCOPED_TRACE("row block " + std::to_string(block));
     const int64_t r0 = static_cast<int64_t>(block) * kProductRowBlock;
@@ -247,6 +249,31 @@ TEST(TileProduct, BandedProductsComputeTheirBandsOnly) {
     for (const double beta : {0.0, 1.0}) {
       expect_banded_product(ProductBand::columns, columns, beta);
       expect_banded_product(ProductBand::depth, depths, beta);
+    }
+  }
+}
+
+// transpose_float against ATen's transpose, at sizes around its 16 × 16
+// register blocks, from rows of unit and of wider column strides, into
+// rows wider than the result (so that a write past a row's end shows).
+TEST(TileProduct, TransposesMatchATensTranspose) {
+  torch::manual_seed(9);
+  for (const int64_t rows : {0, 1, 15, 16, 17, 48, 130}) {
+    for (const int64_t cols : {1, 16, 33, 64}) {
+      for (const int64_t column_stride : {1, 2}) {
+        SCOPED_TRACE(
+            "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
+            " column_stride=" + std::to_string(column_stride));
+        const auto from = torch::randn({rows, cols * column_stride + 3})
+                              .narrow(1, 0, cols * column_stride)
+                              .slice(1, 0, cols * column_stride, column_stride);
+        const auto to = torch::full({cols, rows + 5}, -1.0F);
+        attn::detail::transpose_float(
+            rows, cols, from.data_ptr<float>(), from.stride(0), from.stride(1),
+            to.data_ptr<float>(), to.stride(0));
+        EXPECT_TRUE(torch::equal(to.narrow(1, 0, rows), from.t()));
+        EXPECT_TRUE(torch::equal(to.narrow(1, rows, 5), torch::full({cols, 5}, -1.0F)));
+      }
     }
   }
 }

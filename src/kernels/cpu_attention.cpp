@@ -156,14 +156,51 @@ int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
   return k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
 }
 
-// Pointer to row t of head (b, h) of a (B, H, T, F) tensor. An empty
-// tensor (F = 0: values or output of width 0) has no data, its pointer may
-// be null, and its rows are never read: no offset is applied to it.
+// The memory of a (B, H, T, F) tensor, whose heads the tile loops pass to
+// the products as (T, F) matrices: no tensor per head or block. (Views
+// made by select and narrow took a tenth of the tiled kernels' time at
+// T = 128.) An empty tensor (F = 0: values or output of width 0) may have
+// no data, and then neither have its heads.
 template <typename scalar_t>
-scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
-  scalar_t* data = t.data_ptr<scalar_t>();
-  return t.numel() == 0 ? data : data + b * t.stride(0) + h * t.stride(1) + row * t.stride(2);
+struct Heads {
+  explicit Heads(const torch::Tensor& t)
+      : data(t.numel() == 0 ? nullptr : t.data_ptr<scalar_t>()),
+        rows(t.size(2)),
+        cols(t.size(3)),
+        batch_stride(t.stride(0)),
+        head_stride(t.stride(1)),
+        row_stride(t.stride(2)),
+        column_stride(t.stride(3)) {}
+
+  MatrixRef<scalar_t> head(int64_t b, int64_t h) const {
+    return {
+        data == nullptr ? nullptr : data + b * batch_stride + h * head_stride, rows, cols,
+        row_stride, column_stride};
+  }
+
+  scalar_t* data;
+  int64_t rows, cols, batch_stride, head_stride, row_stride, column_stride;
+};
+
+// Zeroes a matrix whose rows have unit stride.
+template <typename scalar_t>
+void zero_matrix(const MatrixRef<scalar_t>& m) {
+  if (m.data == nullptr) {
+    return;
+  }
+  for (int64_t r = 0; r < m.rows; ++r) {
+    std::fill(m.row(r), m.row(r) + m.cols, scalar_t(0));
+  }
 }
+
+// A matrix over a tensor's memory, which the tensor keeps alive.
+template <typename scalar_t>
+struct OwnedMatrix {
+  explicit OwnedMatrix(torch::Tensor memory)
+      : memory(std::move(memory)), matrix(matrix_of<scalar_t>(this->memory)) {}
+  torch::Tensor memory;
+  MatrixRef<scalar_t> matrix;
+};
 
 // tᵀ over its last two dimensions, for the products that read it as their
 // right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that operand
@@ -173,16 +210,35 @@ scalar_t* row_ptr(const torch::Tensor& t, int64_t b, int64_t h, int64_t row) {
 // for the product). BLAS reads the transposed view as it is.
 constexpr int64_t kMinRowsForCopy = 16;
 
+// Elements from which transposing splits its heads between threads.
+constexpr double kMinParallelTranspose = 1 << 16;
+
+// transposed (B, H, D, S), contiguous, = t (B, H, S, D) with rows of any
+// strides, as floats. (ATen's element-by-element copy of the transposed
+// view took 7 % of the tiled forward at T = 128.)
+void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
+  const int64_t H = t.size(1), S = t.size(2), D = t.size(3);
+  const int64_t batch_stride = t.stride(0), head_stride = t.stride(1);
+  const float* source = t.data_ptr<float>();
+  float* target = transposed.data_ptr<float>();
+  const int64_t grain = parallel_grain(static_cast<double>(S * D), kMinParallelTranspose);
+  at::parallel_for(0, t.size(0) * H, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t head = begin; head < end; ++head) {
+      transpose_float(
+          S, D, source + head / H * batch_stride + head % H * head_stride, t.stride(2), t.stride(3),
+          target + head * D * S, S);
+    }
+  });
+}
+
 torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, WorkspaceSlot slot) {
-  auto t_t = t.transpose(2, 3);
   if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
-    return t_t;
+    return t.transpose(2, 3);
   }
-  // Grad mode is on in a backward that builds a graph: the copy must not
-  // record one into the reused buffer.
-  const torch::NoGradGuard no_grad;
-  auto copy = workspace_tensor(slot, t_t.sizes(), t.options());
-  copy.copy_(t_t);
+  auto copy = workspace_tensor(slot, {t.size(0), t.size(1), t.size(3), t.size(2)}, t.options());
+  if (t.numel() > 0) {
+    transpose_heads(t, copy);
+  }
   return copy;
 }
 
@@ -265,6 +321,10 @@ struct KernelInputs {
         group(kv_group(q, k)),
         key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
         k_t(transposed_for_products(k, L, WorkspaceSlot::keys_transposed)),
+        q_heads(q),
+        k_heads(k),
+        v_heads(v),
+        k_t_heads(k_t),
         mask(config, S),
         scale(static_cast<scalar_t>(config.scale)) {}
 
@@ -275,6 +335,7 @@ struct KernelInputs {
   int64_t group;     // query heads per key/value head
   int64_t key_block; // keys scored per GEMM
   torch::Tensor k_t; // Kᵀ (B, Hkv, D, S), see transposed_for_products
+  Heads<scalar_t> q_heads, k_heads, v_heads, k_t_heads;
   MaskView<scalar_t> mask;
   scalar_t scale;
 };
@@ -283,7 +344,7 @@ struct KernelInputs {
 // maximum and sum (online softmax).
 template <typename scalar_t>
 struct ForwardScratch {
-  torch::Tensor scores; // (kQueryTile, key_block)
+  OwnedMatrix<scalar_t> scores; // (kQueryTile, key_block)
   std::vector<scalar_t> running_max, running_sum;
   TileBands bands;
 };
@@ -314,18 +375,22 @@ void online_softmax_row(
   }
 }
 
-// Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L).
+// Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L),
+// contiguous.
 template <typename scalar_t>
 void flash_forward(
     const KernelInputs<scalar_t>& in,
     const torch::Tensor& out,
     const torch::Tensor& lse) {
   const int64_t Dv = in.v.size(3);
+  const Heads<scalar_t> out_heads(out);
+  scalar_t* const lse_data = lse.data_ptr<scalar_t>();
 
   const auto make_scratch = [&] {
     return ForwardScratch<scalar_t>{
-        workspace_tensor(
-            WorkspaceSlot::tile_scores, {std::min(kQueryTile, in.L), in.key_block}, in.q.options()),
+        OwnedMatrix<scalar_t>(workspace_tensor(
+            WorkspaceSlot::tile_scores, {std::min(kQueryTile, in.L), in.key_block},
+            in.q.options())),
         std::vector<scalar_t>(kQueryTile), std::vector<scalar_t>(kQueryTile), TileBands{}};
   };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
@@ -333,39 +398,38 @@ void flash_forward(
       in.B, in.H, in.L, kQueryTile, flops_per_tile, make_scratch,
       [&](ForwardScratch<scalar_t>& scratch, const QueryTile& tile) {
         const auto [b, h, i0, rows] = tile;
-        const auto q_tile = in.q[b][h].narrow(0, i0, rows); // (rows, D)
-        auto out_tile = out[b][h].narrow(0, i0, rows);      // (rows, Dv)
-        out_tile.zero_();
+        const auto q_tile = in.q_heads.head(b, h).row_block(i0, rows);  // (rows, D)
+        const auto out_tile = out_heads.head(b, h).row_block(i0, rows); // (rows, Dv)
+        zero_matrix(out_tile);
         std::fill(
             scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
         std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
 
-        const auto k_t_head = in.k_t[b][h / in.group], v_head = in.v[b][h / in.group];
+        const auto k_t_head = in.k_t_heads.head(b, h / in.group);
+        const auto v_head = in.v_heads.head(b, h / in.group);
         const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
         for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
           const int64_t cols = std::min(in.key_block, key_end - j0);
-          auto block = scratch.scores.narrow(0, 0, rows).narrow(1, 0, cols); // (rows, cols)
-          const auto k_t_block = k_t_head.narrow(1, j0, cols);
+          const auto block = scratch.scores.matrix.row_block(0, rows).column_block(0, cols);
+          const auto k_t_block = k_t_head.column_block(j0, cols);
           const auto& keys_of = scratch.bands.keys_of_query_block;
           scratch.bands.fit_queries(
               in.mask, tile, j0, cols, tile_loops_take(block, q_tile, k_t_block, 0));
           tile_addmm_banded(block, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
           for (int64_t r = 0; r < rows; ++r) {
             const auto [begin, end] = keys_of[r / kProductRowBlock];
-            scalar_t* row = scratch.scores.template data_ptr<scalar_t>() + r * in.key_block;
+            scalar_t* row = block.row(r);
             in.mask.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin);
-            online_softmax_row(
-                scratch, r, row + begin, end - begin, row_ptr<scalar_t>(out, b, h, i0 + r), Dv);
+            online_softmax_row(scratch, r, row + begin, end - begin, out_tile.row(r), Dv);
           }
           tile_addmm_banded(
-              out_tile, block, v_head.narrow(0, j0, cols), 1, 1, ProductBand::depth, keys_of);
+              out_tile, block, v_head.row_block(j0, cols), 1, 1, ProductBand::depth, keys_of);
         }
 
-        scalar_t* lse_row = lse[b][h].data_ptr<scalar_t>() + i0;
+        scalar_t* lse_row = lse_data + (b * in.H + h) * in.L + i0;
         for (int64_t r = 0; r < rows; ++r) {
           const scalar_t sum = scratch.running_sum[r];
-          scale_row(
-              row_ptr<scalar_t>(out, b, h, i0 + r), Dv, sum > 0 ? scalar_t(1) / sum : scalar_t(0));
+          scale_row(out_tile.row(r), Dv, sum > 0 ? scalar_t(1) / sum : scalar_t(0));
           lse_row[r] = sum > 0 ? scratch.running_max[r] + std::log(sum)
                                : kNegativeInfinity<scalar_t>;
         }
@@ -373,43 +437,70 @@ void flash_forward(
 }
 
 // A backward task's working memory: one tile's probabilities and their
-// gradients.
+// gradients, and its rows' softmax-backward terms.
+template <typename scalar_t>
 struct BackwardScratch {
-  torch::Tensor probs, grad_scores; // (kQueryTile, key_block)
+  OwnedMatrix<scalar_t> probs, grad_scores; // (kQueryTile, key_block)
+  std::vector<scalar_t> delta;              // (kQueryTile), see fill_row_deltas
   TileBands bands;
 };
 
 // What the backward reads besides the inputs, and the key/value gradients
 // it accumulates.
+template <typename scalar_t>
 struct BackwardTensors {
-  torch::Tensor grad_out;   // (B, H, L, Dv)
-  torch::Tensor v_t;        // Vᵀ (B, Hkv, Dv, S), see transposed_for_products
-  torch::Tensor lse, delta; // (B, H, L)
-  torch::Tensor dk, dv;     // (B, H, S, ·)
+  Heads<scalar_t> out, grad_out; // (B, H, L, Dv), rows of unit stride
+  Heads<scalar_t> v_t;           // Vᵀ (B, Hkv, Dv, S), see transposed_for_products
+  const scalar_t* lse;           // (B, H, L), contiguous
+  Heads<scalar_t> dk, dv;        // (B, H, S, ·)
 };
+
+// delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij, the softmax backward's row
+// term, for the tile's rows: once per tile, not once per key block.
+template <typename scalar_t>
+void fill_row_deltas(
+    const BackwardTensors<scalar_t>& t,
+    const QueryTile& tile,
+    std::vector<scalar_t>& delta) {
+  const auto out = t.out.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+  const auto grad_out = t.grad_out.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+  if (out.data == nullptr) { // no values: every term is 0
+    std::fill(delta.begin(), delta.begin() + tile.rows, scalar_t(0));
+    return;
+  }
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const scalar_t* out_row = out.row(r);
+    const scalar_t* grad_row = grad_out.row(r);
+    scalar_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < out.cols; ++d) {
+      sum += out_row[d] * grad_row[d];
+    }
+    delta[r] = sum;
+  }
+}
 
 // One query tile against keys [j0, j0 + cols): recomputes the tile's
 // probabilities P and adds its shares of dV, dQ (into `dq_tile`) and dK.
 template <typename scalar_t>
 void backward_block(
     const KernelInputs<scalar_t>& in,
-    const BackwardTensors& t,
-    BackwardScratch& scratch,
+    const BackwardTensors<scalar_t>& t,
+    BackwardScratch<scalar_t>& scratch,
     const QueryTile& tile,
     int64_t j0,
     int64_t cols,
-    const torch::Tensor& dq_tile) {
+    const MatrixRef<scalar_t>& dq_tile) {
   const auto [b, h, i0, rows] = tile;
   const int64_t kv_head = h / in.group;
-  const auto q_tile = in.q[b][h].narrow(0, i0, rows);
-  const auto go_tile = t.grad_out[b][h].narrow(0, i0, rows);
-  const scalar_t* lse_rows = t.lse[b][h].data_ptr<scalar_t>() + i0;
-  const scalar_t* delta_rows = t.delta[b][h].data_ptr<scalar_t>() + i0;
-  auto p = scratch.probs.narrow(0, 0, rows).narrow(1, 0, cols);
-  auto ds = scratch.grad_scores.narrow(0, 0, rows).narrow(1, 0, cols);
+  const auto q_tile = in.q_heads.head(b, h).row_block(i0, rows);
+  const auto go_tile = t.grad_out.head(b, h).row_block(i0, rows);
+  const scalar_t* lse_rows = t.lse + (b * in.H + h) * in.L + i0;
+  const auto p = scratch.probs.matrix.row_block(0, rows).column_block(0, cols);
+  const auto ds = scratch.grad_scores.matrix.row_block(0, rows).column_block(0, cols);
 
   // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
-  const auto k_t_block = in.k_t[b][kv_head].narrow(1, j0, cols);
+  const auto k_t_block = in.k_t_heads.head(b, kv_head).column_block(j0, cols);
   scratch.bands.fit_queries(in.mask, tile, j0, cols, tile_loops_take(p, q_tile, k_t_block, 0));
   scratch.bands.fit_keys(rows, cols);
   const auto& keys_of = scratch.bands.keys_of_query_block;
@@ -417,7 +508,7 @@ void backward_block(
   tile_addmm_banded(p, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
   for (int64_t r = 0; r < rows; ++r) {
     const auto [begin, end] = keys_of[r / kProductRowBlock];
-    scalar_t* row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block + begin;
+    scalar_t* row = p.row(r) + begin;
     in.mask.apply(row, end - begin, b, h, i0 + r, j0 + begin);
     if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
       std::fill(row, row + (end - begin), scalar_t(0)); // fully masked row
@@ -425,27 +516,28 @@ void backward_block(
       exp_shifted_sum(row, end - begin, lse_rows[r]);
     }
   }
-  const auto dv_block = t.dv[b][h].narrow(0, j0, cols);
-  tile_addmm_banded(dv_block, p.t(), go_tile, 1, 1, ProductBand::depth, queries_of); // dV += Pᵀ dO
+  const auto dv_block = t.dv.head(b, h).row_block(j0, cols);
   tile_addmm_banded(
-      ds, go_tile, t.v_t[b][kv_head].narrow(1, j0, cols), 0, 1, ProductBand::columns,
+      dv_block, p.transposed(), go_tile, 1, 1, ProductBand::depth, queries_of); // dV += Pᵀ dO
+  tile_addmm_banded(
+      ds, go_tile, t.v_t.head(b, kv_head).column_block(j0, cols), 0, 1, ProductBand::columns,
       keys_of); // dP = dO Vᵀ
   for (int64_t r = 0; r < rows; ++r) {
     // Plain locals: OpenMP's simd loop below cannot capture a structured binding.
     const IndexRange keys = keys_of[r / kProductRowBlock];
     const int64_t begin = keys.begin, end = keys.end;
-    const scalar_t* p_row = scratch.probs.data_ptr<scalar_t>() + r * in.key_block;
-    scalar_t* ds_row = scratch.grad_scores.data_ptr<scalar_t>() + r * in.key_block;
-    const scalar_t d = delta_rows[r];
+    const scalar_t* p_row = p.row(r);
+    scalar_t* ds_row = ds.row(r);
+    const scalar_t d = scratch.delta[r];
 #pragma omp simd
     for (int64_t j = begin; j < end; ++j) {
       ds_row[j] = p_row[j] * (ds_row[j] - d); // dS
     }
   }
-  const auto k_block = in.k[b][kv_head].narrow(0, j0, cols);
+  const auto k_block = in.k_heads.head(b, kv_head).row_block(j0, cols);
   tile_addmm_banded(dq_tile, ds, k_block, 1, in.scale, ProductBand::depth, keys_of); // dQ += s·dS K
   tile_addmm_banded(
-      t.dk[b][h].narrow(0, j0, cols), ds.t(), q_tile, 1, in.scale, ProductBand::depth,
+      t.dk.head(b, h).row_block(j0, cols), ds.transposed(), q_tile, 1, in.scale, ProductBand::depth,
       queries_of); // dK += s·dSᵀ Q
 }
 
@@ -459,16 +551,6 @@ int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
   }
   return std::clamp<int64_t>(
       ceil_div(threads, std::max<int64_t>(heads, 1)), 1, ceil_div(S, key_block));
-}
-
-// Zeroes rows [begin, end) of head (b, h) of a (B, H, T, F) tensor whose
-// rows have unit stride.
-template <typename scalar_t>
-void zero_rows(const torch::Tensor& t, int64_t b, int64_t h, int64_t begin, int64_t end) {
-  for (int64_t row = begin; row < end; ++row) {
-    scalar_t* data = row_ptr<scalar_t>(t, b, h, row);
-    std::fill(data, data + t.size(3), scalar_t(0));
-  }
 }
 
 // Backward: writes dq, dk, dv ((B, H, ·, ·), rows of unit stride: one
@@ -486,41 +568,47 @@ void flash_backward(
     const torch::Tensor& dq,
     const torch::Tensor& dk,
     const torch::Tensor& dv) {
-  // delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij: the softmax backward's
-  // row term, computed once instead of once per key block.
-  const auto delta = (grad_out * out).sum(-1).contiguous(); // (B, H, L)
-  const BackwardTensors t{
-      grad_out, transposed_for_products(in.v, in.L, WorkspaceSlot::values_transposed),
-      lse,      delta,
-      dk,       dv};
+  const auto v_t = transposed_for_products(in.v, in.L, WorkspaceSlot::values_transposed);
+  const BackwardTensors<scalar_t> t{Heads<scalar_t>(out), Heads<scalar_t>(grad_out),
+                                    Heads<scalar_t>(v_t), lse.data_ptr<scalar_t>(),
+                                    Heads<scalar_t>(dk),  Heads<scalar_t>(dv)};
   const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
   const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
   const auto dq_parts = splits == 1
       ? dq.unsqueeze(0)
       : torch::zeros({splits, in.B, in.H, in.L, in.q.size(3)}, dq.options());
+  std::vector<Heads<scalar_t>> dq_of_split;
+  dq_of_split.reserve(splits);
+  for (int64_t split = 0; split < splits; ++split) {
+    dq_of_split.emplace_back(dq_parts[split]);
+  }
 
   const auto make_scratch = [&] {
     const std::vector<int64_t> tile{std::min(kQueryTile, in.L), in.key_block};
-    return BackwardScratch{
-        workspace_tensor(WorkspaceSlot::tile_scores, tile, in.q.options()),
-        workspace_tensor(WorkspaceSlot::tile_grad_scores, tile, in.q.options()), TileBands{}};
+    return BackwardScratch<scalar_t>{
+        OwnedMatrix<scalar_t>(workspace_tensor(WorkspaceSlot::tile_scores, tile, in.q.options())),
+        OwnedMatrix<scalar_t>(
+            workspace_tensor(WorkspaceSlot::tile_grad_scores, tile, in.q.options())),
+        std::vector<scalar_t>(kQueryTile), TileBands{}};
   };
   // Five GEMMs of L·S·D per head.
   const double flops_per_task = 10.0 * in.L * in.S * in.q.size(3) / static_cast<double>(splits);
   parallel_units(
       in.B * in.H * splits, flops_per_task, make_scratch,
-      [&](BackwardScratch& scratch, int64_t unit) {
+      [&](BackwardScratch<scalar_t>& scratch, int64_t unit) {
         const int64_t b = unit / (in.H * splits), h = unit / splits % in.H, split = unit % splits;
         const int64_t keys_begin = split * keys_per_split;
         const int64_t keys_end = std::min(in.S, keys_begin + keys_per_split);
-        zero_rows<scalar_t>(dk, b, h, keys_begin, keys_end);
-        zero_rows<scalar_t>(dv, b, h, keys_begin, keys_end);
+        const auto dq_head = dq_of_split[split].head(b, h);
+        zero_matrix(t.dk.head(b, h).row_block(keys_begin, keys_end - keys_begin));
+        zero_matrix(t.dv.head(b, h).row_block(keys_begin, keys_end - keys_begin));
         if (splits == 1) {
-          zero_rows<scalar_t>(dq, b, h, 0, in.L);
+          zero_matrix(dq_head);
         }
         for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
           const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
-          const auto dq_tile = dq_parts[split][b][h].narrow(0, i0, tile.rows);
+          const auto dq_tile = dq_head.row_block(i0, tile.rows);
+          fill_row_deltas(t, tile, scratch.delta);
           const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
           const int64_t end = std::min(keys_end, in.mask.tile_key_end(i0, tile.rows));
           for (int64_t j0 = begin; j0 < end; j0 += in.key_block) {
@@ -540,6 +628,7 @@ void forward_with_weights(
     const KernelInputs<scalar_t>& in,
     const torch::Tensor& out,
     const torch::Tensor& weights) {
+  const Heads<scalar_t> out_heads(out), weight_heads(weights);
   const auto no_scratch = [] { return 0; };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S *
       (in.q.size(3) + in.v.size(3));
@@ -547,24 +636,24 @@ void forward_with_weights(
       in.B, in.H, in.L, kQueryTile, flops_per_tile, no_scratch,
       [&](int /*scratch*/, const QueryTile& tile) {
         const auto [b, h, i0, rows] = tile;
-        auto out_tile = out[b][h].narrow(0, i0, rows);
-        auto w_tile = weights[b][h].narrow(0, i0, rows); // (rows, S)
+        const auto out_tile = out_heads.head(b, h).row_block(i0, rows);
+        const auto w_tile = weight_heads.head(b, h).row_block(i0, rows); // (rows, S)
         // Keys outside [key_begin, key_end) are invisible to every row.
         const int64_t key_begin = in.mask.tile_key_begin(tile.i0);
         const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
         const int64_t cols = key_end - key_begin;
-        w_tile.narrow(1, 0, key_begin).zero_();
-        w_tile.narrow(1, key_end, in.S - key_end).zero_();
+        zero_matrix(w_tile.column_block(0, key_begin));
+        zero_matrix(w_tile.column_block(key_end, in.S - key_end));
         if (cols == 0) {
-          out_tile.zero_();
+          zero_matrix(out_tile);
           return;
         }
-        auto visible = w_tile.narrow(1, key_begin, cols);
+        const auto visible = w_tile.column_block(key_begin, cols);
         tile_addmm(
-            visible, in.q[b][h].narrow(0, i0, rows),
-            in.k_t[b][h / in.group].narrow(1, key_begin, cols), 0, in.scale);
+            visible, in.q_heads.head(b, h).row_block(i0, rows),
+            in.k_t_heads.head(b, h / in.group).column_block(key_begin, cols), 0, in.scale);
         for (int64_t r = 0; r < rows; ++r) {
-          scalar_t* row = row_ptr<scalar_t>(weights, b, h, i0 + r) + key_begin;
+          scalar_t* row = visible.row(r);
           in.mask.apply(row, cols, b, h, i0 + r, key_begin);
           const scalar_t largest = row_max(row, cols);
           if (largest == kNegativeInfinity<scalar_t>) {
@@ -573,7 +662,8 @@ void forward_with_weights(
           }
           scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
         }
-        tile_addmm(out_tile, visible, in.v[b][h / in.group].narrow(0, key_begin, cols), 0, 1);
+        tile_addmm(
+            out_tile, visible, in.v_heads.head(b, h / in.group).row_block(key_begin, cols), 0, 1);
       });
 }
 
@@ -673,8 +763,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
   std::tie(dq, dk, dv) = input_gradients(q, k, v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
     flash_backward<scalar_t>(
-        {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config}, out,
-        heads_for_kernels(grad_out, 1), lse.contiguous(), dq, dk, dv);
+        {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config},
+        heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), dq, dk, dv);
   });
   if (Hkv == H) {
     return {dq, dk, dv};

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -15,6 +17,13 @@
 
 namespace attn::detail {
 namespace {
+
+// Which part of each row block a product computes (tile_addmm_banded):
+// all of it where `ranges` is null.
+struct RowBlockBands {
+  ProductBand band = ProductBand::columns;
+  const IndexRange* ranges = nullptr;
+};
 
 #ifdef ATTN_HAVE_X86_AVX512
 
@@ -127,13 +136,6 @@ constexpr auto kEdgeMicroTiles = micro_tiles<false>(std::make_integer_sequence<i
 
 static_assert(kTileRows == kProductRowBlock && kTileCols == kProductColumnPanel);
 
-// Which part of each row block a product computes (tile_addmm_banded):
-// all of it where `ranges` is null.
-struct RowBlockBands {
-  ProductBand band = ProductBand::columns;
-  const IndexRange* ranges = nullptr;
-};
-
 // The operands restricted to depth [range.begin, range.end).
 GemmOperands with_depth(const GemmOperands& g, const IndexRange& range) {
   GemmOperands part = g;
@@ -172,16 +174,16 @@ void gemm_by_micro_tiles(
 
 // The operands of out = beta·out + alpha·a·b for attn's loops.
 GemmOperands operands_of(
-    const at::Tensor& out,
-    const at::Tensor& a,
-    const at::Tensor& b,
+    const MatrixRef<float>& out,
+    const MatrixRef<float>& a,
+    const MatrixRef<float>& b,
     double beta,
     double alpha) {
-  return {a.size(1),           static_cast<float>(alpha),
-          a.data_ptr<float>(), a.stride(0),
-          a.stride(1),         b.data_ptr<float>(),
-          b.stride(0),         out.data_ptr<float>(),
-          out.stride(0),       beta == 1};
+  return {a.cols,          static_cast<float>(alpha),
+          a.data,          a.row_stride,
+          a.column_stride, b.data,
+          b.row_stride,    out.data,
+          out.row_stride,  beta == 1};
 }
 
 bool cpu_has_avx512() {
@@ -189,14 +191,81 @@ bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f");
 }
 
+// A 16 × 16 block of `from` (rows of unit stride) transposed into `to`,
+// in registers: pairs of rows interleaved at 32, then 64 bits, within
+// 128-bit lanes, then the lanes exchanged twice. (GCC 12's unpack
+// intrinsics start from a vector initialised from itself, which
+// -Wuninitialized reports at every call.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+__attribute__((target("avx512f"))) void transpose_block16(
+    const float* from,
+    int64_t from_row_stride,
+    float* to,
+    int64_t ld_to) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = _mm512_loadu_ps(from + i * from_row_stride);
+  }
+  for (int i = 0; i < 16;
+       i += 2) { // lane k of t[i]: rows i, i+1 at columns 4k, 4k+1 (lo) or 4k+2, 4k+3 (hi)
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) { // lane k of r[i + c]: rows i .. i+3 at column 4k + c
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int c = 0; c < 4;
+       ++c) { // lanes of rows 0-3, 4-7 (and 8-11, 12-15) at columns c + {0, 8} or c + {4, 12}
+    t[c] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0x88);
+    t[c + 4] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0xdd);
+    t[c + 8] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0x88);
+    t[c + 12] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0xdd);
+  }
+  for (int c = 0; c < 8; ++c) { // column c and c + 8, all 16 rows
+    _mm512_storeu_ps(to + c * ld_to, _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88));
+    _mm512_storeu_ps(to + (c + 8) * ld_to, _mm512_shuffle_f32x4(t[c], t[c + 8], 0xdd));
+  }
+}
+#pragma GCC diagnostic pop
+
 #endif
 
-// Whether attn's loops can compute this product: float, rows of b and of
-// out contiguous, beta 0 or 1.
-bool fits_tile_gemm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta) {
-  return out.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
-      b.scalar_type() == at::kFloat && (beta == 0 || beta == 1) &&
-      (out.size(1) <= 1 || out.stride(1) == 1) && (b.size(1) <= 1 || b.stride(1) == 1);
+// Rows and columns per block of the portable transpose.
+constexpr int64_t kTransposeBlock = 16;
+
+void transpose_by_blocks(
+    int64_t rows,
+    int64_t cols,
+    const float* from,
+    int64_t from_row_stride,
+    int64_t from_column_stride,
+    float* to,
+    int64_t ld_to) {
+  for (int64_t i0 = 0; i0 < rows; i0 += kTransposeBlock) {
+    const int64_t i_end = std::min(rows, i0 + kTransposeBlock);
+    for (int64_t j0 = 0; j0 < cols; j0 += kTransposeBlock) {
+      const int64_t j_end = std::min(cols, j0 + kTransposeBlock);
+      for (int64_t i = i0; i < i_end; ++i) {
+        for (int64_t j = j0; j < j_end; ++j) {
+          to[j * ld_to + i] = from[i * from_row_stride + j * from_column_stride];
+        }
+      }
+    }
+  }
+}
+
+// Whether attn's loops can compute this product: rows of b and of out
+// contiguous, beta 0 or 1.
+bool fits_tile_gemm(const MatrixRef<float>& out, const MatrixRef<float>& b, double beta) {
+  return (beta == 0 || beta == 1) && (out.cols <= 1 || out.column_stride == 1) &&
+      (b.cols <= 1 || b.column_stride == 1);
 }
 
 // Multiply-adds from which a product outside the kernels' parallel tasks
@@ -264,15 +333,91 @@ bool tile_gemm_float(
 #endif
 }
 
+template <typename T>
 bool tile_loops_take(
-    const torch::Tensor& out,
-    const torch::Tensor& a,
-    const torch::Tensor& b,
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
     double beta) {
-  const int64_t rows = out.size(0), cols = out.size(1), depth = a.size(1);
-  return rows > 0 && cols > 0 && depth > 0 && fits_tile_gemm(out, a, b, beta) &&
-      product_stays_on_one_thread(rows, cols, depth) && cpu_runs_tile_gemm();
+  if constexpr (std::is_same_v<T, float>) {
+    return out.rows > 0 && out.cols > 0 && a.cols > 0 && fits_tile_gemm(out, b, beta) &&
+        product_stays_on_one_thread(out.rows, out.cols, a.cols) && cpu_runs_tile_gemm();
+  } else {
+    return false;
+  }
 }
+
+template bool tile_loops_take(
+    const MatrixRef<float>&,
+    const MatrixRef<float>&,
+    const MatrixRef<float>&,
+    double);
+template bool tile_loops_take(
+    const MatrixRef<double>&,
+    const MatrixRef<double>&,
+    const MatrixRef<double>&,
+    double);
+
+namespace {
+
+// Runs the product in attn's loops where tile_loops_take says so, and
+// says whether it did.
+template <typename T>
+bool ran_tile_loops(
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
+    double beta,
+    [[maybe_unused]] double alpha,
+    [[maybe_unused]] const RowBlockBands& bands = {}) {
+  if (!tile_loops_take(out, a, b, beta)) {
+    return false;
+  }
+#ifdef ATTN_HAVE_X86_AVX512
+  if constexpr (std::is_same_v<T, float>) {
+    gemm_by_micro_tiles(out.rows, out.cols, operands_of(out, a, b, beta, alpha), bands);
+    return true;
+  }
+#endif
+  return false; // unreachable: tile_loops_take says no without the loops
+}
+
+// A matrix as a tensor over its memory, for at::addmm_out.
+template <typename T>
+torch::Tensor tensor_over(const MatrixRef<T>& m) {
+  return torch::from_blob(
+      m.data, {m.rows, m.cols}, {m.row_stride, m.column_stride},
+      torch::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+}
+
+} // namespace
+
+template <typename T>
+void tile_addmm(
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
+    double beta,
+    double alpha) {
+  if (out.rows == 0 || out.cols == 0 || ran_tile_loops(out, a, b, beta, alpha)) {
+    return;
+  }
+  auto result = tensor_over(out); // addmm_out takes its output by reference
+  at::addmm_out(result, result, tensor_over(a), tensor_over(b), beta, alpha);
+}
+
+template void tile_addmm(
+    const MatrixRef<float>&,
+    const MatrixRef<float>&,
+    const MatrixRef<float>&,
+    double,
+    double);
+template void tile_addmm(
+    const MatrixRef<double>&,
+    const MatrixRef<double>&,
+    const MatrixRef<double>&,
+    double,
+    double);
 
 void tile_addmm(
     const torch::Tensor& out,
@@ -280,40 +425,34 @@ void tile_addmm(
     const torch::Tensor& b,
     double beta,
     double alpha) {
-  if (out.size(0) == 0 || out.size(1) == 0) {
+  const bool floats = out.scalar_type() == torch::kFloat && a.scalar_type() == torch::kFloat &&
+      b.scalar_type() == torch::kFloat;
+  if (floats) {
+    tile_addmm(matrix_of<float>(out), matrix_of<float>(a), matrix_of<float>(b), beta, alpha);
     return;
   }
-#ifdef ATTN_HAVE_X86_AVX512
-  if (tile_loops_take(out, a, b, beta)) {
-    gemm_by_micro_tiles(out.size(0), out.size(1), operands_of(out, a, b, beta, alpha));
-    return;
-  }
-#endif
   torch::Tensor result = out; // addmm_out takes its output by reference
   at::addmm_out(result, out, a, b, beta, alpha);
 }
 
+template <typename T>
 void tile_addmm_banded(
-    const torch::Tensor& out,
-    const torch::Tensor& a,
-    const torch::Tensor& b,
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
     double beta,
     double alpha,
     ProductBand band,
     c10::ArrayRef<IndexRange> row_block_bands) {
-  const int64_t rows = out.size(0);
+  const int64_t rows = out.rows;
   const auto blocks = static_cast<size_t>((rows + kProductRowBlock - 1) / kProductRowBlock);
   TORCH_INTERNAL_ASSERT(row_block_bands.size() == blocks, "one band per row block");
-  if (rows == 0 || out.size(1) == 0) {
+  if (rows == 0 || out.cols == 0) {
     return;
   }
-#ifdef ATTN_HAVE_X86_AVX512
-  if (tile_loops_take(out, a, b, beta)) {
-    gemm_by_micro_tiles(
-        rows, out.size(1), operands_of(out, a, b, beta, alpha), {band, row_block_bands.data()});
+  if (ran_tile_loops(out, a, b, beta, alpha, {band, row_block_bands.data()})) {
     return;
   }
-#endif
   // Row blocks with equal bands in one call each.
   for (size_t first = 0; first < blocks;) {
     size_t last = first + 1;
@@ -323,17 +462,66 @@ void tile_addmm_banded(
     const int64_t r0 = static_cast<int64_t>(first) * kProductRowBlock;
     const int64_t n = std::min(rows, static_cast<int64_t>(last) * kProductRowBlock) - r0;
     const auto [begin, end] = row_block_bands[first];
+    const auto out_rows = out.row_block(r0, n), a_rows = a.row_block(r0, n);
     if (band == ProductBand::columns) {
       tile_addmm(
-          out.narrow(0, r0, n).narrow(1, begin, end - begin), a.narrow(0, r0, n),
-          b.narrow(1, begin, end - begin), beta, alpha);
+          out_rows.column_block(begin, end - begin), a_rows, b.column_block(begin, end - begin),
+          beta, alpha);
     } else {
       tile_addmm(
-          out.narrow(0, r0, n), a.narrow(0, r0, n).narrow(1, begin, end - begin),
-          b.narrow(0, begin, end - begin), beta, alpha);
+          out_rows, a_rows.column_block(begin, end - begin), b.row_block(begin, end - begin), beta,
+          alpha);
     }
     first = last;
   }
+}
+
+template void tile_addmm_banded(
+    const MatrixRef<float>&,
+    const MatrixRef<float>&,
+    const MatrixRef<float>&,
+    double,
+    double,
+    ProductBand,
+    c10::ArrayRef<IndexRange>);
+template void tile_addmm_banded(
+    const MatrixRef<double>&,
+    const MatrixRef<double>&,
+    const MatrixRef<double>&,
+    double,
+    double,
+    ProductBand,
+    c10::ArrayRef<IndexRange>);
+
+void transpose_float(
+    int64_t rows,
+    int64_t cols,
+    const float* from,
+    int64_t from_row_stride,
+    int64_t from_column_stride,
+    float* to,
+    int64_t ld_to) {
+#ifdef ATTN_HAVE_X86_AVX512
+  static const bool blocks_in_registers = cpu_has_avx512();
+  if (blocks_in_registers && from_column_stride == 1) {
+    const int64_t full_rows = rows / kLanes * kLanes, full_cols = cols / kLanes * kLanes;
+    for (int64_t i0 = 0; i0 < full_rows; i0 += kLanes) {
+      for (int64_t j0 = 0; j0 < full_cols; j0 += kLanes) {
+        transpose_block16(
+            from + i0 * from_row_stride + j0, from_row_stride, to + j0 * ld_to + i0, ld_to);
+      }
+    }
+    // The edges: the last columns of the full rows, then the last rows.
+    transpose_by_blocks(
+        full_rows, cols - full_cols, from + full_cols, from_row_stride, 1, to + full_cols * ld_to,
+        ld_to);
+    transpose_by_blocks(
+        rows - full_rows, cols, from + full_rows * from_row_stride, from_row_stride, 1,
+        to + full_rows, ld_to);
+    return;
+  }
+#endif
+  transpose_by_blocks(rows, cols, from, from_row_stride, from_column_stride, to, ld_to);
 }
 
 } // namespace attn::detail

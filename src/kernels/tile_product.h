@@ -1,7 +1,8 @@
 #pragma once
 
 // The matrix products of the tiled CPU kernels: out = beta·out + alpha·a·b
-// on 2-D views, as at::addmm_out computes them. For float, on CPUs with
+// on 2-D tensors or on matrices in memory (MatrixRef), as at::addmm_out
+// computes them. For float, on CPUs with
 // AVX-512, attn's own register-tiled loops compute them: a score tile is
 // 128 × 512 × D, small enough that a BLAS call's packing of both operands
 // and its set-up on every call show (the forward measured 1.00-1.07× with
@@ -56,13 +57,51 @@ struct IndexRange {
   }
 };
 
-// Whether tile_addmm would run attn's loops on this product (on the calling
-// thread) rather than hand it to at::addmm_out.
+// A matrix in memory, as the kernels' tile loops pass their blocks to the
+// products without a tensor per block: element (r, c) at
+// data[r·row_stride + c·column_stride]. An empty matrix may have no data.
+template <typename T>
+struct MatrixRef {
+  T* data = nullptr;
+  int64_t rows = 0, cols = 0, row_stride = 0, column_stride = 1;
+
+  // Rows [r0, r0 + n) and columns [c0, c0 + n).
+  MatrixRef row_block(int64_t r0, int64_t n) const {
+    return {data == nullptr ? nullptr : data + r0 * row_stride, n, cols, row_stride, column_stride};
+  }
+  MatrixRef column_block(int64_t c0, int64_t n) const {
+    return {
+        data == nullptr ? nullptr : data + c0 * column_stride, rows, n, row_stride, column_stride};
+  }
+  MatrixRef transposed() const { return {data, cols, rows, column_stride, row_stride}; }
+  // Row r; null where the matrix has no data.
+  T* row(int64_t r) const { return data == nullptr ? nullptr : data + r * row_stride; }
+};
+
+// The matrix of a 2-D tensor of dtype T.
+template <typename T>
+MatrixRef<T> matrix_of(const torch::Tensor& t) {
+  return {
+      t.numel() == 0 ? nullptr : t.data_ptr<T>(), t.size(0), t.size(1), t.stride(0), t.stride(1)};
+}
+
+// Whether tile_addmm_banded would run attn's loops on this product (on the
+// calling thread) rather than hand it to at::addmm_out.
+template <typename T>
 bool tile_loops_take(
-    const torch::Tensor& out,
-    const torch::Tensor& a,
-    const torch::Tensor& b,
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
     double beta);
+
+// tile_addmm on matrices of dtype T (float or double).
+template <typename T>
+void tile_addmm(
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
+    double beta,
+    double alpha);
 
 // What a banded product restricts in each row block of `out`.
 enum class ProductBand {
@@ -70,19 +109,21 @@ enum class ProductBand {
   depth,   // the part of the depth it sums over (the columns of a, rows of b)
 };
 
-// tile_addmm for tiles whose rows need different parts of the product (a
-// causal or windowed tile of scores): row block k of `out`, rows
-// [k·kProductRowBlock, (k+1)·kProductRowBlock), gets the product restricted
-// to `row_block_bands[k]`, one range per row block. Column bands must begin
+// out = beta·out + alpha·a·b (beta 0 or 1; T float or double) for tiles
+// whose rows need different parts of the product (a causal or windowed
+// tile of scores): row block k of `out`, rows [k·kProductRowBlock,
+// (k+1)·kProductRowBlock), gets the product restricted to
+// `row_block_bands[k]`, one range per row block. Column bands must begin
 // on a panel (a multiple of kProductColumnPanel) and end on one or at the
 // last column; the columns outside a row block's band are left as they
 // were. A depth band sums over its part of the depth only (with beta 0 and
 // an empty band, that row block becomes zero). Where tile_loops_take says
 // no, the row blocks go to at::addmm_out, one call per distinct band.
+template <typename T>
 void tile_addmm_banded(
-    const torch::Tensor& out,
-    const torch::Tensor& a,
-    const torch::Tensor& b,
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
     double beta,
     double alpha,
     ProductBand band,
@@ -107,5 +148,17 @@ bool tile_gemm_float(
     float* c,
     int64_t ldc,
     bool accumulate);
+
+// to = fromᵀ in float, for the right operands that attn's loops read by
+// rows (Kᵀ, Vᵀ): from (rows, cols) with strides (from_row_stride,
+// from_column_stride), to (cols, rows) with row stride ld_to.
+void transpose_float(
+    int64_t rows,
+    int64_t cols,
+    const float* from,
+    int64_t from_row_stride,
+    int64_t from_column_stride,
+    float* to,
+    int64_t ld_to);
 
 } // namespace attn::detail
