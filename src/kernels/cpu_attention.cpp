@@ -630,8 +630,8 @@ void flash_backward(
           const auto dq_tile = dq_head.row_block(i0, tile.rows);
           fill_row_deltas(t, tile, scratch.delta);
           const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
-          const int64_t end =
-              std::max(begin, std::min(keys_end, in.mask.tile_key_end(i0, tile.rows)));
+          const int64_t end = std::max(
+              begin, std::min(keys_end, in.mask.tile_key_end(i0, tile.rows)));
           if (one_query_tile) { // the keys no query sees
             zero_key_rows(keys_begin, begin);
             zero_key_rows(end, keys_end);
