@@ -1,5 +1,7 @@
 #include "backend.h"
 
+#include "kernels/tile_product.h"
+
 #include "compat.h"
 
 #include <torch/torch.h>
@@ -143,11 +145,13 @@ bool libtorch_fused_cpu_kernel_applies(
 // Where LibTorch's fused CPU kernel outruns attn's, for a request both can
 // run. Measured with LibTorch 2.15 on 2 cores of a Xeon with AVX-512 and
 // AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
-// LibTorch's forward is 1.1-1.4x faster except for causal requests of 512
-// keys, where attn's block skipping makes its own 1.15-1.25x faster,
-// forward and backward; in bfloat16 LibTorch multiplies on the AMX units
-// and is 2-5x faster, except that training on 128 keys runs 1.5-1.7x faster
-// through attn's float32 kernels. Other versions, CPUs and dtypes: attn.
+// LibTorch's forward is up to 1.5x faster at 32 keys and fewer, and
+// 1.0-1.1x from 1024 keys without a causal mask, where their backwards are
+// level; everywhere else attn's kernels are faster: 1.1-1.6x causal at
+// every length, forward and backward, and 1.3-1.7x training on 20-64 keys.
+// In bfloat16 LibTorch multiplies on the AMX units and is 2-5x faster,
+// except that training on 128 keys runs 1.5-1.7x faster through attn's
+// float32 kernels. Other versions, CPUs and dtypes: attn.
 bool libtorch_faster_on_cpu(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -159,7 +163,10 @@ bool libtorch_faster_on_cpu(
   const int64_t S = key.size(-2);
   const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
-    case torch::kFloat: return cpu.avx512 && (!options.is_causal() || S < 384 || S > 768);
+    case torch::kFloat:
+      return cpu.avx512 &&
+          ((!inputs_need_grad(query, key, value) && S <= 32) ||
+           (!options.is_causal() && S >= 1024));
     case torch::kBFloat16:
       return cpu.amx_bfloat16 && (!inputs_need_grad(query, key, value) || S > 256);
     default: return false;
@@ -167,15 +174,20 @@ bool libtorch_faster_on_cpu(
 }
 
 // Where attn's batched kernel outruns its tiled one: short sequences, whose
-// per-head GEMMs are too small to pay for a call each. Measured on 2 cores
-// (docs/BENCHMARKS.md, "Short sequences"), forward and backward, D = 16
-// and 64, 8 and 96 heads: with LibTorch 1.13 and OpenBLAS the batched
-// kernel is 1.0-8.4x as fast up to 64 queries and keys, level at 96 and
-// up to 3x slower from 128 on; with LibTorch 2.15 and MKL it is 1.2-8.4x
-// as fast up to 128, and 0.5-1.5x at 256. Other versions: 64.
+// per-head products are too small to pay for a loop each. Measured on 2
+// cores (docs/BENCHMARKS.md, "Short sequences"), forward and backward,
+// D = 16 and 64, 32 to 256 heads. With LibTorch 2.15 and MKL the batched
+// kernel is level to 1.3x as fast up to 64 queries and keys, and slower
+// from 96. With LibTorch 1.13, where the tiled kernel multiplies in attn's
+// loops (float, AVX-512), it is up to 1.2x as fast forward up to 32, and
+// the tiled kernel 1.15-1.25x as fast with backward from 48; where BLAS
+// multiplies for the tiled kernel, the batched one is as fast up to 64.
+// Other versions: as 1.13.
 bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
-  constexpr int64_t kLongest = kLibTorchCpuRuleMeasured ? 128 : 64;
-  return query.size(-2) <= kLongest && key.size(-2) <= kLongest;
+  // The kernels compute half precision in float32.
+  const auto computed = query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed) ? 64 : 32;
+  return query.size(-2) <= longest && key.size(-2) <= longest;
 }
 
 } // namespace

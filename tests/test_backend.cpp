@@ -4,6 +4,8 @@
 
 #include "test_support.h"
 
+#include "kernels/tile_product.h"
+
 #include <attn/attn.h>
 
 #include <gtest/gtest.h>
@@ -58,9 +60,12 @@ Inputs make_inputs(
   return {make(), make(), make()};
 }
 
-// The longest queries and keys that the batched kernel takes: as measured
-// with LibTorch 2.15 and MKL, or 1.13 and OpenBLAS (and other versions).
-constexpr int64_t kBatchedLongest = kRuleMeasured ? 128 : 64;
+// The longest float queries and keys that the batched kernel takes: as
+// measured with LibTorch 2.15 and MKL, or 1.13 (and other versions) where
+// the tiled kernel multiplies in attn's loops or, on other CPUs, in BLAS.
+int64_t batched_longest() {
+  return kRuleMeasured || !attn::detail::tile_products_run(torch::kFloat) ? 64 : 32;
+}
 
 // Sequences longer than that, for the rules between the other backends.
 constexpr int64_t kLong = 200;
@@ -105,7 +110,7 @@ TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
 }
 
 // The measured rule of docs/BENCHMARKS.md, "Short sequences": up to
-// kBatchedLongest queries and keys, the batched kernel, with or without
+// batched_longest() queries and keys, the batched kernel, with or without
 // weights and gradients; beyond either, the others. (A window keeps
 // LibTorch's kernel out of the choice.)
 TEST(BackendSelection, ShortSequencesTakeTheBatchedKernel) {
@@ -115,7 +120,7 @@ TEST(BackendSelection, ShortSequencesTakeTheBatchedKernel) {
         torch::randn({2, 4, S, 16}).requires_grad_(grad),
         torch::randn({2, 4, S, 16}).requires_grad_(grad)};
   };
-  const int64_t longest = kBatchedLongest, beyond = kBatchedLongest + 1;
+  const int64_t longest = batched_longest(), beyond = longest + 1;
   for (const bool grad : {false, true}) {
     for (const bool need_weights : {false, true}) {
       const auto options = SDPAOptions().need_weights(need_weights).is_causal(true).window(1000);
@@ -150,37 +155,51 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
         torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad),
         torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad)};
   };
-  const auto expect = [&](const Inputs& in, const SDPAOptions& options, AttentionBackend measured) {
-    EXPECT_EQ(
-        select_backend(in.q, in.k, in.v, options),
-        kRuleMeasured ? measured : AttentionBackend::fused_cpu)
+  // `measured` where the rule was measured, `elsewhere` (attn's tiled
+  // kernel unless given) on other versions.
+  const auto expect = [&](const Inputs& in, const SDPAOptions& options, AttentionBackend measured,
+                          AttentionBackend elsewhere = AttentionBackend::fused_cpu) {
+    EXPECT_EQ(select_backend(in.q, in.k, in.v, options), kRuleMeasured ? measured : elsewhere)
         << "L=" << in.q.size(2) << " S=" << in.k.size(2) << " " << in.q.scalar_type()
         << (in.q.requires_grad() ? " grad" : "") << (options.is_causal() ? " causal" : "");
   };
   const auto causal = SDPAOptions(no_weights).is_causal(true);
-  const auto float32 = cpu_has("avx512f") ? AttentionBackend::libtorch
-                                          : AttentionBackend::fused_cpu;
-  const auto short_float32 = cpu_has("avx512f") ? AttentionBackend::libtorch
-                                                : AttentionBackend::batched_cpu;
-  expect(lengths(128, 128, torch::kFloat, false), no_weights, short_float32);
+  const bool avx512 = cpu_has("avx512f");
+  const auto float32 = avx512 ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
+  // Float32: LibTorch's kernel for inference on 32 keys and fewer and
+  // without a causal mask from 1024 keys, attn's elsewhere.
+  expect(
+      lengths(32, 32, torch::kFloat, false), no_weights,
+      avx512 ? AttentionBackend::libtorch : AttentionBackend::batched_cpu,
+      AttentionBackend::batched_cpu);
+  expect(
+      lengths(32, 32, torch::kFloat, true), no_weights, AttentionBackend::batched_cpu,
+      AttentionBackend::batched_cpu);
+  expect(lengths(128, 128, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
+  expect(lengths(1024, 1024, torch::kFloat, false), no_weights, float32);
   expect(lengths(2048, 2048, torch::kFloat, true), no_weights, float32);
-  expect(lengths(1024, 1024, torch::kFloat, false), causal, float32);
-  expect(lengths(512, 512, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
+  expect(lengths(1024, 1024, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
   expect(lengths(512, 512, torch::kFloat, true), causal, AttentionBackend::fused_cpu);
   // A value width other than the query's: LibTorch would hold the scores.
   const auto wide_value = Inputs{
       torch::randn({1, 2, kLong, 8}), torch::randn({1, 2, kLong, 8}),
       torch::randn({1, 2, kLong, 12})};
   expect(wide_value, no_weights, AttentionBackend::fused_cpu);
-  const auto bf16 = cpu_has("amx-bf16") ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
+  const bool amx = cpu_has("amx-bf16");
+  const auto bf16 = amx ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
   expect(lengths(512, 512, torch::kBFloat16, true), causal, bf16);
-  expect(
-      lengths(128, 128, torch::kBFloat16, false), no_weights,
-      cpu_has("amx-bf16") ? AttentionBackend::libtorch : AttentionBackend::batched_cpu);
+  expect(lengths(128, 128, torch::kBFloat16, false), no_weights, bf16);
   // Where LibTorch's kernel is not the faster, short sequences take the
   // batched kernel.
-  expect(lengths(128, 128, torch::kBFloat16, true), no_weights, AttentionBackend::batched_cpu);
-  expect(lengths(128, 128, torch::kHalf, false), no_weights, AttentionBackend::batched_cpu);
+  const auto short_elsewhere = batched_longest() >= 64 ? AttentionBackend::batched_cpu
+                                                       : AttentionBackend::fused_cpu;
+  expect(
+      lengths(64, 64, torch::kBFloat16, true), no_weights, AttentionBackend::batched_cpu,
+      short_elsewhere);
+  expect(
+      lengths(64, 64, torch::kHalf, false), no_weights, AttentionBackend::batched_cpu,
+      short_elsewhere);
+  expect(lengths(128, 128, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(256, 256, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
 }
 
