@@ -145,10 +145,12 @@ bool libtorch_fused_cpu_kernel_applies(
 // Where LibTorch's fused CPU kernel outruns attn's, for a request both can
 // run. Measured with LibTorch 2.15 on 2 cores of a Xeon with AVX-512 and
 // AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
-// LibTorch's forward is up to 1.5x faster at 32 keys and fewer, and
-// 1.0-1.1x from 1024 keys without a causal mask, where their backwards are
-// level; everywhere else attn's kernels are faster: 1.1-1.6x causal at
-// every length, forward and backward, and 1.3-1.7x training on 20-64 keys.
+// LibTorch's kernel is faster up to 64 keys (its forward up to 1.5x; with
+// backward, GPT-2-small's layer and train_transformer's trained 1.0-1.1x
+// faster through it than through attn's batched kernel), and 1.0-1.1x
+// forward from 1024 keys without a causal mask, where the backwards are
+// level; in between, and causal from 128 keys at every length, attn's
+// tiled kernel is 1.05-1.6x faster, forward and backward.
 // In bfloat16 LibTorch multiplies on the AMX units and is 2-5x faster,
 // except that training on 128 keys runs 1.5-1.7x faster through attn's
 // float32 kernels. Other versions, CPUs and dtypes: attn.
@@ -163,10 +165,7 @@ bool libtorch_faster_on_cpu(
   const int64_t S = key.size(-2);
   const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
-    case torch::kFloat:
-      return cpu.avx512 &&
-          ((!inputs_need_grad(query, key, value) && S <= 32) ||
-           (!options.is_causal() && S >= 1024));
+    case torch::kFloat: return cpu.avx512 && (S <= 64 || (!options.is_causal() && S >= 1024));
     case torch::kBFloat16:
       return cpu.amx_bfloat16 && (!inputs_need_grad(query, key, value) || S > 256);
     default: return false;

@@ -166,15 +166,15 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const auto causal = SDPAOptions(no_weights).is_causal(true);
   const bool avx512 = cpu_has("avx512f");
   const auto float32 = avx512 ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
-  // Float32: LibTorch's kernel for inference on 32 keys and fewer and
-  // without a causal mask from 1024 keys, attn's elsewhere.
+  // Float32: LibTorch's kernel up to 64 keys and without a causal mask
+  // from 1024 keys, attn's elsewhere.
+  const auto short_float32 = avx512 ? AttentionBackend::libtorch : AttentionBackend::batched_cpu;
   expect(
-      lengths(32, 32, torch::kFloat, false), no_weights,
-      avx512 ? AttentionBackend::libtorch : AttentionBackend::batched_cpu,
+      lengths(32, 32, torch::kFloat, false), no_weights, short_float32,
       AttentionBackend::batched_cpu);
   expect(
-      lengths(32, 32, torch::kFloat, true), no_weights, AttentionBackend::batched_cpu,
-      AttentionBackend::batched_cpu);
+      lengths(64, 64, torch::kFloat, true), causal, short_float32,
+      batched_longest() >= 64 ? AttentionBackend::batched_cpu : AttentionBackend::fused_cpu);
   expect(lengths(128, 128, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(1024, 1024, torch::kFloat, false), no_weights, float32);
   expect(lengths(2048, 2048, torch::kFloat, true), no_weights, float32);
