@@ -347,17 +347,6 @@ bool tile_loops_take(
   }
 }
 
-template bool tile_loops_take(
-    const MatrixRef<float>&,
-    const MatrixRef<float>&,
-    const MatrixRef<float>&,
-    double);
-template bool tile_loops_take(
-    const MatrixRef<double>&,
-    const MatrixRef<double>&,
-    const MatrixRef<double>&,
-    double);
-
 namespace {
 
 // Runs the product in attn's loops where tile_loops_take says so, and
@@ -405,19 +394,6 @@ void tile_addmm(
   auto result = tensor_over(out); // addmm_out takes its output by reference
   at::addmm_out(result, result, tensor_over(a), tensor_over(b), beta, alpha);
 }
-
-template void tile_addmm(
-    const MatrixRef<float>&,
-    const MatrixRef<float>&,
-    const MatrixRef<float>&,
-    double,
-    double);
-template void tile_addmm(
-    const MatrixRef<double>&,
-    const MatrixRef<double>&,
-    const MatrixRef<double>&,
-    double,
-    double);
 
 void tile_addmm(
     const torch::Tensor& out,
@@ -476,23 +452,6 @@ void tile_addmm_banded(
   }
 }
 
-template void tile_addmm_banded(
-    const MatrixRef<float>&,
-    const MatrixRef<float>&,
-    const MatrixRef<float>&,
-    double,
-    double,
-    ProductBand,
-    c10::ArrayRef<IndexRange>);
-template void tile_addmm_banded(
-    const MatrixRef<double>&,
-    const MatrixRef<double>&,
-    const MatrixRef<double>&,
-    double,
-    double,
-    ProductBand,
-    c10::ArrayRef<IndexRange>);
-
 void transpose_float(
     int64_t rows,
     int64_t cols,
@@ -523,5 +482,18 @@ void transpose_float(
 #endif
   transpose_by_blocks(rows, cols, from, from_row_stride, from_column_stride, to, ld_to);
 }
+
+// The products for the two dtypes the kernels dispatch to.
+#define ATTN_TILE_PRODUCTS(T)                                                                     \
+  template bool tile_loops_take(                                                                  \
+      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double);                     \
+  template void tile_addmm(                                                                       \
+      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double, double);             \
+  template void tile_addmm_banded(                                                                \
+      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double, double, ProductBand, \
+      c10::ArrayRef<IndexRange>);
+ATTN_TILE_PRODUCTS(float)
+ATTN_TILE_PRODUCTS(double)
+#undef ATTN_TILE_PRODUCTS
 
 } // namespace attn::detail
