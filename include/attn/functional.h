@@ -43,7 +43,8 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
 ///    than attn's kernels (float32 and bfloat16, from LibTorch 2.15 on, on
 ///    CPUs like the one measured; see docs/BENCHMARKS.md, "Choosing the CPU
 ///    backend"); else `batched_cpu` for short sequences (at most 64 queries
-///    and 64 keys, 128 from LibTorch 2.15 on; docs/BENCHMARKS.md, "Short
+///    and 64 keys; 32 on LibTorch 1.13 where the tiled kernel multiplies in
+///    attn's own loops, on CPUs with AVX-512; docs/BENCHMARKS.md, "Short
 ///    sequences"); else `fused_cpu_weights` when weights are asked for and
 ///    no gradient is needed; else `fused_cpu`.
 /// 3. On CUDA: `libtorch` where it applies.
