@@ -98,27 +98,16 @@ bool tile_loops_outrun_bmm(int64_t multiply_adds) {
   return !kLibTorchCpuRuleMeasured || multiply_adds <= kSmallProduct;
 }
 
-// Matrices per task of a batch's transposes.
-constexpr double kMinTransposeElements = 1 << 16;
-
 // b (N, k, n) with rows of unit stride, as the per-matrix loops read it.
 // Float matrices stored transposed (Kᵀ and Vᵀ, views of K and V) are
-// transposed in registers (transpose_float), in parallel over the batch;
-// anything else is made contiguous.
+// transposed in registers (transpose_heads); anything else is made
+// contiguous.
 torch::Tensor row_major(const torch::Tensor& b) {
   if (b.is_contiguous() || b.scalar_type() != torch::kFloat || b.stride(1) != 1) {
     return b.contiguous();
   }
-  const int64_t N = b.size(0), k = b.size(1), n = b.size(2);
-  auto rows = torch::empty({N, k, n}, b.options());
-  const float* from = b.data_ptr<float>();
-  float* to = rows.data_ptr<float>();
-  const int64_t grain = parallel_grain(static_cast<double>(k * n), kMinTransposeElements);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t matrix = begin; matrix < end; ++matrix) {
-      transpose_float(n, k, from + matrix * b.stride(0), b.stride(2), 1, to + matrix * k * n, n);
-    }
-  });
+  auto rows = torch::empty(b.sizes(), b.options());
+  transpose_heads(b.transpose(1, 2).unsqueeze(0), rows.unsqueeze(0));
   return rows;
 }
 

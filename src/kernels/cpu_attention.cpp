@@ -210,27 +210,6 @@ struct OwnedMatrix {
 // for the product). BLAS reads the transposed view as it is.
 constexpr int64_t kMinRowsForCopy = 16;
 
-// Elements from which transposing splits its heads between threads.
-constexpr double kMinParallelTranspose = 1 << 16;
-
-// transposed (B, H, D, S), contiguous, = t (B, H, S, D) with rows of any
-// strides, as floats. (ATen's element-by-element copy of the transposed
-// view took 7 % of the tiled forward at T = 128.)
-void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
-  const int64_t H = t.size(1), S = t.size(2), D = t.size(3);
-  const int64_t batch_stride = t.stride(0), head_stride = t.stride(1);
-  const float* source = t.data_ptr<float>();
-  float* target = transposed.data_ptr<float>();
-  const int64_t grain = parallel_grain(static_cast<double>(S * D), kMinParallelTranspose);
-  at::parallel_for(0, t.size(0) * H, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t head = begin; head < end; ++head) {
-      transpose_float(
-          S, D, source + head / H * batch_stride + head % H * head_stride, t.stride(2), t.stride(3),
-          target + head * D * S, S);
-    }
-  });
-}
-
 torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, WorkspaceSlot slot) {
   if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
     return t.transpose(2, 3);

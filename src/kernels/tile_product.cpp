@@ -1,5 +1,7 @@
 #include "tile_product.h"
 
+#include "kernels/parallel_grain.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -481,6 +483,24 @@ void transpose_float(
   }
 #endif
   transpose_by_blocks(rows, cols, from, from_row_stride, from_column_stride, to, ld_to);
+}
+
+// Elements from which transposing splits its heads between threads.
+constexpr double kMinParallelTranspose = 1 << 16;
+
+void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
+  const int64_t H = t.size(1), S = t.size(2), D = t.size(3);
+  const int64_t batch_stride = t.stride(0), head_stride = t.stride(1);
+  const float* source = t.data_ptr<float>();
+  float* target = transposed.data_ptr<float>();
+  const int64_t grain = parallel_grain(static_cast<double>(S * D), kMinParallelTranspose);
+  at::parallel_for(0, t.size(0) * H, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t head = begin; head < end; ++head) {
+      transpose_float(
+          S, D, source + head / H * batch_stride + head % H * head_stride, t.stride(2), t.stride(3),
+          target + head * D * S, S);
+    }
+  });
 }
 
 // The products for the two dtypes the kernels dispatch to.
