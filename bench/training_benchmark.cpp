@@ -358,9 +358,11 @@ int main(int argc, char** argv) {
   const auto& threads = attn::thread_setup();
   std::printf(
       "LibTorch %s, %d CPUs, ATen threads %d (LibTorch started with %d; attn: %s), "
-      "BLAS threading %s, OpenBLAS threads %d, sgemm 1024^3 %.1f GFLOP/s\n\n",
+      "BLAS threading %s, OpenBLAS threads %d, OpenBLAS kernels %s, sgemm 1024^3 %.1f "
+      "GFLOP/s\n\n",
       TORCH_VERSION, threads.cpus, at::get_num_threads(), threads.threads_found,
-      threads.reason.c_str(), threads.blas.c_str(), blas_threads(), sgemm);
+      threads.reason.c_str(), threads.blas.c_str(), blas_threads(),
+      threads.blas_core.empty() ? "–" : threads.blas_core.c_str(), sgemm);
   if (kernels) {
     compare_kernels(budget);
     return 0;

@@ -147,10 +147,11 @@ bool libtorch_fused_cpu_kernel_applies(
 // AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
 // LibTorch's kernel is faster up to 64 keys (its forward up to 1.5x; with
 // backward, GPT-2-small's layer and train_transformer's trained 1.0-1.1x
-// faster through it than through attn's batched kernel), and 1.0-1.1x
-// forward from 1024 keys without a causal mask, where the backwards are
-// level; in between, and causal from 128 keys at every length, attn's
-// tiled kernel is 1.05-1.6x faster, forward and backward.
+// faster through it than through attn's batched kernel), and from 2048
+// keys without a causal mask where batch x heads is 32 or more (forward
+// 1.04-1.18x, backward level); in between, and causal from 128 keys at every length,
+// attn's tiled kernel is faster (1.05-1.25x at 1024 keys without a mask,
+// 1.05-1.6x causal), forward and backward.
 // In bfloat16 LibTorch multiplies on the AMX units and is 2-5x faster,
 // except that training on 128 keys runs 1.5-1.7x faster through attn's
 // float32 kernels. Other versions, CPUs and dtypes: attn.
@@ -163,9 +164,12 @@ bool libtorch_faster_on_cpu(
     return false;
   }
   const int64_t S = key.size(-2);
+  const int64_t rows = query.size(-2) * query.size(-1);
+  const int64_t heads = rows > 0 ? query.numel() / rows : 0; // batch × heads
   const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
-    case torch::kFloat: return cpu.avx512 && (S <= 64 || (!options.is_causal() && S >= 1024));
+    case torch::kFloat:
+      return cpu.avx512 && (S <= 64 || (!options.is_causal() && S >= 2048 && heads >= 32));
     case torch::kBFloat16:
       return cpu.amx_bfloat16 && (!inputs_need_grad(query, key, value) || S > 256);
     default: return false;

@@ -23,15 +23,19 @@ namespace {
 struct OpenBlasControl {
   using Get = int (*)();
   using Set = void (*)(int);
+  using Name = const char* (*)();
 #ifndef _WIN32
   Get get = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
   Set set = reinterpret_cast<Set>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
   // 0: sequential, 1: pthreads, 2: OpenMP.
   Get parallel = reinterpret_cast<Get>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+  // The kernel family OpenBLAS chose for this CPU ("SkylakeX", "Haswell", ...).
+  Name core = reinterpret_cast<Name>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
 #else
   Get get = nullptr;
   Set set = nullptr;
   Get parallel = nullptr;
+  Name core = nullptr;
 #endif
 
   bool found() const {
@@ -80,6 +84,10 @@ ThreadSetup size_aten_pool() {
   setup.threads_chosen = setup.threads_found;
   setup.cpus = cpus_available();
   setup.blas = blas_threading();
+  const auto& blas = openblas();
+  if (blas.core != nullptr && blas.core() != nullptr) {
+    setup.blas_core = blas.core();
+  }
   if (thread_count_in_environment()) {
     setup.reason = "kept: the environment sets a thread count";
   } else if (setup.threads_found >= setup.cpus) {

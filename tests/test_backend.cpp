@@ -149,11 +149,14 @@ TEST(BackendSelection, ShortSequencesTakeTheBatchedKernel) {
 // measured faster (LibTorch 2.15 on, AVX-512 or AMX CPUs), attn's elsewhere.
 TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const auto no_weights = SDPAOptions().need_weights(false);
-  const auto lengths = [](int64_t L, int64_t S, torch::ScalarType dtype, bool grad) {
+  // B·H = 2 heads, or `heads` = B·H with B = heads / 8.
+  const auto lengths = [](int64_t L, int64_t S, torch::ScalarType dtype, bool grad,
+                          int64_t heads = 2) {
+    const int64_t B = heads >= 8 ? heads / 8 : 1, H = heads / B;
     return Inputs{
-        torch::randn({1, 2, L, 8}, dtype).requires_grad_(grad),
-        torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad),
-        torch::randn({1, 2, S, 8}, dtype).requires_grad_(grad)};
+        torch::randn({B, H, L, 8}, dtype).requires_grad_(grad),
+        torch::randn({B, H, S, 8}, dtype).requires_grad_(grad),
+        torch::randn({B, H, S, 8}, dtype).requires_grad_(grad)};
   };
   // `measured` where the rule was measured, `elsewhere` (attn's tiled
   // kernel unless given) on other versions.
@@ -167,7 +170,7 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const bool avx512 = cpu_has("avx512f");
   const auto float32 = avx512 ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
   // Float32: LibTorch's kernel up to 64 keys and without a causal mask
-  // from 1024 keys, attn's elsewhere.
+  // from 2048 keys with 32 heads or more, attn's elsewhere.
   const auto short_float32 = avx512 ? AttentionBackend::libtorch : AttentionBackend::batched_cpu;
   expect(
       lengths(32, 32, torch::kFloat, false), no_weights, short_float32,
@@ -176,8 +179,10 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
       lengths(64, 64, torch::kFloat, true), causal, short_float32,
       batched_longest() >= 64 ? AttentionBackend::batched_cpu : AttentionBackend::fused_cpu);
   expect(lengths(128, 128, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
-  expect(lengths(1024, 1024, torch::kFloat, false), no_weights, float32);
-  expect(lengths(2048, 2048, torch::kFloat, true), no_weights, float32);
+  expect(lengths(1024, 1024, torch::kFloat, false, 32), no_weights, AttentionBackend::fused_cpu);
+  expect(lengths(2048, 2048, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
+  expect(lengths(2048, 2048, torch::kFloat, false, 32), no_weights, float32);
+  expect(lengths(2048, 2048, torch::kFloat, true, 32), no_weights, float32);
   expect(lengths(1024, 1024, torch::kFloat, false), causal, AttentionBackend::fused_cpu);
   expect(lengths(512, 512, torch::kFloat, true), causal, AttentionBackend::fused_cpu);
   // A value width other than the query's: LibTorch would hold the scores.

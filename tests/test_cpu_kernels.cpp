@@ -253,6 +253,28 @@ TEST(TileProduct, BandedProductsComputeTheirBandsOnly) {
   }
 }
 
+// The spread row stride holds a row, and is an odd number of 64-byte
+// lines, so that rows a power of two apart in size still fall in different
+// cache sets.
+TEST(TileProduct, SpreadRowStridesAreAnOddNumberOfCacheLines) {
+  using attn::detail::spread_row_stride;
+  EXPECT_EQ(spread_row_stride(512, 4), 528);
+  EXPECT_EQ(spread_row_stride(4096, 4), 4112);
+  EXPECT_EQ(spread_row_stride(48, 4), 48);
+  EXPECT_EQ(spread_row_stride(1, 4), 16);
+  EXPECT_EQ(spread_row_stride(64, 8), 72);
+  for (const int64_t element_size : {4, 8}) {
+    const int64_t per_line = 64 / element_size;
+    for (int64_t cols = 1; cols <= 300; ++cols) {
+      const int64_t stride = spread_row_stride(cols, element_size);
+      EXPECT_GE(stride, cols);
+      EXPECT_LT(stride, cols + 2 * per_line);
+      EXPECT_EQ(stride % per_line, 0) << cols;
+      EXPECT_EQ(stride / per_line % 2, 1) << cols;
+    }
+  }
+}
+
 // transpose_float against ATen's transpose, at sizes around its 16 × 16
 // register blocks, from rows of unit and of wider column strides, into
 // rows wider than the result (so that a write past a row's end shows).

@@ -452,6 +452,17 @@ TEST(ThreadPools, AtenPoolGetsOneThreadPerCpuUnlessTheEnvironmentOrTheBlasSaysOt
   }
 }
 
+// OpenBLAS names the kernels it chose; another BLAS has no such name.
+TEST(ThreadPools, OpenBlasKernelsAreNamedWhereOpenBlasRuns) {
+  const auto& setup = attn::thread_setup();
+  SCOPED_TRACE("BLAS " + setup.blas + ", kernels '" + setup.blas_core + "'");
+  if (setup.blas == "other") {
+    EXPECT_TRUE(setup.blas_core.empty());
+  } else {
+    EXPECT_FALSE(setup.blas_core.empty());
+  }
+}
+
 TEST(Determinism, SameSeedGivesBitwiseIdenticalResultsOnEveryPath) {
   const ThreadCount intra_op(2);
   const auto run = [] {

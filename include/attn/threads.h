@@ -29,7 +29,14 @@ struct ThreadSetup {
   int threads_chosen = 0; ///< the count attn left or set
   int cpus = 0;           ///< CPUs this process may run on
   std::string blas;       ///< the BLAS's threading: "openmp", "pthreads", "sequential" or "other"
-  std::string reason;     ///< why the count was changed or kept, in one sentence
+  /// OpenBLAS's kernels for this CPU, as it names them ("SkylakeX", "Haswell",
+  /// ...); empty for another BLAS. OpenBLAS releases older than the CPU may
+  /// not recognise it and fall back to old kernels: Debian 12's 0.3.21 runs
+  /// its SSE3 "Prescott" kernels on Xeons of family 6, model 207 (Emerald
+  /// Rapids), 6-9x slower than its "SkylakeX" ones, which the environment
+  /// variable `OPENBLAS_CORETYPE=SkylakeX` selects.
+  std::string blas_core;
+  std::string reason; ///< why the count was changed or kept, in one sentence
 };
 
 /// The thread setup made when attn was loaded.

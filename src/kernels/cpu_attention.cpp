@@ -214,7 +214,12 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
   if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
     return t.transpose(2, 3);
   }
-  auto copy = workspace_tensor(slot, {t.size(0), t.size(1), t.size(3), t.size(2)}, t.options());
+  const int64_t S = t.size(2);
+  const auto copy = workspace_tensor(
+                        slot,
+                        {t.size(0), t.size(1), t.size(3), spread_row_stride(S, t.element_size())},
+                        t.options())
+                        .narrow(3, 0, S);
   if (t.numel() > 0) {
     transpose_heads(t, copy);
   }
@@ -319,6 +324,17 @@ struct KernelInputs {
   scalar_t scale;
 };
 
+// A task's (kQueryTile, key_block) tile of scores or their gradients, over
+// this thread's workspace, its rows spread over the cache sets (the
+// backward reads it down its columns).
+template <typename scalar_t>
+OwnedMatrix<scalar_t> tile_matrix(WorkspaceSlot slot, const KernelInputs<scalar_t>& in) {
+  const int64_t rows = std::min(kQueryTile, in.L), cols = in.key_block;
+  return OwnedMatrix<scalar_t>(
+      workspace_tensor(slot, {rows, spread_row_stride(cols, sizeof(scalar_t))}, in.q.options())
+          .narrow(1, 0, cols));
+}
+
 // A forward task's working memory: one tile's scores and its rows' running
 // maximum and sum (online softmax).
 template <typename scalar_t>
@@ -367,10 +383,8 @@ void flash_forward(
 
   const auto make_scratch = [&] {
     return ForwardScratch<scalar_t>{
-        OwnedMatrix<scalar_t>(workspace_tensor(
-            WorkspaceSlot::tile_scores, {std::min(kQueryTile, in.L), in.key_block},
-            in.q.options())),
-        std::vector<scalar_t>(kQueryTile), std::vector<scalar_t>(kQueryTile), TileBands{}};
+        tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in), std::vector<scalar_t>(kQueryTile),
+        std::vector<scalar_t>(kQueryTile), TileBands{}};
   };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
   parallel_query_tiles(
@@ -422,6 +436,37 @@ struct BackwardScratch {
   OwnedMatrix<scalar_t> probs, grad_scores; // (kQueryTile, key_block)
   std::vector<scalar_t> delta;              // (kQueryTile), see fill_row_deltas
   TileBands bands;
+  std::vector<scalar_t> query_rows, grad_out_rows; // see compact_rows
+};
+
+// A query tile's rows of Q or dO as the backward's products read them.
+// Where the heads' rows interleave with other heads' ((B, L, H, D) memory,
+// rows thousands of bytes apart), they are copied into `buffer`, one row
+// after the other: dK += dSᵀ Q and dV += Pᵀ dO read them down their
+// columns, and rows so far apart fall into a few cache sets, which cannot
+// hold a tile's panel from one row block of the product to the next.
+template <typename scalar_t>
+MatrixRef<scalar_t> compact_rows(const MatrixRef<scalar_t>& m, std::vector<scalar_t>& buffer) {
+  if (m.data == nullptr || (m.row_stride == m.cols && m.column_stride == 1)) {
+    return m;
+  }
+  buffer.resize(static_cast<size_t>(m.rows * m.cols));
+  for (int64_t r = 0; r < m.rows; ++r) {
+    const scalar_t* from = m.row(r);
+    scalar_t* to = buffer.data() + r * m.cols;
+    for (int64_t c = 0; c < m.cols; ++c) {
+      to[c] = from[c * m.column_stride];
+    }
+  }
+  return {buffer.data(), m.rows, m.cols, m.cols, 1};
+}
+
+// One query tile of the backward: where it is, its rows of Q and dO (see
+// compact_rows) and its rows of dQ.
+template <typename scalar_t>
+struct BackwardTile {
+  QueryTile tile;
+  MatrixRef<scalar_t> q, grad_out, dq;
 };
 
 // What the backward reads besides the inputs, and the key/value gradients
@@ -466,22 +511,23 @@ struct GradientBetas {
 };
 
 // One query tile against keys [j0, j0 + cols): recomputes the tile's
-// probabilities P and adds its shares of dV, dQ (into `dq_tile`) and dK,
-// or writes them, as `betas` say.
+// probabilities P and adds its shares of dV, dQ and dK, or writes them, as
+// `betas` say.
 template <typename scalar_t>
 void backward_block(
     const KernelInputs<scalar_t>& in,
     const BackwardTensors<scalar_t>& t,
     BackwardScratch<scalar_t>& scratch,
-    const QueryTile& tile,
+    const BackwardTile<scalar_t>& query_tile,
     int64_t j0,
     int64_t cols,
-    const MatrixRef<scalar_t>& dq_tile,
     const GradientBetas& betas) {
+  const QueryTile& tile = query_tile.tile;
   const auto [b, h, i0, rows] = tile;
   const int64_t kv_head = h / in.group;
-  const auto q_tile = in.q_heads.head(b, h).row_block(i0, rows);
-  const auto go_tile = t.grad_out.head(b, h).row_block(i0, rows);
+  const auto& q_tile = query_tile.q;
+  const auto& go_tile = query_tile.grad_out;
+  const auto& dq_tile = query_tile.dq;
   const scalar_t* lse_rows = t.lse + (b * in.H + h) * in.L + i0;
   const auto p = scratch.probs.matrix.row_block(0, rows).column_block(0, cols);
   const auto ds = scratch.grad_scores.matrix.row_block(0, rows).column_block(0, cols);
@@ -573,12 +619,13 @@ void flash_backward(
   }
 
   const auto make_scratch = [&] {
-    const std::vector<int64_t> tile{std::min(kQueryTile, in.L), in.key_block};
     return BackwardScratch<scalar_t>{
-        OwnedMatrix<scalar_t>(workspace_tensor(WorkspaceSlot::tile_scores, tile, in.q.options())),
-        OwnedMatrix<scalar_t>(
-            workspace_tensor(WorkspaceSlot::tile_grad_scores, tile, in.q.options())),
-        std::vector<scalar_t>(kQueryTile), TileBands{}};
+        tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in),
+        tile_matrix<scalar_t>(WorkspaceSlot::tile_grad_scores, in),
+        std::vector<scalar_t>(kQueryTile),
+        TileBands{},
+        {},
+        {}};
   };
   // Each task writes its tiles' rows of dQ with their first key block and
   // adds the others'. With one query tile per head, every row of dK and dV
@@ -607,6 +654,11 @@ void flash_backward(
         for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
           const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
           const auto dq_tile = dq_head.row_block(i0, tile.rows);
+          const BackwardTile<scalar_t> query_tile{
+              tile,
+              compact_rows(in.q_heads.head(b, h).row_block(i0, tile.rows), scratch.query_rows),
+              compact_rows(t.grad_out.head(b, h).row_block(i0, tile.rows), scratch.grad_out_rows),
+              dq_tile};
           fill_row_deltas(t, tile, scratch.delta);
           const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
           const int64_t end = std::max(
@@ -620,8 +672,7 @@ void flash_backward(
           }
           for (int64_t j0 = begin; j0 < end; j0 += in.key_block) {
             const GradientBetas betas{j0 == begin ? 0.0 : 1.0, one_query_tile ? 0.0 : 1.0};
-            backward_block(
-                in, t, scratch, tile, j0, std::min(in.key_block, end - j0), dq_tile, betas);
+            backward_block(in, t, scratch, query_tile, j0, std::min(in.key_block, end - j0), betas);
           }
         }
       });

@@ -490,17 +490,24 @@ constexpr double kMinParallelTranspose = 1 << 16;
 
 void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
   const int64_t H = t.size(1), S = t.size(2), D = t.size(3);
-  const int64_t batch_stride = t.stride(0), head_stride = t.stride(1);
   const float* source = t.data_ptr<float>();
   float* target = transposed.data_ptr<float>();
   const int64_t grain = parallel_grain(static_cast<double>(S * D), kMinParallelTranspose);
   at::parallel_for(0, t.size(0) * H, grain, [&](int64_t begin, int64_t end) {
     for (int64_t head = begin; head < end; ++head) {
+      const int64_t b = head / H, h = head % H;
       transpose_float(
-          S, D, source + head / H * batch_stride + head % H * head_stride, t.stride(2), t.stride(3),
-          target + head * D * S, S);
+          S, D, source + b * t.stride(0) + h * t.stride(1), t.stride(2), t.stride(3),
+          target + b * transposed.stride(0) + h * transposed.stride(1), transposed.stride(2));
     }
   });
+}
+
+int64_t spread_row_stride(int64_t cols, int64_t element_size) {
+  constexpr int64_t kLineBytes = 64;
+  const int64_t per_line = std::max<int64_t>(1, kLineBytes / element_size);
+  const int64_t lines = (cols + per_line - 1) / per_line;
+  return (lines % 2 == 0 ? lines + 1 : lines) * per_line;
 }
 
 // The products for the two dtypes the kernels dispatch to.

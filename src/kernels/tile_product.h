@@ -161,10 +161,19 @@ void transpose_float(
     float* to,
     int64_t ld_to);
 
-// transposed (B, H, D, S), contiguous, = t (B, H, S, D) as floats, whose
-// rows have any strides: transpose_float per head, in parallel over the
-// heads. (ATen's element-by-element copy of the transposed view took 7 %
-// of the tiled forward at T = 128.)
+// transposed (B, H, D, S), rows of unit stride, = t (B, H, S, D) as
+// floats, whose rows have any strides: transpose_float per head, in
+// parallel over the heads. (ATen's element-by-element copy of the
+// transposed view took 7 % of the tiled forward at T = 128.)
 void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed);
+
+// A row stride for matrices of `cols` elements of `element_size` bytes
+// whose rows the products read down a column (Kᵀ and Vᵀ, score tiles):
+// at least `cols`, a whole and odd number of 64-byte cache lines, so that
+// consecutive rows fall in different cache sets. With a power-of-two
+// stride (Kᵀ of 1024 or 4096 keys) every row of a micro-tile's panel maps
+// to the same few sets of L1, and the panel is fetched again for every
+// row block.
+int64_t spread_row_stride(int64_t cols, int64_t element_size);
 
 } // namespace attn::detail
