@@ -197,9 +197,13 @@ bool cpu_has_avx512() {
 // in registers: pairs of rows interleaved at 32, then 64 bits, within
 // 128-bit lanes, then the lanes exchanged twice. (GCC 12's unpack
 // intrinsics start from a vector initialised from itself, which
-// -Wuninitialized reports at every call.)
+// -Wuninitialized, and with sanitizers -Wmaybe-uninitialized, report at
+// every call.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 __attribute__((target("avx512f"))) void transpose_block16(
     const float* from,
     int64_t from_row_stride,
