@@ -202,6 +202,17 @@ struct OwnedMatrix {
   MatrixRef<scalar_t> matrix;
 };
 
+// workspace_tensor of `sizes` whose rows (the last dimension) lie
+// spread_row_stride apart: a view of a buffer with wider rows.
+torch::Tensor spread_workspace_tensor(
+    WorkspaceSlot slot,
+    std::vector<int64_t> sizes,
+    const torch::TensorOptions& options) {
+  const int64_t cols = sizes.back();
+  sizes.back() = spread_row_stride(cols, static_cast<int64_t>(options.dtype().itemsize()));
+  return workspace_tensor(slot, sizes, options).narrow(-1, 0, cols);
+}
+
 // tᵀ over its last two dimensions, for the products that read it as their
 // right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that operand
 // by rows, so its rows are made contiguous once per call, where attn's own
@@ -214,12 +225,8 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
   if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
     return t.transpose(2, 3);
   }
-  const int64_t S = t.size(2);
-  const auto copy = workspace_tensor(
-                        slot,
-                        {t.size(0), t.size(1), t.size(3), spread_row_stride(S, t.element_size())},
-                        t.options())
-                        .narrow(3, 0, S);
+  const auto copy = spread_workspace_tensor(
+      slot, {t.size(0), t.size(1), t.size(3), t.size(2)}, t.options());
   if (t.numel() > 0) {
     transpose_heads(t, copy);
   }
@@ -329,10 +336,8 @@ struct KernelInputs {
 // backward reads it down its columns).
 template <typename scalar_t>
 OwnedMatrix<scalar_t> tile_matrix(WorkspaceSlot slot, const KernelInputs<scalar_t>& in) {
-  const int64_t rows = std::min(kQueryTile, in.L), cols = in.key_block;
   return OwnedMatrix<scalar_t>(
-      workspace_tensor(slot, {rows, spread_row_stride(cols, sizeof(scalar_t))}, in.q.options())
-          .narrow(1, 0, cols));
+      spread_workspace_tensor(slot, {std::min(kQueryTile, in.L), in.key_block}, in.q.options()));
 }
 
 // A forward task's working memory: one tile's scores and its rows' running
@@ -654,12 +659,6 @@ void flash_backward(
         for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
           const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
           const auto dq_tile = dq_head.row_block(i0, tile.rows);
-          const BackwardTile<scalar_t> query_tile{
-              tile,
-              compact_rows(in.q_heads.head(b, h).row_block(i0, tile.rows), scratch.query_rows),
-              compact_rows(t.grad_out.head(b, h).row_block(i0, tile.rows), scratch.grad_out_rows),
-              dq_tile};
-          fill_row_deltas(t, tile, scratch.delta);
           const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
           const int64_t end = std::max(
               begin, std::min(keys_end, in.mask.tile_key_end(i0, tile.rows)));
@@ -667,9 +666,16 @@ void flash_backward(
             zero_key_rows(keys_begin, begin);
             zero_key_rows(end, keys_end);
           }
-          if (begin == end) {
+          if (begin == end) { // a tile that sees none of these keys
             zero_matrix(dq_tile);
+            continue;
           }
+          const BackwardTile<scalar_t> query_tile{
+              tile,
+              compact_rows(in.q_heads.head(b, h).row_block(i0, tile.rows), scratch.query_rows),
+              compact_rows(t.grad_out.head(b, h).row_block(i0, tile.rows), scratch.grad_out_rows),
+              dq_tile};
+          fill_row_deltas(t, tile, scratch.delta);
           for (int64_t j0 = begin; j0 < end; j0 += in.key_block) {
             const GradientBetas betas{j0 == begin ? 0.0 : 1.0, one_query_tile ? 0.0 : 1.0};
             backward_block(in, t, scratch, query_tile, j0, std::min(in.key_block, end - j0), betas);
