@@ -393,7 +393,7 @@ TEST(PythonStateDict, NamesTheFileAndWhatItHoldsThatTheReaderDoesNotKnow) {
   };
   const std::vector<Case> cases = {
       {"an opcode of pickle protocol 4 (EMPTY_SET) after PROTO",
-       [](Archive& a) { a.pickle.insert(2, "\x8f"); },
+       [](Archive& a) { a.pickle.insert(a.pickle.begin() + 2, '\x8f'); },
        "uses pickle opcode 0x8f at byte 2 of data.pkl, which this reader does not know; "
        "expected the opcodes torch.save writes for a state_dict of tensors"},
       {"pickle protocol 6", [](Archive& a) { a.pickle[1] = 6; },
