@@ -6,7 +6,8 @@
 //   build/bench/attn_training_bench [--quick] [--filter SUBSTRING[,SUBSTRING...]]
 //   build/bench/attn_training_bench --kernels   # the CPU kernels on short sequences
 //   build/bench/attn_training_bench --products  # the tiled kernel's products:
-//                                               # attn's own against BLAS
+//                                               # attn's loops per instruction
+//                                               # set against BLAS
 //
 // Each case builds both modules with the same weights and times them
 // interleaved, in rounds that alternate which goes first; a round times
@@ -21,7 +22,7 @@
 #include <attn/attn.h>
 
 #include "compat.h"               // whether LibTorch has its own attention
-#include "kernels/tile_product.h" // the tiled kernel's products, attn's or BLAS's
+#include "kernels/tile_product.h" // the tiled kernel's products, attn's loops or BLAS's
 #include "naive_attention.h"
 
 #include <ATen/Parallel.h>
@@ -234,13 +235,24 @@ void compare_kernels(double budget) {
   }
 }
 
-// The tiled kernel on the core (B·H = 8, D = 64, L = S = T) with attn's own
-// products and with BLAS's (tile_product.h), side by side; the rates as a
-// share of the same run's sgemm rate.
+// The tiled kernel on the core (B·H = 8, D = 64, L = S = T) with each of
+// the products this CPU can run (tile_product.h: attn's loops for each
+// instruction set, BLAS's) side by side; the rates as a share of the same
+// run's sgemm rate.
 void compare_products(double budget, double sgemm) {
+  auto loops = attn::detail::available_product_loops();
+  std::reverse(loops.begin(), loops.end()); // the default first
+  std::printf("| pass | causal | T |");
+  for (const auto each : loops) {
+    std::printf(" %s ms | %% of sgemm |", attn::detail::product_loops_name(each));
+  }
   std::printf(
-      "| pass | causal | T | attn's products ms | BLAS products ms | BLAS ÷ attn's | attn's %% of "
-      "sgemm | BLAS %% of sgemm |\n|---|---|---|---|---|---|---|---|\n");
+      " %s ÷ %s |\n|---|---|---|", attn::detail::product_loops_name(loops.back()),
+      attn::detail::product_loops_name(loops.front()));
+  for (size_t i = 0; i < loops.size(); ++i) {
+    std::printf("---|---|");
+  }
+  std::printf("---|\n");
   for (const bool backward : {false, true}) {
     for (const bool causal : {false, true}) {
       for (const int64_t T : {256, 512, 1024, 2048, 4096}) {
@@ -252,17 +264,22 @@ void compare_products(double budget, double sgemm) {
         const auto tiled = make_step(c, [q, k, v, options] {
           return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
         });
-        const Step blas = [tiled] {
-          const attn::detail::ScopedBlasProducts blas_products;
-          tiled();
-        };
-        const auto seconds = time_interleaved({tiled, blas}, budget);
+        std::vector<Step> steps;
+        for (const auto each : loops) {
+          steps.push_back([tiled, each] {
+            const attn::detail::ScopedProductLoops chosen(each);
+            tiled();
+          });
+        }
+        const auto seconds = time_interleaved(steps, budget);
         const double gflop = flops(c) / 1e9;
         std::printf(
-            "| %s | %s | %lld | %.3f | %.3f | %.2f× | %.0f %% | %.0f %% |\n",
-            backward ? "fwd+bwd" : "fwd", causal ? "yes" : "no", static_cast<long long>(T),
-            seconds[0] * 1e3, seconds[1] * 1e3, seconds[1] / seconds[0],
-            100 * gflop / seconds[0] / sgemm, 100 * gflop / seconds[1] / sgemm);
+            "| %s | %s | %lld |", backward ? "fwd+bwd" : "fwd", causal ? "yes" : "no",
+            static_cast<long long>(T));
+        for (const double time : seconds) {
+          std::printf(" %.3f | %.0f %% |", time * 1e3, 100 * gflop / time / sgemm);
+        }
+        std::printf(" %.2f× |\n", seconds.back() / seconds.front());
         std::fflush(stdout);
       }
     }

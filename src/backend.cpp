@@ -183,8 +183,10 @@ bool libtorch_faster_on_cpu(
 // kernel is level to 1.3x as fast up to 64 queries and keys, and slower
 // from 96. With LibTorch 1.13, where the tiled kernel multiplies in attn's
 // loops (float, AVX-512), it is up to 1.2x as fast forward up to 32, and
-// the tiled kernel 1.15-1.25x as fast with backward from 48; where BLAS
-// multiplies for the tiled kernel, the batched one is as fast up to 64.
+// the tiled kernel 1.15-1.25x as fast with backward from 48 (with AVX2's
+// loops, on a Zen 2: the batched one 1.0-1.3x as fast up to 32, level at
+// 64, slower from 96); where BLAS multiplies for the tiled kernel, the
+// batched one is as fast up to 64.
 // Other versions: as 1.13.
 bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
   // The kernels compute half precision in float32.

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -158,43 +159,83 @@ TEST(Workspace, ServesCallsInAndOutOfInferenceModeOnOneThread) {
       .join();
 }
 
-TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
-  if (!attn::detail::tile_products_run(torch::kFloat)) {
-    GTEST_SKIP() << "this CPU or build has no AVX-512: tile_addmm hands every product to "
-                    "at::addmm_out here";
+// Each of the product loops this CPU runs (attn's for each instruction
+// set, and BLAS's), set for the scope of `body()`.
+template <typename Body>
+void for_each_product_loops(const Body& body) {
+  for (const auto loops : attn::detail::available_product_loops()) {
+    const std::string name = attn::detail::product_loops_name(loops);
+    SCOPED_TRACE(name + " loops");
+    const attn::detail::ScopedProductLoops chosen(loops);
+    body();
   }
+}
+
+// The CPU's own word (GCC's and Clang's builtins) against the loops the
+// library offers: every instruction set it has, the BLAS always.
+TEST(TileProduct, EveryInstructionSetOfThisCpuRunsAttnsLoops) {
+  using attn::detail::ProductLoops;
+  const auto loops = attn::detail::available_product_loops();
+  ASSERT_FALSE(loops.empty());
+  EXPECT_EQ(loops.front(), ProductLoops::blas);
+  EXPECT_FALSE(attn::detail::tile_products_run(torch::kDouble));
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const auto has = [&](ProductLoops each) {
+    return std::find(loops.begin(), loops.end(), each) != loops.end();
+  };
+  EXPECT_EQ(has(ProductLoops::avx2), avx2);
+  EXPECT_EQ(has(ProductLoops::avx512), avx512);
+  EXPECT_EQ(
+      loops.back(),
+      avx512     ? ProductLoops::avx512
+          : avx2 ? ProductLoops::avx2
+                 : ProductLoops::blas);
+  EXPECT_EQ(attn::detail::tile_products_run(torch::kFloat), avx2 || avx512);
+#else
+  EXPECT_EQ(loops.size(), 1U);
+  GTEST_SKIP() << "attn's loops are built for x86 with GCC or Clang only; the BLAS multiplies here";
+#endif
+}
+
+TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
   torch::manual_seed(7);
   ThreadCount one_thread(1); // attn's loops run every product on one thread
-  // Rows around the 8-row micro-tile, columns around its 32 (two registers
-  // of 16), depths from none to a key block's; a read plain and transposed,
-  // c overwritten and accumulated into, as the kernels call it.
-  for (const int64_t rows : {1, 3, 8, 9, 17, 128}) {
-    for (const int64_t cols : {1, 15, 16, 17, 32, 33, 70}) {
-      for (const int64_t depth : {0, 1, 5, 64}) {
-        for (const bool a_transposed : {false, true}) {
-          for (const double beta : {0.0, 1.0}) {
-            SCOPED_TRACE(
-                "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-                " depth=" + std::to_string(depth) +
-                " a_transposed=" + std::to_string(a_transposed) + " beta=" + std::to_string(beta));
-            const auto a = a_transposed ? torch::randn({depth, rows}).t()
-                                        : torch::randn({rows, depth});
-            const auto b = torch::randn({depth + 2, cols}).narrow(0, 1, depth); // ld = cols
-            // c inside a wider buffer, so that a write past its columns shows.
-            const auto buffer = torch::randn({rows, cols + 3});
-            const auto c = buffer.narrow(1, 0, cols);
-            const auto before = buffer.clone();
-            const double alpha = 0.125;
-            attn::detail::tile_addmm(c, a, b, beta, alpha);
-            const auto expected = before.narrow(1, 0, cols).to(torch::kDouble) * beta +
-                alpha * torch::mm(a.to(torch::kDouble), b.to(torch::kDouble));
-            EXPECT_CLOSE(c, expected, (Tolerance{1e-5, 1e-5}));
-            EXPECT_TRUE(torch::equal(buffer.narrow(1, cols, 3), before.narrow(1, cols, 3)));
+  for_each_product_loops([] {
+    // Rows around the micro-tiles' 4 and 8, columns around their 16 and 32
+    // (registers of 8 and 16 floats), depths from none to a key block's; a
+    // read plain and transposed, c overwritten and accumulated into, as the
+    // kernels call it.
+    for (const int64_t rows : {1, 3, 4, 5, 8, 9, 17, 128}) {
+      for (const int64_t cols : {1, 7, 8, 9, 15, 16, 17, 32, 33, 70}) {
+        for (const int64_t depth : {0, 1, 5, 64}) {
+          for (const bool a_transposed : {false, true}) {
+            for (const double beta : {0.0, 1.0}) {
+              SCOPED_TRACE(
+                  "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) + " depth=" +
+                  std::to_string(depth) + " a_transposed=" + std::to_string(a_transposed) +
+                  " beta=" + std::to_string(beta));
+              const auto a = a_transposed ? torch::randn({depth, rows}).t()
+                                          : torch::randn({rows, depth});
+              const auto b = torch::randn({depth + 2, cols}).narrow(0, 1, depth); // ld = cols
+              // c inside a wider buffer, so that a write past its columns shows.
+              const auto buffer = torch::randn({rows, cols + 3});
+              const auto c = buffer.narrow(1, 0, cols);
+              const auto before = buffer.clone();
+              const double alpha = 0.125;
+              attn::detail::tile_addmm(c, a, b, beta, alpha);
+              const auto expected = before.narrow(1, 0, cols).to(torch::kDouble) * beta +
+                  alpha * torch::mm(a.to(torch::kDouble), b.to(torch::kDouble));
+              EXPECT_CLOSE(c, expected, (Tolerance{1e-5, 1e-5}));
+              EXPECT_TRUE(torch::equal(buffer.narrow(1, cols, 3), before.narrow(1, cols, 3)));
+            }
           }
         }
       }
     }
-  }
+  });
 }
 
 // One banded product against the float64 product, row block by row block:
@@ -240,17 +281,12 @@ TEST(TileProduct, BandedProductsComputeTheirBandsOnly) {
   using attn::detail::ProductBand;
   const std::vector<attn::detail::IndexRange> columns{{0, 32}, {32, 70}, {0, 0}};
   const std::vector<attn::detail::IndexRange> depths{{0, 40}, {8, 24}, {0, 0}};
-  for (const bool blas : {false, true}) {
-    SCOPED_TRACE(blas ? "at::addmm_out" : "attn's loops");
-    c10::optional<attn::detail::ScopedBlasProducts> blas_products;
-    if (blas) {
-      blas_products.emplace();
-    }
+  for_each_product_loops([&] {
     for (const double beta : {0.0, 1.0}) {
       expect_banded_product(ProductBand::columns, columns, beta);
       expect_banded_product(ProductBand::depth, depths, beta);
     }
-  }
+  });
 }
 
 // The spread row stride holds a row, and is an odd number of 64-byte
@@ -275,29 +311,31 @@ TEST(TileProduct, SpreadRowStridesAreAnOddNumberOfCacheLines) {
   }
 }
 
-// transpose_float against ATen's transpose, at sizes around its 16 × 16
+// transpose_float against ATen's transpose, at sizes around its 8 × 8 and 16 × 16
 // register blocks, from rows of unit and of wider column strides, into
 // rows wider than the result (so that a write past a row's end shows).
 TEST(TileProduct, TransposesMatchATensTranspose) {
   torch::manual_seed(9);
-  for (const int64_t rows : {0, 1, 15, 16, 17, 48, 130}) {
-    for (const int64_t cols : {1, 16, 33, 64}) {
-      for (const int64_t column_stride : {1, 2}) {
-        SCOPED_TRACE(
-            "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-            " column_stride=" + std::to_string(column_stride));
-        const auto from = torch::randn({rows, cols * column_stride + 3})
-                              .narrow(1, 0, cols * column_stride)
-                              .slice(1, 0, cols * column_stride, column_stride);
-        const auto to = torch::full({cols, rows + 5}, -1.0F);
-        attn::detail::transpose_float(
-            rows, cols, from.data_ptr<float>(), from.stride(0), from.stride(1),
-            to.data_ptr<float>(), to.stride(0));
-        EXPECT_TRUE(torch::equal(to.narrow(1, 0, rows), from.t()));
-        EXPECT_TRUE(torch::equal(to.narrow(1, rows, 5), torch::full({cols, 5}, -1.0F)));
+  for_each_product_loops([] {
+    for (const int64_t rows : {0, 1, 7, 8, 9, 15, 16, 17, 48, 130}) {
+      for (const int64_t cols : {1, 8, 16, 33, 64}) {
+        for (const int64_t column_stride : {1, 2}) {
+          SCOPED_TRACE(
+              "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
+              " column_stride=" + std::to_string(column_stride));
+          const auto from = torch::randn({rows, cols * column_stride + 3})
+                                .narrow(1, 0, cols * column_stride)
+                                .slice(1, 0, cols * column_stride, column_stride);
+          const auto to = torch::full({cols, rows + 5}, -1.0F);
+          attn::detail::transpose_float(
+              rows, cols, from.data_ptr<float>(), from.stride(0), from.stride(1),
+              to.data_ptr<float>(), to.stride(0));
+          EXPECT_TRUE(torch::equal(to.narrow(1, 0, rows), from.t()));
+          EXPECT_TRUE(torch::equal(to.narrow(1, rows, 5), torch::full({cols, 5}, -1.0F)));
+        }
       }
     }
-  }
+  });
 }
 
 enum class MaskKind { none, bool_pairs, bool_padding, float_per_head };

@@ -12,6 +12,8 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
+#include "kernels/tile_product.h" // which loops compute the kernels' float products
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -103,6 +105,7 @@ struct SdpaCase {
   c10::optional<double> scale;
   torch::ScalarType dtype;
   Layout layout;
+  attn::detail::ProductLoops products; // the float products: attn's loops or BLAS's
 
   std::string describe() const {
     std::ostringstream s;
@@ -112,7 +115,7 @@ struct SdpaCase {
       << " mask_requires_grad=" << mask_requires_grad << " causal=" << causal
       << " need_weights=" << need_weights << " requires_grad=" << requires_grad
       << " scale=" << (scale ? std::to_string(*scale) : "default") << " dtype=" << dtype
-      << " layout=" << name(layout);
+      << " layout=" << name(layout) << " products=" << attn::detail::product_loops_name(products);
     return s.str();
   }
 };
@@ -144,6 +147,10 @@ SdpaCase draw_sdpa_case(uint64_t seed) {
   c.scale = coin(rng) ? c10::optional<double>(pick(rng, {0.05, 0.7, 1.3})) : c10::nullopt;
   c.dtype = coin(rng) ? torch::kDouble : torch::kFloat;
   c.layout = pick(rng, {Layout::contiguous, Layout::transposed, Layout::expanded});
+  // Any of the loops this CPU runs (drawn last, so that the other draws
+  // are the same on every CPU).
+  const auto loops = attn::detail::available_product_loops();
+  c.products = loops[std::uniform_int_distribution<size_t>(0, loops.size() - 1)(rng)];
   return c;
 }
 
@@ -198,6 +205,7 @@ void check_sdpa_case(const SdpaCase& c) {
   const auto k = random_tensor(shape(c.S, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
   const auto v = random_tensor(shape(c.S, c.Ev), c.dtype, c.layout).requires_grad_(c.requires_grad);
   const auto mask = make_sdpa_mask(c);
+  const attn::detail::ScopedProductLoops products(c.products);
 
   torch::Tensor out, weights;
   if (c.module) {

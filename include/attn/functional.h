@@ -44,9 +44,10 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
 ///    CPUs like the one measured; see docs/BENCHMARKS.md, "Choosing the CPU
 ///    backend"); else `batched_cpu` for short sequences (at most 64 queries
 ///    and 64 keys; 32 on LibTorch 1.13 where the tiled kernel multiplies in
-///    attn's own loops, on CPUs with AVX-512; docs/BENCHMARKS.md, "Short
-///    sequences"); else `fused_cpu_weights` when weights are asked for and
-///    no gradient is needed; else `fused_cpu`.
+///    attn's own loops, on x86 CPUs with AVX-512 or AVX2;
+///    docs/BENCHMARKS.md, "Short sequences"); else `fused_cpu_weights`
+///    when weights are asked for and no gradient is needed; else
+///    `fused_cpu`.
 /// 3. On CUDA: `libtorch` where it applies.
 /// 4. `math` for everything else.
 ///

@@ -1,21 +1,16 @@
 #include "tile_product.h"
 
+#include "kernels/micro_tile.h"
 #include "kernels/parallel_grain.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define ATTN_HAVE_X86_AVX512 1
-#include <immintrin.h>
-#endif
+#include <vector>
 
 namespace attn::detail {
 namespace {
@@ -27,117 +22,6 @@ struct RowBlockBands {
   const IndexRange* ranges = nullptr;
 };
 
-#ifdef ATTN_HAVE_X86_AVX512
-
-// A micro-tile is up to kTileRows rows of c by up to kTileCols columns
-// (kTileVectors 16-float registers per row): kTileRows · kTileVectors
-// accumulators, fed per step of the depth loop by kTileVectors loads of b
-// and kTileRows broadcasts of a. Measured on the kernels' products (128 ×
-// 512 × 64, 128 × 64 × 512, 512 × 64 × 128; AMD EPYC, one thread): 8 × 2,
-// 12 × 2, 6 × 4 and 4 × 4 registers within 3 % of each other, 14 × 2 4 %
-// slower.
-constexpr int kTileRows = 8;
-constexpr int64_t kLanes = 16; // floats per register
-constexpr int64_t kTileVectors = 2;
-constexpr int64_t kTileCols = kLanes * kTileVectors;
-
-// The operands of one product: c (rows, cols; row stride ldc) = alpha·A·B
-// (+ c when `accumulate`), where A(r, i) = a[r·a_row_stride + i·a_depth_stride]
-// and B(i, j) = b[i·ldb + j].
-struct GemmOperands {
-  int64_t depth;
-  float alpha;
-  const float* a;
-  int64_t a_row_stride, a_depth_stride;
-  const float* b;
-  int64_t ldb;
-  float* c;
-  int64_t ldc;
-  bool accumulate;
-};
-
-// c[r0 .. r0+Rows) × [c0 .. c0+width) of the product, width ≤ kTileCols;
-// kFull: width == kTileCols, whose loads and stores need no lane masks (the
-// masks of the edge version, kept in memory, cost a load per step: the full
-// version made the tiled backward 1.2x faster on an AVX-512 Xeon).
-template <int Rows, bool kFull>
-__attribute__((target("avx512f"))) void micro_tile(
-    const GemmOperands& g,
-    int64_t r0,
-    int64_t c0,
-    int64_t width) {
-  __mmask16 lanes[kTileVectors];
-  for (int64_t v = 0; v < kTileVectors; ++v) {
-    const int64_t n = kFull ? kLanes : std::clamp<int64_t>(width - kLanes * v, 0, kLanes);
-    lanes[v] = static_cast<__mmask16>((1u << n) - 1u);
-  }
-  __m512 acc[Rows][kTileVectors];
-  const float* a_rows[Rows];
-#pragma GCC unroll 16
-  for (int r = 0; r < Rows; ++r) {
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kTileVectors; ++v) {
-      acc[r][v] = _mm512_setzero_ps();
-    }
-    a_rows[r] = g.a + (r0 + r) * g.a_row_stride;
-  }
-  const float* b_row = g.b + c0;
-  const int64_t depth = g.depth, ldb = g.ldb, a_step = g.a_depth_stride;
-  for (int64_t i = 0, a_offset = 0; i < depth; ++i, b_row += ldb, a_offset += a_step) {
-    __m512 b_values[kTileVectors];
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kTileVectors; ++v) {
-      if constexpr (kFull) {
-        b_values[v] = _mm512_loadu_ps(b_row + kLanes * v);
-      } else {
-        b_values[v] = _mm512_maskz_loadu_ps(lanes[v], b_row + kLanes * v);
-      }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-      const __m512 a_value = _mm512_set1_ps(a_rows[r][a_offset]);
-#pragma GCC unroll 4
-      for (int64_t v = 0; v < kTileVectors; ++v) {
-        acc[r][v] = _mm512_fmadd_ps(a_value, b_values[v], acc[r][v]);
-      }
-    }
-  }
-  const __m512 alpha = _mm512_set1_ps(g.alpha);
-#pragma GCC unroll 16
-  for (int r = 0; r < Rows; ++r) {
-    float* c_row = g.c + (r0 + r) * g.ldc + c0;
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kTileVectors; ++v) {
-      __m512 result = _mm512_mul_ps(acc[r][v], alpha);
-      if constexpr (kFull) {
-        if (g.accumulate) {
-          result = _mm512_add_ps(result, _mm512_loadu_ps(c_row + kLanes * v));
-        }
-        _mm512_storeu_ps(c_row + kLanes * v, result);
-      } else {
-        if (g.accumulate) {
-          result = _mm512_add_ps(result, _mm512_maskz_loadu_ps(lanes[v], c_row + kLanes * v));
-        }
-        _mm512_mask_storeu_ps(c_row + kLanes * v, lanes[v], result);
-      }
-    }
-  }
-}
-
-using MicroTileFn = void (*)(const GemmOperands&, int64_t, int64_t, int64_t);
-
-template <bool kFull, int... Rows>
-constexpr std::array<MicroTileFn, sizeof...(Rows)> micro_tiles(
-    std::integer_sequence<int, Rows...>) {
-  return {micro_tile<Rows + 1, kFull>...};
-}
-
-// micro_tile for 1 .. kTileRows rows, for full and partial widths.
-constexpr auto kFullMicroTiles = micro_tiles<true>(std::make_integer_sequence<int, kTileRows>());
-constexpr auto kEdgeMicroTiles = micro_tiles<false>(std::make_integer_sequence<int, kTileRows>());
-
-static_assert(kTileRows == kProductRowBlock && kTileCols == kProductColumnPanel);
-
 // The operands restricted to depth [range.begin, range.end).
 GemmOperands with_depth(const GemmOperands& g, const IndexRange& range) {
   GemmOperands part = g;
@@ -147,24 +31,28 @@ GemmOperands with_depth(const GemmOperands& g, const IndexRange& range) {
   return part;
 }
 
-// Column panels outside, row blocks inside: a panel of b (depth × kTileCols)
-// is read from cache by every row block in turn. (Splitting the depth into
-// blocks of 128 or 256, for a panel that stays in L1, measured no faster.)
+// Column panels outside, row blocks inside: a panel of b (depth ×
+// tiles.cols) is read from cache by every row block in turn. (Splitting
+// the depth into blocks of 128 or 256, for a panel that stays in L1,
+// measured no faster.) A micro-tile lies within one row block and one
+// column panel of the banded products.
 void gemm_by_micro_tiles(
+    const MicroTiles& tiles,
     int64_t rows,
     int64_t cols,
     const GemmOperands& g,
     const RowBlockBands& bands = {}) {
-  for (int64_t c0 = 0; c0 < cols; c0 += kTileCols) {
-    const int64_t width = std::min(kTileCols, cols - c0);
-    const auto& tiles = width == kTileCols ? kFullMicroTiles : kEdgeMicroTiles;
-    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-      const auto& tile = tiles[std::min<int64_t>(kTileRows, rows - r0) - 1];
+  for (int64_t c0 = 0; c0 < cols; c0 += tiles.cols) {
+    const int64_t width = std::min(tiles.cols, cols - c0);
+    const MicroTileFn* by_rows = width == tiles.cols ? tiles.full : tiles.edge;
+    const int64_t step = bands.ranges == nullptr ? tiles.rows : tiles.banded_rows;
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+      const MicroTileFn tile = by_rows[std::min(step, rows - r0) - 1];
       if (bands.ranges == nullptr) {
         tile(g, r0, c0, width);
         continue;
       }
-      const IndexRange& range = bands.ranges[r0 / kTileRows];
+      const IndexRange& range = bands.ranges[r0 / kProductRowBlock];
       if (bands.band == ProductBand::depth) {
         tile(with_depth(g, range), r0, c0, width);
       } else if (c0 >= range.begin && c0 < range.end) {
@@ -187,61 +75,6 @@ GemmOperands operands_of(
           b.row_stride,    out.data,
           out.row_stride,  beta == 1};
 }
-
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
-
-// A 16 × 16 block of `from` (rows of unit stride) transposed into `to`,
-// in registers: pairs of rows interleaved at 32, then 64 bits, within
-// 128-bit lanes, then the lanes exchanged twice. (GCC 12's unpack
-// intrinsics start from a vector initialised from itself, which
-// -Wuninitialized, and with sanitizers -Wmaybe-uninitialized, report at
-// every call.)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-__attribute__((target("avx512f"))) void transpose_block16(
-    const float* from,
-    int64_t from_row_stride,
-    float* to,
-    int64_t ld_to) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) {
-    r[i] = _mm512_loadu_ps(from + i * from_row_stride);
-  }
-  for (int i = 0; i < 16;
-       i += 2) { // lane k of t[i]: rows i, i+1 at columns 4k, 4k+1 (lo) or 4k+2, 4k+3 (hi)
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) { // lane k of r[i + c]: rows i .. i+3 at column 4k + c
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(
-        _mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(
-        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(
-        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-  }
-  for (int c = 0; c < 4;
-       ++c) { // lanes of rows 0-3, 4-7 (and 8-11, 12-15) at columns c + {0, 8} or c + {4, 12}
-    t[c] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0x88);
-    t[c + 4] = _mm512_shuffle_f32x4(r[c], r[c + 4], 0xdd);
-    t[c + 8] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0x88);
-    t[c + 12] = _mm512_shuffle_f32x4(r[c + 8], r[c + 12], 0xdd);
-  }
-  for (int c = 0; c < 8; ++c) { // column c and c + 8, all 16 rows
-    _mm512_storeu_ps(to + c * ld_to, _mm512_shuffle_f32x4(t[c], t[c + 8], 0x88));
-    _mm512_storeu_ps(to + (c + 8) * ld_to, _mm512_shuffle_f32x4(t[c], t[c + 8], 0xdd));
-  }
-}
-#pragma GCC diagnostic pop
-
-#endif
 
 // Rows and columns per block of the portable transpose.
 constexpr int64_t kTransposeBlock = 16;
@@ -289,29 +122,82 @@ bool product_stays_on_one_thread(int64_t rows, int64_t cols, int64_t depth) {
       kMinSharedProduct;
 }
 
-// False while a ScopedBlasProducts lives.
-std::atomic<bool> tile_products_allowed{true};
+// The set, where its micro-tiles divide the banded products' row blocks
+// and column panels.
+const MicroTiles* dividing_bands(const MicroTiles* tiles) {
+  TORCH_INTERNAL_ASSERT(
+      tiles == nullptr ||
+      (kProductRowBlock % tiles->banded_rows == 0 && tiles->banded_rows <= tiles->rows &&
+       kProductColumnPanel % tiles->cols == 0));
+  return tiles;
+}
 
-bool cpu_runs_tile_gemm() {
-#ifdef ATTN_HAVE_X86_AVX512
-  static const bool available = cpu_has_avx512();
-  return available && tile_products_allowed.load(std::memory_order_relaxed);
-#else
-  return false;
-#endif
+const MicroTiles* micro_tiles_of(ProductLoops loops) {
+  static const MicroTiles* const avx512 = dividing_bands(avx512_micro_tiles());
+  static const MicroTiles* const avx2 = dividing_bands(avx2_micro_tiles());
+  switch (loops) {
+    case ProductLoops::avx512: return avx512;
+    case ProductLoops::avx2: return avx2;
+    case ProductLoops::blas: return nullptr;
+  }
+  return nullptr;
+}
+
+ProductLoops widest_product_loops() {
+  static const ProductLoops widest = available_product_loops().back();
+  return widest;
+}
+
+// The loops that compute the float products now: the widest, or a
+// ScopedProductLoops' choice.
+std::atomic<ProductLoops>& chosen_product_loops() {
+  static std::atomic<ProductLoops> chosen{widest_product_loops()};
+  return chosen;
+}
+
+// Null while the BLAS computes the float products.
+const MicroTiles* active_micro_tiles() {
+  return micro_tiles_of(chosen_product_loops().load(std::memory_order_relaxed));
 }
 
 } // namespace
 
-ScopedBlasProducts::ScopedBlasProducts()
-    : previous_(tile_products_allowed.exchange(false, std::memory_order_relaxed)) {}
+std::vector<ProductLoops> available_product_loops() {
+  std::vector<ProductLoops> loops{ProductLoops::blas};
+  for (const auto candidate : {ProductLoops::avx2, ProductLoops::avx512}) {
+    if (micro_tiles_of(candidate) != nullptr) {
+      loops.push_back(candidate);
+    }
+  }
+  return loops;
+}
 
-ScopedBlasProducts::~ScopedBlasProducts() {
-  tile_products_allowed.store(previous_, std::memory_order_relaxed);
+const char* product_loops_name(ProductLoops loops) {
+  switch (loops) {
+    case ProductLoops::blas: return "BLAS";
+    case ProductLoops::avx2: return "AVX2";
+    case ProductLoops::avx512: return "AVX-512";
+  }
+  return "?";
+}
+
+ScopedProductLoops::ScopedProductLoops(ProductLoops loops)
+    : previous_(chosen_product_loops().exchange(loops, std::memory_order_relaxed)) {
+  const auto available = available_product_loops();
+  if (std::find(available.begin(), available.end(), loops) == available.end()) {
+    chosen_product_loops().store(previous_, std::memory_order_relaxed);
+    TORCH_CHECK(
+        false, "ScopedProductLoops: this build or CPU cannot run ", product_loops_name(loops),
+        " loops");
+  }
+}
+
+ScopedProductLoops::~ScopedProductLoops() {
+  chosen_product_loops().store(previous_, std::memory_order_relaxed);
 }
 
 bool tile_products_run(torch::ScalarType dtype) {
-  return dtype == torch::kFloat && cpu_runs_tile_gemm();
+  return dtype == torch::kFloat && active_micro_tiles() != nullptr;
 }
 
 bool tile_gemm_float(
@@ -327,16 +213,14 @@ bool tile_gemm_float(
     float* c,
     int64_t ldc,
     bool accumulate) {
-#ifdef ATTN_HAVE_X86_AVX512
-  if (!cpu_runs_tile_gemm()) {
+  const MicroTiles* tiles = active_micro_tiles();
+  if (tiles == nullptr) {
     return false;
   }
   gemm_by_micro_tiles(
-      rows, cols, {depth, alpha, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate});
+      *tiles, rows, cols,
+      {depth, alpha, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate});
   return true;
-#else
-  return false;
-#endif
 }
 
 template <typename T>
@@ -347,7 +231,7 @@ bool tile_loops_take(
     double beta) {
   if constexpr (std::is_same_v<T, float>) {
     return out.rows > 0 && out.cols > 0 && a.cols > 0 && fits_tile_gemm(out, b, beta) &&
-        product_stays_on_one_thread(out.rows, out.cols, a.cols) && cpu_runs_tile_gemm();
+        product_stays_on_one_thread(out.rows, out.cols, a.cols) && active_micro_tiles() != nullptr;
   } else {
     return false;
   }
@@ -368,13 +252,12 @@ bool ran_tile_loops(
   if (!tile_loops_take(out, a, b, beta)) {
     return false;
   }
-#ifdef ATTN_HAVE_X86_AVX512
   if constexpr (std::is_same_v<T, float>) {
-    gemm_by_micro_tiles(out.rows, out.cols, operands_of(out, a, b, beta, alpha), bands);
+    gemm_by_micro_tiles(
+        *active_micro_tiles(), out.rows, out.cols, operands_of(out, a, b, beta, alpha), bands);
     return true;
   }
-#endif
-  return false; // unreachable: tile_loops_take says no without the loops
+  return false; // unreachable: tile_loops_take says no to other dtypes
 }
 
 // A matrix as a tensor over its memory, for at::addmm_out.
@@ -432,7 +315,13 @@ void tile_addmm_banded(
   if (rows == 0 || out.cols == 0) {
     return;
   }
-  if (ran_tile_loops(out, a, b, beta, alpha, {band, row_block_bands.data()})) {
+  // Bands that agree in every row block (no mask, or one on keys alone)
+  // make one product of the band, whose micro-tiles need not stay within
+  // row blocks.
+  const bool one_band = std::all_of(
+      row_block_bands.begin(), row_block_bands.end(),
+      [&](const IndexRange& range) { return range == row_block_bands.front(); });
+  if (!one_band && ran_tile_loops(out, a, b, beta, alpha, {band, row_block_bands.data()})) {
     return;
   }
   // Row blocks with equal bands in one call each.
@@ -466,13 +355,18 @@ void transpose_float(
     int64_t from_column_stride,
     float* to,
     int64_t ld_to) {
-#ifdef ATTN_HAVE_X86_AVX512
-  static const bool blocks_in_registers = cpu_has_avx512();
-  if (blocks_in_registers && from_column_stride == 1) {
-    const int64_t full_rows = rows / kLanes * kLanes, full_cols = cols / kLanes * kLanes;
-    for (int64_t i0 = 0; i0 < full_rows; i0 += kLanes) {
-      for (int64_t j0 = 0; j0 < full_cols; j0 += kLanes) {
-        transpose_block16(
+  // In registers with the products' instruction set, or the widest while
+  // the BLAS multiplies.
+  const MicroTiles* tiles = active_micro_tiles();
+  if (tiles == nullptr) {
+    tiles = micro_tiles_of(widest_product_loops());
+  }
+  if (tiles != nullptr && from_column_stride == 1) {
+    const int64_t block = tiles->transpose_block;
+    const int64_t full_rows = rows / block * block, full_cols = cols / block * block;
+    for (int64_t i0 = 0; i0 < full_rows; i0 += block) {
+      for (int64_t j0 = 0; j0 < full_cols; j0 += block) {
+        tiles->transpose(
             from + i0 * from_row_stride + j0, from_row_stride, to + j0 * ld_to + i0, ld_to);
       }
     }
@@ -485,7 +379,6 @@ void transpose_float(
         to + full_rows, ld_to);
     return;
   }
-#endif
   transpose_by_blocks(rows, cols, from, from_row_stride, from_column_stride, to, ld_to);
 }
 

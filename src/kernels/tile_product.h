@@ -2,37 +2,52 @@
 
 // The matrix products of the tiled CPU kernels: out = beta·out + alpha·a·b
 // on 2-D tensors or on matrices in memory (MatrixRef), as at::addmm_out
-// computes them. For float, on CPUs with
-// AVX-512, attn's own register-tiled loops compute them: a score tile is
-// 128 × 512 × D, small enough that a BLAS call's packing of both operands
-// and its set-up on every call show (the forward measured 1.00-1.07× with
-// attn's loops against OpenBLAS's, docs/BENCHMARKS.md). Other dtypes, CPUs
-// and layouts go to at::addmm_out, and so do large products called outside
-// a parallel region, which the BLAS shares between threads.
+// computes them. For float, on x86 CPUs with AVX-512 or with AVX2 and
+// FMA, attn's own register-tiled loops (micro_tile.h) compute them: a
+// score tile is 128 × 512 × D, small enough that a BLAS call's packing of
+// both operands and its set-up on every call show (the forward measured
+// 1.00-1.07× with attn's loops against OpenBLAS's, docs/BENCHMARKS.md).
+// Other dtypes, CPUs and layouts go to at::addmm_out, and so do large
+// products called outside a parallel region, which the BLAS shares
+// between threads.
 
 #include <c10/util/ArrayRef.h>
 #include <torch/types.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace attn::detail {
+
+// Which loops compute the float products: at::addmm_out (the BLAS), or
+// attn's loops for one x86 instruction set.
+enum class ProductLoops { blas, avx2, avx512 };
+
+// The loops this build and CPU can run, the BLAS first; the last (the
+// widest instruction set) computes the products unless a
+// ScopedProductLoops says otherwise.
+std::vector<ProductLoops> available_product_loops();
+
+// "BLAS", "AVX2", "AVX-512".
+const char* product_loops_name(ProductLoops loops);
 
 // Whether tile_addmm runs attn's own loops for this dtype on this CPU
 // (where its right operand's rows are contiguous).
 bool tile_products_run(torch::ScalarType dtype);
 
-// While one lives, tile_addmm hands every product to at::addmm_out, so
-// that tests and benchmarks can compare the two ways in one process. Set it
-// while no kernel runs on another thread.
-class ScopedBlasProducts {
+// While one lives, the float products run on `loops`, one of
+// available_product_loops() (a c10::Error names any other), so that tests
+// and benchmarks can compare the loops in one process. Set it while no
+// kernel runs on another thread.
+class ScopedProductLoops {
  public:
-  ScopedBlasProducts();
-  ~ScopedBlasProducts();
-  ScopedBlasProducts(const ScopedBlasProducts&) = delete;
-  ScopedBlasProducts& operator=(const ScopedBlasProducts&) = delete;
+  explicit ScopedProductLoops(ProductLoops loops);
+  ~ScopedProductLoops();
+  ScopedProductLoops(const ScopedProductLoops&) = delete;
+  ScopedProductLoops& operator=(const ScopedProductLoops&) = delete;
 
  private:
-  bool previous_;
+  ProductLoops previous_;
 };
 
 // out = beta·out + alpha·a·b with `beta` 0 or 1: a (m, k), b (k, n) and out
@@ -45,7 +60,8 @@ void tile_addmm(
     double alpha);
 
 // attn's loops compute `out` in blocks of kProductRowBlock rows, and a
-// row block in panels of kProductColumnPanel columns.
+// row block in panels of kProductColumnPanel columns (each instruction
+// set's micro-tiles divide both).
 constexpr int64_t kProductRowBlock = 8;
 constexpr int64_t kProductColumnPanel = 32;
 
@@ -151,7 +167,9 @@ bool tile_gemm_float(
 
 // to = fromᵀ in float, for the right operands that attn's loops read by
 // rows (Kᵀ, Vᵀ): from (rows, cols) with strides (from_row_stride,
-// from_column_stride), to (cols, rows) with row stride ld_to.
+// from_column_stride), to (cols, rows) with row stride ld_to. From rows of
+// unit stride, in register blocks of the products' instruction set (of the
+// widest while the BLAS multiplies).
 void transpose_float(
     int64_t rows,
     int64_t cols,
