@@ -5,6 +5,9 @@
 //
 //   build/bench/attn_training_bench [--quick] [--filter SUBSTRING[,SUBSTRING...]]
 //   build/bench/attn_training_bench --kernels   # the CPU kernels on short sequences
+//   build/bench/attn_training_bench --kernels --loops AVX2
+//                                               # ... with attn's loops of one
+//                                               # instruction set (tile_product.h)
 //   build/bench/attn_training_bench --products  # the tiled kernel's products:
 //                                               # attn's loops per instruction
 //                                               # set against BLAS
@@ -195,8 +198,13 @@ void compare_kernels(double budget) {
   for (const auto backend : backends) {
     std::printf(" %s ms |", attn::backend_name(backend));
   }
-  std::printf(" fused_cpu ÷ batched_cpu |\n|---|---|---|---|---|");
-  for (size_t i = 0; i <= backends.size(); ++i) {
+  // Below 1: attn's fused kernel (its short loops up to 64 keys) is the faster.
+  std::printf(" fused_cpu ÷ batched_cpu |");
+  if (backends.size() > 2) {
+    std::printf(" fused_cpu ÷ libtorch |");
+  }
+  std::printf("\n|---|---|---|---|---|");
+  for (size_t i = 0; i < 2 * backends.size() - 1; ++i) {
     std::printf("---|");
   }
   std::printf("\n");
@@ -226,7 +234,10 @@ void compare_kernels(double budget) {
             for (const double time : seconds) {
               std::printf(" %.3f |", time * 1e3);
             }
-            std::printf(" %.2f× |\n", seconds[0] / seconds[1]);
+            for (size_t other = 1; other < seconds.size(); ++other) {
+              std::printf(" %.2f× |", seconds[0] / seconds[other]);
+            }
+            std::printf("\n");
             std::fflush(stdout);
           }
         }
@@ -348,12 +359,24 @@ bool matches(const std::string& name, const std::string& filter) {
   }
 }
 
+// The product loops named `name` ("BLAS", "AVX2", "AVX-512"), if this CPU
+// runs them.
+c10::optional<attn::detail::ProductLoops> product_loops_named(const std::string& name) {
+  for (const auto loops : attn::detail::available_product_loops()) {
+    if (name == attn::detail::product_loops_name(loops)) {
+      return loops;
+    }
+  }
+  return c10::nullopt;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   double budget = 1.5;
   std::string filter;
   bool kernels = false, products = false;
+  c10::optional<attn::detail::ProductLoops> loops;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       budget = 0.3;
@@ -363,10 +386,17 @@ int main(int argc, char** argv) {
       products = true;
     } else if (std::strcmp(argv[i], "--filter") == 0 && i + 1 < argc) {
       filter = argv[++i];
+    } else if (std::strcmp(argv[i], "--loops") == 0 && i + 1 < argc) {
+      loops = product_loops_named(argv[++i]);
+      if (!loops) {
+        std::fprintf(stderr, "%s: --loops: this CPU runs no loops named %s\n", argv[0], argv[i]);
+        return 2;
+      }
     } else {
       std::fprintf(
           stderr,
-          "usage: %s [--quick] [--kernels | --products | --filter SUBSTRING[,SUBSTRING...]]\n",
+          "usage: %s [--quick] [--kernels [--loops BLAS|AVX2|AVX-512] | --products | "
+          "--filter SUBSTRING[,SUBSTRING...]]\n",
           argv[0]);
       return 2;
     }
@@ -381,6 +411,13 @@ int main(int argc, char** argv) {
       threads.reason.c_str(), threads.blas.c_str(), blas_threads(),
       threads.blas_core.empty() ? "–" : threads.blas_core.c_str(), sgemm);
   if (kernels) {
+    c10::optional<attn::detail::ScopedProductLoops> chosen;
+    if (loops) {
+      chosen.emplace(*loops);
+    }
+    std::printf(
+        "attn's products: %s loops\n\n",
+        attn::detail::product_loops_name(attn::detail::active_product_loops()));
     compare_kernels(budget);
     return 0;
   }

@@ -1,5 +1,6 @@
 #include "backend.h"
 
+#include "kernels/short_heads.h"
 #include "kernels/tile_product.h"
 
 #include "compat.h"
@@ -145,9 +146,10 @@ bool libtorch_fused_cpu_kernel_applies(
 // Where LibTorch's fused CPU kernel outruns attn's, for a request both can
 // run. Measured with LibTorch 2.15 on 2 cores of a Xeon with AVX-512 and
 // AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
-// LibTorch's kernel is faster up to 64 keys (its forward up to 1.5x; with
-// backward, GPT-2-small's layer and train_transformer's trained 1.0-1.1x
-// faster through it than through attn's batched kernel), and from 2048
+// LibTorch's kernel is faster up to 64 keys than attn's batched kernel
+// (its forward up to 1.5x; with backward, GPT-2-small's layer and
+// train_transformer's trained 1.0-1.1x faster through it), which it
+// replaces where the fused kernel's short loops do not run, and from 2048
 // keys without a causal mask where batch x heads is 32 or more (forward
 // 1.04-1.18x, backward level); in between, and causal from 128 keys at every length,
 // attn's tiled kernel is faster (1.05-1.25x at 1024 keys without a mask,
@@ -169,11 +171,19 @@ bool libtorch_faster_on_cpu(
   const auto& cpu = measured_cpu_features();
   switch (query.scalar_type()) {
     case torch::kFloat:
-      return cpu.avx512 && (S <= 64 || (!options.is_causal() && S >= 2048 && heads >= 32));
+      return cpu.avx512 &&
+          ((S <= 64 && !short_heads_run(torch::kFloat, query.size(-2), S)) ||
+           (!options.is_causal() && S >= 2048 && heads >= 32));
     case torch::kBFloat16:
       return cpu.amx_bfloat16 && (!inputs_need_grad(query, key, value) || S > 256);
     default: return false;
   }
+}
+
+// The dtype attn's CPU kernels compute a request in: half precision in
+// float32.
+torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
+  return query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
 // Where attn's batched kernel outruns its tiled one: short sequences, whose
@@ -189,10 +199,25 @@ bool libtorch_faster_on_cpu(
 // batched one is as fast up to 64.
 // Other versions: as 1.13.
 bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
-  // The kernels compute half precision in float32.
-  const auto computed = query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed) ? 64 : 32;
+  const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed_on_cpu(query))
+      ? 64
+      : 32;
   return query.size(-2) <= longest && key.size(-2) <= longest;
+}
+
+// Where the fused kernel's short loops run (kernels/short_heads.h), they
+// are the fastest of the CPU kernels without weights in nearly every case
+// measured (L = S = 16 to 64). Measured on 2 cores
+// of an AMD EPYC (Zen 4), LibTorch 2.15 and 1.13 (docs/BENCHMARKS.md, "Short
+// heads"): at 16-64 tokens, D = 16 and 64, forward 1.3-2.6x the batched
+// kernel and 1.05-2.2x LibTorch's; with backward 1.0-1.9x and 1.2-2.3x
+// (on 1.13 the batched kernel was up to 1.27x faster at 32 tokens, D = 64,
+// 96 heads; with AVX2 forced on that CPU, up to 1.2x at 64 keys, D = 64).
+// In the module, train_transformer's layer ran forward + backward 1.2-1.4x
+// as fast as the built-in, against 0.9-1.0x through LibTorch's kernel, and
+// no short shape lost.
+bool short_heads_faster(const torch::Tensor& query, const torch::Tensor& key) {
+  return short_heads_run(computed_on_cpu(query), query.size(-2), key.size(-2));
 }
 
 } // namespace
@@ -227,6 +252,9 @@ AttentionBackend choose_backend(
     if (runs(AttentionBackend::fused_cpu) && runs(AttentionBackend::libtorch) &&
         libtorch_faster_on_cpu(query, key, value, options)) {
       return AttentionBackend::libtorch;
+    }
+    if (runs(AttentionBackend::fused_cpu) && short_heads_faster(query, key)) {
+      return AttentionBackend::fused_cpu;
     }
     if (runs(AttentionBackend::batched_cpu) && batched_cpu_faster(query, key)) {
       return AttentionBackend::batched_cpu;

@@ -4,6 +4,7 @@
 
 #include "test_support.h"
 
+#include "kernels/short_heads.h"
 #include "kernels/tile_product.h"
 
 #include <attn/attn.h>
@@ -67,6 +68,12 @@ int64_t batched_longest() {
   return kRuleMeasured || !attn::detail::tile_products_run(torch::kFloat) ? 64 : 32;
 }
 
+// Whether the fused kernel's short loops run here (attn's loops multiply:
+// x86 with AVX-512 or AVX2).
+bool short_loops() {
+  return attn::detail::short_heads_run(torch::kFloat, 1, 1);
+}
+
 // Sequences longer than that, for the rules between the other backends.
 constexpr int64_t kLong = 200;
 
@@ -109,11 +116,14 @@ TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
   EXPECT_EQ(select_backend(d.q, d.k, d.v, no_weights), AttentionBackend::fused_cpu);
 }
 
-// The measured rule of docs/BENCHMARKS.md, "Short sequences": up to
-// batched_longest() queries and keys, the batched kernel, with or without
-// weights and gradients; beyond either, the others. (A window keeps
-// LibTorch's kernel out of the choice.)
-TEST(BackendSelection, ShortSequencesTakeTheBatchedKernel) {
+// The measured rules of docs/BENCHMARKS.md, "Short heads" and "Short
+// sequences": without weights, heads of up to 128 queries and 64 keys
+// take the fused kernel's short loops where they run; with weights, up to
+// batched_longest() queries and keys take the batched kernel, with or
+// without gradients (and so do requests without weights where the short
+// loops do not run); beyond either, the others. (A window keeps LibTorch's
+// kernel out of the choice.)
+TEST(BackendSelection, ShortSequencesTakeTheShortLoopsOrTheBatchedKernel) {
   const auto lengths = [](int64_t L, int64_t S, bool grad) {
     return Inputs{
         torch::randn({2, 4, L, 16}).requires_grad_(grad),
@@ -127,16 +137,25 @@ TEST(BackendSelection, ShortSequencesTakeTheBatchedKernel) {
       SCOPED_TRACE(
           std::string("grad=") + (grad ? "1" : "0") +
           " need_weights=" + (need_weights ? "1" : "0"));
+      const auto short_choice = !need_weights && short_loops() ? AttentionBackend::fused_cpu
+                                                               : AttentionBackend::batched_cpu;
       for (const auto& in :
            {lengths(1, 1, grad), lengths(20, 20, grad), lengths(longest, longest, grad),
             lengths(1, longest, grad)}) {
-        EXPECT_EQ(select_backend(in.q, in.k, in.v, options), AttentionBackend::batched_cpu)
+        EXPECT_EQ(select_backend(in.q, in.k, in.v, options), short_choice)
             << "L=" << in.q.size(2) << " S=" << in.k.size(2);
       }
       for (const auto& in :
            {lengths(beyond, beyond, grad), lengths(1, beyond, grad), lengths(beyond, 1, grad)}) {
         EXPECT_NE(select_backend(in.q, in.k, in.v, options), AttentionBackend::batched_cpu)
             << "L=" << in.q.size(2) << " S=" << in.k.size(2);
+      }
+      // The short loops' bounds: 128 queries, 64 keys.
+      if (!need_weights && short_loops()) {
+        const auto at_bounds = lengths(128, 64, grad);
+        EXPECT_EQ(
+            select_backend(at_bounds.q, at_bounds.k, at_bounds.v, options),
+            AttentionBackend::fused_cpu);
       }
     }
   }
@@ -169,15 +188,19 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const auto causal = SDPAOptions(no_weights).is_causal(true);
   const bool avx512 = cpu_has("avx512f");
   const auto float32 = avx512 ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
-  // Float32: LibTorch's kernel up to 64 keys and without a causal mask
-  // from 2048 keys with 32 heads or more, attn's elsewhere.
-  const auto short_float32 = avx512 ? AttentionBackend::libtorch : AttentionBackend::batched_cpu;
+  // Float32: LibTorch's kernel without a causal mask from 2048 keys with
+  // 32 heads or more, and up to 64 keys where attn's short loops do not
+  // run; attn's elsewhere.
+  const auto short_float32 = short_loops() ? AttentionBackend::fused_cpu
+      : avx512                             ? AttentionBackend::libtorch
+                                           : AttentionBackend::batched_cpu;
+  const auto short_elsewhere = short_loops() ? AttentionBackend::fused_cpu
+      : batched_longest() >= 64              ? AttentionBackend::batched_cpu
+                                             : AttentionBackend::fused_cpu;
   expect(
       lengths(32, 32, torch::kFloat, false), no_weights, short_float32,
-      AttentionBackend::batched_cpu);
-  expect(
-      lengths(64, 64, torch::kFloat, true), causal, short_float32,
-      batched_longest() >= 64 ? AttentionBackend::batched_cpu : AttentionBackend::fused_cpu);
+      short_loops() ? AttentionBackend::fused_cpu : AttentionBackend::batched_cpu);
+  expect(lengths(64, 64, torch::kFloat, true), causal, short_float32, short_elsewhere);
   expect(lengths(128, 128, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(1024, 1024, torch::kFloat, false, 32), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
@@ -195,15 +218,12 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(lengths(512, 512, torch::kBFloat16, true), causal, bf16);
   expect(lengths(128, 128, torch::kBFloat16, false), no_weights, bf16);
   // Where LibTorch's kernel is not the faster, short sequences take the
-  // batched kernel.
-  const auto short_elsewhere = batched_longest() >= 64 ? AttentionBackend::batched_cpu
-                                                       : AttentionBackend::fused_cpu;
-  expect(
-      lengths(64, 64, torch::kBFloat16, true), no_weights, AttentionBackend::batched_cpu,
-      short_elsewhere);
-  expect(
-      lengths(64, 64, torch::kHalf, false), no_weights, AttentionBackend::batched_cpu,
-      short_elsewhere);
+  // short loops, computing half precision in float32, or the batched
+  // kernel.
+  const auto short_half = short_loops() ? AttentionBackend::fused_cpu
+                                        : AttentionBackend::batched_cpu;
+  expect(lengths(64, 64, torch::kBFloat16, true), no_weights, short_half, short_elsewhere);
+  expect(lengths(64, 64, torch::kHalf, false), no_weights, short_half, short_elsewhere);
   expect(lengths(128, 128, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(256, 256, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
 }

@@ -10,6 +10,7 @@
 #include "kernels/cpu_attention.h"
 #include "kernels/math_attention.h"
 #include "kernels/row_ops.h"
+#include "kernels/short_heads.h"
 #include "kernels/tile_product.h"
 #include "kernels/workspace.h"
 
@@ -360,15 +361,25 @@ struct KernelCase {
   }
 };
 
+// One of a list of values, uniformly, from a seeded engine: the same
+// sequence of picks on every run.
+class SeededPick {
+ public:
+  explicit SeededPick(unsigned seed) : rng_(seed) {}
+  int64_t operator()(std::initializer_list<int64_t> values) {
+    std::vector<int64_t> v(values);
+    return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng_)];
+  }
+
+ private:
+  std::mt19937 rng_;
+};
+
 // Seeded random configurations, biased towards the tile edges (128 query
 // rows, 512 keys) and lengths that are not multiples of them, with grouped
 // key/value heads, causal offsets and sliding windows.
 std::vector<KernelCase> random_cases(int count) {
-  std::mt19937 rng(2024);
-  const auto pick = [&](std::initializer_list<int64_t> values) {
-    std::vector<int64_t> v(values);
-    return v[std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng)];
-  };
+  SeededPick pick(2024);
   std::vector<KernelCase> cases;
   for (int i = 0; i < count; ++i) {
     KernelCase c;
@@ -508,6 +519,69 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(RandomSweep, CpuKernels, ::testing::ValuesIn(random_cases(64)));
+
+// Seeded float32 configurations for the fused kernel's short loops: query
+// and key lengths around their 16-key vectors and row blocks up to the
+// bounds of short_heads.h, feature widths around whole vectors, grouped
+// heads, masks, causal offsets and windows.
+std::vector<KernelCase> short_head_cases(int count) {
+  SeededPick pick(77);
+  std::vector<KernelCase> cases;
+  for (int i = 0; i < count; ++i) {
+    KernelCase c;
+    c.B = pick({1, 2});
+    c.H = pick({1, 4});
+    c.Hkv = c.H == 4 ? pick({4, 2, 1}) : 1;
+    c.L = pick({1, 3, 8, 9, 16, 17, 33, 127, 128});
+    c.S = pick({1, 2, 15, 16, 17, 31, 33, 48, 63, 64});
+    c.D = pick({1, 16, 20, 64});
+    c.Dv = pick({c.D, 5, 80});
+    c.mask = static_cast<MaskKind>(pick({0, 1, 2, 3}));
+    c.causal = pick({0, 1}) == 1;
+    c.query_offset = pick({0, 0, c.S - c.L, -3, 40});
+    c.window = pick({0, 0, 1, 5, 30});
+    c.empty_row = c.mask != MaskKind::none && pick({0, 1}) == 1;
+    c.dtype = torch::kFloat;
+    c.threads = static_cast<int>(pick({1, 2}));
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+TEST(ShortHeads, EveryInstructionSetMatchesTheMathPathInOutputAndGradients) {
+  for_each_product_loops([] {
+    const bool short_loops = attn::detail::active_product_loops() !=
+        attn::detail::ProductLoops::blas;
+    for (const auto& c : short_head_cases(48)) {
+      SCOPED_TRACE(c.describe());
+      // The route: the short loops wherever attn's loops multiply.
+      EXPECT_EQ(attn::detail::short_heads_run(c.dtype, c.L, c.S), short_loops);
+      ThreadCount threads(c.threads);
+      const KernelRun run(c);
+      const auto out = attn::detail::cpu_flash_attention(run.q, run.k, run.v, run.config);
+      EXPECT_CLOSE(out, run.math_out, run.tolerance);
+      run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes())});
+      if (HasFailure()) {
+        return; // one reproducible configuration is enough to report
+      }
+    }
+  });
+}
+
+TEST(ShortHeads, TakeHeadsUpToTheirBoundsOnly) {
+  using attn::detail::kMaxShortKeys;
+  using attn::detail::kMaxShortQueries;
+  using attn::detail::short_heads_run;
+  for_each_product_loops([] {
+    const bool short_loops = attn::detail::active_product_loops() !=
+        attn::detail::ProductLoops::blas;
+    EXPECT_EQ(short_heads_run(torch::kFloat, kMaxShortQueries, kMaxShortKeys), short_loops);
+    EXPECT_EQ(short_heads_run(torch::kFloat, 0, 0), short_loops);
+    EXPECT_FALSE(short_heads_run(torch::kFloat, kMaxShortQueries + 1, kMaxShortKeys));
+    EXPECT_FALSE(short_heads_run(torch::kFloat, kMaxShortQueries, kMaxShortKeys + 1));
+    EXPECT_FALSE(short_heads_run(torch::kDouble, 16, 16));
+  });
+}
 
 TEST(FusedKernel, BackwardSplitAcrossKeyRangesMatchesTheMathPath) {
   // Fewer heads than threads: the backward splits each head's 1300 keys

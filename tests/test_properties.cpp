@@ -12,6 +12,7 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
+#include "kernels/short_heads.h"
 #include "kernels/tile_product.h" // which loops compute the kernels' float products
 
 #include <cmath>
@@ -193,6 +194,27 @@ torch::Tensor reference_bias(const SdpaCase& c, const torch::Tensor& mask) {
   return bias.reshape({-1, c.L, c.S}); // (N, L, S)
 }
 
+// The backend the function chooses for the case, and whether the fused
+// kernel runs its short loops (short_heads.h) on it.
+std::string route_of(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& mask,
+    const SdpaCase& c) {
+  const auto backend = attn::select_backend(
+      q, k, v,
+      attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale).need_weights(
+          c.need_weights));
+  std::ostringstream route;
+  route << backend;
+  if (backend == attn::AttentionBackend::fused_cpu &&
+      attn::detail::short_heads_run(c.dtype, c.L, c.S)) {
+    route << " (short heads)";
+  }
+  return route.str();
+}
+
 void check_sdpa_case(const SdpaCase& c) {
   torch::manual_seed(c.seed);
   const auto shape = [&](int64_t T, int64_t F) {
@@ -206,6 +228,7 @@ void check_sdpa_case(const SdpaCase& c) {
   const auto v = random_tensor(shape(c.S, c.Ev), c.dtype, c.layout).requires_grad_(c.requires_grad);
   const auto mask = make_sdpa_mask(c);
   const attn::detail::ScopedProductLoops products(c.products);
+  SCOPED_TRACE("route: " + route_of(q, k, v, mask, c));
 
   torch::Tensor out, weights;
   if (c.module) {

@@ -5,6 +5,8 @@
 
 #include "test_support.h"
 
+#include "kernels/short_heads.h"
+#include "kernels/tile_product.h"
 #include "threads.h"
 
 #include <attn/backend.h>
@@ -22,6 +24,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -40,24 +43,47 @@ using attn::testing::Tolerance;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // The function's routes on the CPU, each backend asked for by name: the
-// tiled kernel without weights (with and without a gradient), the tiled
-// kernel with weights (inference), the math path (weights with a
-// gradient), and the batched kernel for short sequences in all four
-// combinations.
+// tiled kernel without weights (with and without a gradient; kept to it
+// at short lengths by keep_to_route), the same kernel's short loops (its
+// heads cut to their bounds, short_heads.h), the tiled kernel with
+// weights (inference), the math path (weights with a gradient), and the
+// batched kernel for short sequences in all four combinations. A test
+// takes its lengths through queries() and keys().
 struct Route {
   attn::AttentionBackend backend;
   bool need_weights;
   bool requires_grad;
+  bool short_heads = false;
+  int64_t queries(int64_t n) const {
+    return short_heads ? std::min(n, attn::detail::kMaxShortQueries) : n;
+  }
+  int64_t keys(int64_t n) const {
+    return short_heads ? std::min(n, attn::detail::kMaxShortKeys) : n;
+  }
   std::string describe() const {
     std::ostringstream s;
-    s << backend << " need_weights=" << need_weights << " requires_grad=" << requires_grad;
+    s << backend << (short_heads ? " (short heads)" : "") << " need_weights=" << need_weights
+      << " requires_grad=" << requires_grad;
     return s.str();
   }
   SDPAOptions options() const { return SDPAOptions().backend(backend).need_weights(need_weights); }
+  // The tiled routes keep to the tiled kernel at lengths the short loops
+  // would take (L queries, S keys): with the BLAS's products, as on CPUs
+  // without AVX2. Held for the route's call.
+  std::optional<attn::detail::ScopedProductLoops> keep_to_route(int64_t L, int64_t S) const {
+    if (backend == attn::AttentionBackend::fused_cpu && !short_heads &&
+        attn::detail::short_heads_run(torch::kFloat, L, S)) {
+      return std::optional<attn::detail::ScopedProductLoops>(
+          std::in_place, attn::detail::ProductLoops::blas);
+    }
+    return std::nullopt;
+  }
 };
 const Route kRoutes[] = {
     {attn::AttentionBackend::fused_cpu, false, false},
     {attn::AttentionBackend::fused_cpu, false, true},
+    {attn::AttentionBackend::fused_cpu, false, false, /*short_heads=*/true},
+    {attn::AttentionBackend::fused_cpu, false, true, /*short_heads=*/true},
     {attn::AttentionBackend::fused_cpu_weights, true, false},
     {attn::AttentionBackend::math, true, true},
     {attn::AttentionBackend::batched_cpu, false, false},
@@ -76,14 +102,16 @@ TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath
   for (const auto dtype : {torch::kFloat, torch::kDouble}) {
     for (const auto& route : kRoutes) {
       SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
+      const int64_t L = route.queries(130), S = route.keys(600);
+      const auto tiled = route.keep_to_route(L, S);
       const auto q =
-          torch::randint(-100, 101, {2, 130, 2}, dtype).requires_grad_(route.requires_grad);
+          torch::randint(-100, 101, {2, L, 2}, dtype).requires_grad_(route.requires_grad);
       const auto k =
-          torch::randint(-100, 101, {2, 600, 2}, dtype).requires_grad_(route.requires_grad);
-      const auto v = torch::randn({2, 600, 3}, dtype).requires_grad_(route.requires_grad);
+          torch::randint(-100, 101, {2, S, 2}, dtype).requires_grad_(route.requires_grad);
+      const auto v = torch::randn({2, S, 3}, dtype).requires_grad_(route.requires_grad);
       const auto [out, weights] = attn::scaled_dot_product_attention(
           q, k, v, route.options().scale(1.0).is_causal(true));
-      const auto causal = additive_bias(attn::testing::band_mask(130, 600, 0, /*causal=*/true, 0));
+      const auto causal = additive_bias(attn::testing::band_mask(L, S, 0, /*causal=*/true, 0));
       const auto [ref_out, ref_weights] = attn::testing::reference_attention(q, k, v, causal, 1.0);
       const auto tolerance = attn::testing::tolerance_for(dtype);
       ASSERT_TRUE(all_finite(out));
@@ -129,6 +157,7 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
     const double half_ulp = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
     for (const auto& route : kRoutes) {
       SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
+      const auto tiled = route.keep_to_route(70, 40);
       const auto q = torch::randn({2, 3, 70, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto k = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto v = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
@@ -208,16 +237,19 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
         SCOPED_TRACE(
             route.describe() + " dtype=" + c10::toString(dtype) +
             (bool_mask ? " bool mask" : " float mask"));
-        const auto q = torch::randn({2, 140, 8}).to(dtype).requires_grad_(route.requires_grad);
-        const auto k = torch::randn({2, 520, 8}).to(dtype).requires_grad_(route.requires_grad);
-        const auto v = torch::randn({2, 520, 8}).to(dtype).requires_grad_(route.requires_grad);
-        auto allowed = torch::rand({2, 140, 520}) > 0.5;
+        const int64_t L = route.queries(140), S = route.keys(520);
+        const auto tiled = route.keep_to_route(L, S);
+        const auto q = torch::randn({2, L, 8}).to(dtype).requires_grad_(route.requires_grad);
+        const auto k = torch::randn({2, S, 8}).to(dtype).requires_grad_(route.requires_grad);
+        const auto v = torch::randn({2, S, 8}).to(dtype).requires_grad_(route.requires_grad);
+        auto allowed = torch::rand({2, L, S}) > 0.5;
+        const int64_t late_row = L - 7; // with 140 queries, in the second query tile
         allowed.select(1, 3).fill_(false);
-        allowed.select(1, 133).fill_(false); // in the second query tile
+        allowed.select(1, late_row).fill_(false);
         const auto mask = bool_mask ? allowed : additive_bias(allowed).to(dtype);
         const auto [out, weights] = attn::scaled_dot_product_attention(
             q, k, v, route.options().attn_mask(mask));
-        for (const int64_t row : {3, 133}) {
+        for (const int64_t row : {int64_t{3}, late_row}) {
           EXPECT_EQ(out.select(1, row).abs().max().item<double>(), 0.0) << "row " << row;
           if (route.need_weights) {
             EXPECT_EQ(weights.select(1, row).abs().max().item<double>(), 0.0) << "row " << row;
@@ -245,6 +277,7 @@ TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPa
       SCOPED_TRACE(
           route.describe() + " B=" + std::to_string(sizes.B) + " L=" + std::to_string(sizes.L) +
           " S=" + std::to_string(sizes.S));
+      const auto tiled = route.keep_to_route(sizes.L, sizes.S);
       const auto q = torch::randn({sizes.B, sizes.L, 8}).requires_grad_(route.requires_grad);
       const auto k = torch::randn({sizes.B, sizes.S, 8}).requires_grad_(route.requires_grad);
       const auto v = torch::randn({sizes.B, sizes.S, 3}).requires_grad_(route.requires_grad);

@@ -19,9 +19,10 @@ namespace attn {
 /// ```
 enum class AttentionBackend {
   /// attn's fused CPU kernel (FlashAttention style: query tiles against key
-  /// blocks, online softmax, no `L×S` tensor) and its fused backward. CPU
-  /// only; returns no weights; no dropout; a mask must not need a gradient.
-  /// bfloat16 and float16 are computed in float32.
+  /// blocks, online softmax, no `L×S` tensor) and its fused backward; heads
+  /// of up to 128 queries and 64 keys run whole, each row's scores in
+  /// registers. CPU only; returns no weights; no dropout; a mask must not
+  /// need a gradient. bfloat16 and float16 are computed in float32.
   fused_cpu,
   /// attn's CPU kernel that writes the weights as it goes. CPU only, for
   /// inference: no gradients, no dropout.

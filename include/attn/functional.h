@@ -42,7 +42,10 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
 ///    without weights, `libtorch` where it applies and was measured faster
 ///    than attn's kernels (float32 and bfloat16, from LibTorch 2.15 on, on
 ///    CPUs like the one measured; see docs/BENCHMARKS.md, "Choosing the CPU
-///    backend"); else `batched_cpu` for short sequences (at most 64 queries
+///    backend"); else, without weights, `fused_cpu` for short heads (at
+///    most 128 queries and 64 keys, on x86 CPUs with AVX-512 or AVX2, where
+///    the fused kernel runs its short loops; docs/BENCHMARKS.md, "Short
+///    heads"); else `batched_cpu` for short sequences (at most 64 queries
 ///    and 64 keys; 32 on LibTorch 1.13 where the tiled kernel multiplies in
 ///    attn's own loops, on x86 CPUs with AVX-512 or AVX2;
 ///    docs/BENCHMARKS.md, "Short sequences"); else `fused_cpu_weights`

@@ -1,7 +1,9 @@
 #include "cpu_attention.h"
 
+#include "kernels/heads.h"
 #include "kernels/mask_view.h"
 #include "kernels/parallel_grain.h"
+#include "kernels/short_heads.h"
 #include "kernels/workspace.h"
 #include "row_ops.h"
 #include "threads.h"
@@ -155,32 +157,6 @@ torch::Tensor empty_heads_interleaved(
 int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
   return k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
 }
-
-// The memory of a (B, H, T, F) tensor, whose heads the tile loops pass to
-// the products as (T, F) matrices: no tensor per head or block. (Views
-// made by select and narrow took a tenth of the tiled kernels' time at
-// T = 128.) An empty tensor (F = 0: values or output of width 0) may have
-// no data, and then neither have its heads.
-template <typename scalar_t>
-struct Heads {
-  explicit Heads(const torch::Tensor& t)
-      : data(t.numel() == 0 ? nullptr : t.data_ptr<scalar_t>()),
-        rows(t.size(2)),
-        cols(t.size(3)),
-        batch_stride(t.stride(0)),
-        head_stride(t.stride(1)),
-        row_stride(t.stride(2)),
-        column_stride(t.stride(3)) {}
-
-  MatrixRef<scalar_t> head(int64_t b, int64_t h) const {
-    return {
-        data == nullptr ? nullptr : data + b * batch_stride + h * head_stride, rows, cols,
-        row_stride, column_stride};
-  }
-
-  scalar_t* data;
-  int64_t rows, cols, batch_stride, head_stride, row_stride, column_stride;
-};
 
 // Zeroes a matrix whose rows have unit stride.
 template <typename scalar_t>
@@ -742,8 +718,14 @@ void run_flash_forward(
     const CpuAttentionConfig& config,
     const torch::Tensor& out,
     const torch::Tensor& lse) {
+  const int64_t L = q.size(2);
+  if (short_heads_run(q.scalar_type(), L, k.size(2))) {
+    short_heads_forward(
+        heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config, out,
+        lse);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_forward", [&] {
-    const int64_t L = q.size(2);
     flash_forward<scalar_t>(
         {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config}, out,
         lse);
@@ -820,18 +802,26 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
     const torch::Tensor& lse,
     const torch::Tensor& grad_out,
     const CpuAttentionConfig& config) {
-  // The inputs' gradients, zeroed and accumulated task by task; with
-  // grouped queries, one key/value gradient per query head, summed below.
+  // The inputs' gradients (input_gradients: every element written by the
+  // kernel); with grouped queries, one key/value gradient per query head,
+  // summed below.
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
   // Named tensors, not a structured binding: the dispatch lambda below
   // captures them, which C++17 allows only for variables.
   torch::Tensor dq, dk, dv;
   std::tie(dq, dk, dv) = input_gradients(q, k, v);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
-    flash_backward<scalar_t>(
-        {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config},
-        heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), dq, dk, dv);
-  });
+  if (short_heads_run(q.scalar_type(), L, S)) {
+    short_heads_backward(
+        heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L),
+        heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), config, dq, dk,
+        dv);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
+      flash_backward<scalar_t>(
+          {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config},
+          heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), dq, dk, dv);
+    });
+  }
   if (Hkv == H) {
     return {dq, dk, dv};
   }

@@ -5,9 +5,24 @@
 // AVX2+FMA code when the CPU has it (chosen once at run time) and portable
 // C++ otherwise.
 
+#include <array>
 #include <cstdint>
 
 namespace attn::detail {
+
+// The vectorised float exp's constants, shared by every vector version
+// (row_ops.cpp's 8- and 16-lane ones, short_heads.cpp's): x = k·ln2 + r
+// with |r| <= ln2/2 (ln2 split in two for an exact k·ln2_hi), exp(r) by its
+// Taylor polynomial to degree 7 (truncation below 1e-8 relative), highest
+// coefficient first, times 2^k built in the exponent bits. Inputs below
+// kExpLowest (including -inf) give 0; the attention kernels never pass
+// values above 0.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpLowest = -87.3f;
+constexpr std::array<float, 8> kExpTaylor{
+    1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
 
 // Largest of x[0..n); -inf for n == 0.
 float row_max(const float* x, int64_t n);

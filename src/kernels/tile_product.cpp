@@ -196,6 +196,10 @@ ScopedProductLoops::~ScopedProductLoops() {
   chosen_product_loops().store(previous_, std::memory_order_relaxed);
 }
 
+ProductLoops active_product_loops() {
+  return chosen_product_loops().load(std::memory_order_relaxed);
+}
+
 bool tile_products_run(torch::ScalarType dtype) {
   return dtype == torch::kFloat && active_micro_tiles() != nullptr;
 }

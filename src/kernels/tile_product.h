@@ -31,6 +31,10 @@ std::vector<ProductLoops> available_product_loops();
 // "BLAS", "AVX2", "AVX-512".
 const char* product_loops_name(ProductLoops loops);
 
+// The loops that compute the float products now: the widest this CPU
+// runs, or a ScopedProductLoops' choice.
+ProductLoops active_product_loops();
+
 // Whether tile_addmm runs attn's own loops for this dtype on this CPU
 // (where its right operand's rows are contiguous).
 bool tile_products_run(torch::ScalarType dtype);
