@@ -338,7 +338,7 @@ ATTN_INLINE void softmax_rows(Lanes (&x)[R][C], float* probs, float (&lse)[R]) {
     const Lanes inverse = splat(total[r] == 0 ? 0.0f : 1.0f / total[r]);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      store(probs + r * C * kLanes + c * kLanes, x[r][c] * inverse);
+      store(probs + (int64_t{r} * C + c) * kLanes, x[r][c] * inverse);
     }
     lse[r] = total[r] == 0 ? -kInfinity : largest[r] + std::log(total[r]);
   }
