@@ -6,6 +6,7 @@
 // Every other header before the target: what follows is compiled for it.
 #include "kernels/heads.h"
 #include "kernels/mask_view.h"
+#include "kernels/micro_tile.h"
 #include "kernels/short_heads.h"
 #include "kernels/tile_product.h"
 #include "row_ops.h"

@@ -15,8 +15,9 @@
 //
 // It includes nothing: everything after the target pragma is compiled for
 // the target, so the including file includes what this uses before the
-// pragma (short_heads.h, short_heads_loops.h, tile_product.h, row_ops.h,
-// <algorithm>, <cmath>, <cstring>, <limits>, <type_traits>, <vector>).
+// pragma (micro_tile.h, short_heads.h, short_heads_loops.h,
+// tile_product.h, row_ops.h, <algorithm>, <cmath>, <cstring>, <limits>,
+// <type_traits>, <vector>).
 //
 // Names: C vectors of keys per row of scores, R rows per block of scores
 // (rows_for: as many as kBudget accumulators hold), G query rows per
@@ -202,18 +203,12 @@ ATTN_INLINE void store_block(
   }
 }
 
-// A product into memory: out (rows × cols) = alpha · A · B over `depth`,
-// A(r, t) = a[r · a_row_stride + t · a_step], B (depth × cols, rows ldb
-// apart and padded to whole vectors).
+// A product into memory: rows × cols of the operands' c (micro_tile.h),
+// B's rows padded to whole vectors. The loops write c: `accumulate` must
+// be false.
 struct Product {
-  int64_t rows, cols, depth;
-  float alpha;
-  const float* a;
-  int64_t a_row_stride, a_step;
-  const float* b;
-  int64_t ldb;
-  float* out;
-  int64_t out_row_stride;
+  int64_t rows, cols;
+  GemmOperands g;
 };
 
 // The product's columns [16·w0, 16·(w0 + W)), in blocks of R rows.
@@ -223,13 +218,13 @@ ATTN_OWN_CODE void multiply_columns(const Product& p, int64_t w0) {
     const float* a[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) { // rows past the end repeat the last
-      a[r] = p.a + std::min<int64_t>(r0 + r, p.rows - 1) * p.a_row_stride;
+      a[r] = p.g.a + std::min<int64_t>(r0 + r, p.rows - 1) * p.g.a_row_stride;
     }
     Lanes acc[R][W];
-    multiply_block<R, W>(acc, a, p.a_step, p.b + w0 * kLanes, p.ldb, p.depth);
+    multiply_block<R, W>(acc, a, p.g.a_depth_stride, p.g.b + w0 * kLanes, p.g.ldb, p.g.depth);
     store_block<R, W>(
-        acc, std::min<int64_t>(R, p.rows - r0), p.alpha, p.out + r0 * p.out_row_stride,
-        p.out_row_stride, w0 * kLanes, p.cols);
+        acc, std::min<int64_t>(R, p.rows - r0), p.g.alpha, p.g.c + r0 * p.g.ldc, p.g.ldc,
+        w0 * kLanes, p.cols);
   }
 }
 
@@ -411,8 +406,10 @@ ATTN_OWN_CODE void forward_head(
     const int64_t begin = call.mask.tile_key_begin(i0);
     const int64_t end = call.mask.tile_key_end(i0, rows);
     multiply<kBudget>(
-        {rows, call.Dv, end - begin, 1.0f, s.probs.data() + begin, Sp, 1, s.v.data() + begin * Dvp,
-         Dvp, out.row(i0), out.row_stride});
+        {rows,
+         call.Dv,
+         {end - begin, 1.0f, s.probs.data() + begin, Sp, 1, s.v.data() + begin * Dvp, Dvp,
+          out.row(i0), out.row_stride, false}});
   }
 }
 
@@ -499,14 +496,20 @@ ATTN_OWN_CODE void backward_head(
   }
   const auto dq = g.dq.head(b, h), dk = g.dk.head(b, h), dv = g.dv.head(b, h);
   multiply<kBudget>(
-      {call.L, call.D, call.S, call.scale, s.grad_scores.data(), Sp, 1, s.k.data(), Dp, dq.data,
-       dq.row_stride});
+      {call.L,
+       call.D,
+       {call.S, call.scale, s.grad_scores.data(), Sp, 1, s.k.data(), Dp, dq.data, dq.row_stride,
+        false}});
   multiply<kBudget>(
-      {call.S, call.D, call.L, call.scale, s.grad_scores.data(), 1, Sp, s.q.data(), Dp, dk.data,
-       dk.row_stride});
+      {call.S,
+       call.D,
+       {call.L, call.scale, s.grad_scores.data(), 1, Sp, s.q.data(), Dp, dk.data, dk.row_stride,
+        false}});
   multiply<kBudget>(
-      {call.S, call.Dv, call.L, 1.0f, s.probs.data(), 1, Sp, s.grad_out.data(), Dvp, dv.data,
-       dv.row_stride});
+      {call.S,
+       call.Dv,
+       {call.L, 1.0f, s.probs.data(), 1, Sp, s.grad_out.data(), Dvp, dv.data, dv.row_stride,
+        false}});
 }
 
 // head<kBudget, C>(...) for C, the vectors of S's keys (1 to kMaxKeyVectors).
