@@ -17,7 +17,7 @@
 namespace attn {
 namespace {
 
-constexpr const char* kCaller = "scaled_dot_product_attention";
+constexpr const char* kSdpaCaller = "scaled_dot_product_attention";
 
 // The leading dims: equal, or with enable_gqa, fewer key/value heads.
 void check_leading_dims(
@@ -26,20 +26,20 @@ void check_leading_dims(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   TORCH_CHECK(
-      query.defined() && key.defined() && value.defined(), kCaller,
+      query.defined() && key.defined() && value.defined(), kSdpaCaller,
       ": query, key and value must be defined tensors");
   TORCH_CHECK(
-      query.dim() >= 2, kCaller, ": query must be (..., L, E) with at least 2 dims, got ",
+      query.dim() >= 2, kSdpaCaller, ": query must be (..., L, E) with at least 2 dims, got ",
       query.sizes());
   TORCH_CHECK(
-      key.dim() == query.dim() && value.dim() == query.dim(), kCaller,
+      key.dim() == query.dim() && value.dim() == query.dim(), kSdpaCaller,
       ": query, key and value must have the same number of dims, got query ", query.sizes(),
       ", key ", key.sizes(), ", value ", value.sizes());
 
   const auto batch_dims = query.dim() - 2;
   if (options.enable_gqa()) {
     TORCH_CHECK(
-        query.dim() >= 3, kCaller,
+        query.dim() >= 3, kSdpaCaller,
         ": enable_gqa needs a heads dim: query must be (..., Hq, L, E), got ", query.sizes());
     const auto Hq = query.size(-3), Hkv = key.size(-3);
     const auto outer_dims = batch_dims - 1;
@@ -47,19 +47,19 @@ void check_leading_dims(
         key.sizes().slice(0, outer_dims) == query.sizes().slice(0, outer_dims) &&
             value.sizes().slice(0, outer_dims) == query.sizes().slice(0, outer_dims) &&
             value.size(-3) == Hkv,
-        kCaller, ": with enable_gqa, query (..., Hq, L, E), key (..., Hkv, S, E) ",
+        kSdpaCaller, ": with enable_gqa, query (..., Hq, L, E), key (..., Hkv, S, E) ",
         "and value (..., Hkv, S, Ev) must share the dims before the heads, ",
         "and key and value their heads, got query ", query.sizes(), ", key ", key.sizes(),
         ", value ", value.sizes());
     TORCH_CHECK(
-        Hkv > 0 && Hq % Hkv == 0, kCaller,
+        Hkv > 0 && Hq % Hkv == 0, kSdpaCaller,
         ": with enable_gqa, the key/value heads Hkv must divide the query ",
         "heads Hq, got Hq=", Hq, " and Hkv=", Hkv);
   } else {
     TORCH_CHECK(
         key.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims) &&
             value.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims),
-        kCaller, ": query, key and value must have the same leading dims, got ", "query ",
+        kSdpaCaller, ": query, key and value must have the same leading dims, got ", "query ",
         query.sizes(), ", key ", key.sizes(), ", value ", value.sizes(),
         " (enable_gqa allows fewer key/value heads)");
   }
@@ -71,24 +71,24 @@ void check_features_dtypes_and_devices(
     const torch::Tensor& key,
     const torch::Tensor& value) {
   const auto E = query.size(-1);
-  TORCH_CHECK(E > 0, kCaller, ": query must have a feature size E > 0, got ", query.sizes());
+  TORCH_CHECK(E > 0, kSdpaCaller, ": query must have a feature size E > 0, got ", query.sizes());
   TORCH_CHECK(
-      key.size(-1) == E, kCaller, ": key must be (..., S, E) with E == ", E,
+      key.size(-1) == E, kSdpaCaller, ": key must be (..., S, E) with E == ", E,
       " (the query's feature size), got ", key.sizes());
   TORCH_CHECK(
-      value.size(-2) == key.size(-2), kCaller,
+      value.size(-2) == key.size(-2), kSdpaCaller,
       ": value must be (..., S, Ev) with S == ", key.size(-2), " (the key's length), got ",
       value.sizes());
 
   TORCH_CHECK(
-      torch::isFloatingType(query.scalar_type()), kCaller,
+      torch::isFloatingType(query.scalar_type()), kSdpaCaller,
       ": query must have a floating-point dtype, got ", query.scalar_type());
   TORCH_CHECK(
       key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
-      kCaller, ": key and value must have the query's dtype ", query.scalar_type(), ", got key ",
-      key.scalar_type(), " and value ", value.scalar_type());
+      kSdpaCaller, ": key and value must have the query's dtype ", query.scalar_type(),
+      ", got key ", key.scalar_type(), " and value ", value.scalar_type());
   TORCH_CHECK(
-      key.device() == query.device() && value.device() == query.device(), kCaller,
+      key.device() == query.device() && value.device() == query.device(), kSdpaCaller,
       ": key and value must be on the query's device ", query.device(), ", got key on ",
       key.device(), " and value on ", value.device());
 }
@@ -98,7 +98,7 @@ void check_attn_mask(
     const torch::Tensor& key,
     const torch::Tensor& mask) {
   if (mask.defined()) {
-    detail::check_mask_dtype_and_device(kCaller, "attn_mask", mask, query);
+    detail::check_mask_dtype_and_device(kSdpaCaller, "attn_mask", mask, query);
     auto scores_shape = query.sizes().vec();
     scores_shape.back() = key.size(-2); // (..., L, S)
     bool broadcastable = mask.dim() <= static_cast<int64_t>(scores_shape.size());
@@ -107,7 +107,7 @@ void check_attn_mask(
       broadcastable = m == 1 || m == scores_shape[scores_shape.size() - i];
     }
     TORCH_CHECK(
-        broadcastable, kCaller,
+        broadcastable, kSdpaCaller,
         ": attn_mask must be broadcastable to the scores' shape (..., L, S) = ",
         torch::IntArrayRef(scores_shape), ", got ", mask.sizes());
   }
@@ -115,16 +115,16 @@ void check_attn_mask(
 
 void check_option_values(const SDPAOptions& options) {
   TORCH_CHECK(
-      options.dropout_p() >= 0.0 && options.dropout_p() <= 1.0, kCaller,
+      options.dropout_p() >= 0.0 && options.dropout_p() <= 1.0, kSdpaCaller,
       ": dropout_p must be in [0, 1], got ", options.dropout_p());
   TORCH_CHECK(
-      !options.scale() || std::isfinite(*options.scale()), kCaller,
+      !options.scale() || std::isfinite(*options.scale()), kSdpaCaller,
       ": scale must be a finite number, got ", *options.scale());
   TORCH_CHECK(
-      !options.window() || *options.window() > 0, kCaller,
+      !options.window() || *options.window() > 0, kSdpaCaller,
       ": window must be a positive number of keys, got ", *options.window());
   TORCH_CHECK(
-      std::abs(options.query_offset()) <= detail::kMaxQueryOffset, kCaller,
+      std::abs(options.query_offset()) <= detail::kMaxQueryOffset, kSdpaCaller,
       ": query_offset must be within ±2^60, got ", options.query_offset());
 }
 
@@ -269,7 +269,8 @@ AttentionBackend select_backend(
     return detail::choose_backend(query, key, value, options);
   }
   const auto reason = detail::unsupported_reason(*requested, query, key, value, options);
-  TORCH_CHECK(reason.empty(), kCaller, ": backend ", *requested, " was requested, but it ", reason);
+  TORCH_CHECK(
+      reason.empty(), kSdpaCaller, ": backend ", *requested, " was requested, but it ", reason);
   return *requested;
 }
 

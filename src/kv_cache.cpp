@@ -8,7 +8,7 @@
 namespace attn {
 namespace {
 
-constexpr const char* kCaller = "KVCache";
+constexpr const char* kKVCacheCaller = "KVCache";
 constexpr int64_t kFirstCapacity = 64;
 
 // `storage` (B, H, capacity, F) with room for `capacity` tokens, the first
@@ -36,7 +36,7 @@ bool same_layout(const torch::Tensor& storage, const torch::Tensor& t) {
 } // namespace
 
 KVCache::KVCache(int64_t max_length) : max_length_(max_length) {
-  TORCH_CHECK(max_length > 0, kCaller, ": max_length must be positive, got ", max_length);
+  TORCH_CHECK(max_length > 0, kKVCacheCaller, ": max_length must be positive, got ", max_length);
 }
 
 KVCache::KVCache(KVCache&& other) noexcept
@@ -57,19 +57,21 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
     const torch::Tensor& keys,
     const torch::Tensor& values) {
   TORCH_CHECK(
-      keys.defined() && values.defined(), kCaller, ": keys and values must be defined tensors");
+      keys.defined() && values.defined(), kKVCacheCaller,
+      ": keys and values must be defined tensors");
   TORCH_CHECK(
       keys.dim() == 4 && values.dim() == 4 && keys.size(0) == values.size(0) &&
           keys.size(1) == values.size(1) && keys.size(2) == values.size(2),
-      kCaller, ": keys must be (B, H, T, D) and values (B, H, T, Dv), got keys ", keys.sizes(),
-      " and values ", values.sizes());
+      kKVCacheCaller, ": keys must be (B, H, T, D) and values (B, H, T, Dv), got keys ",
+      keys.sizes(), " and values ", values.sizes());
   TORCH_CHECK(
-      keys.scalar_type() == values.scalar_type() && keys.device() == values.device(), kCaller,
-      ": keys and values must share dtype and device, got keys ", keys.scalar_type(), " on ",
-      keys.device(), " and values ", values.scalar_type(), " on ", values.device());
+      keys.scalar_type() == values.scalar_type() && keys.device() == values.device(),
+      kKVCacheCaller, ": keys and values must share dtype and device, got keys ",
+      keys.scalar_type(), " on ", keys.device(), " and values ", values.scalar_type(), " on ",
+      values.device());
   TORCH_CHECK(
-      !(torch::GradMode::is_enabled() && (keys.requires_grad() || values.requires_grad())), kCaller,
-      ": the cache holds inference state and cannot carry gradients; ",
+      !(torch::GradMode::is_enabled() && (keys.requires_grad() || values.requires_grad())),
+      kKVCacheCaller, ": the cache holds inference state and cannot carry gradients; ",
       "decode under torch::NoGradGuard (or detach the keys and values)");
 
   const int64_t T = keys.size(2);
@@ -78,19 +80,19 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
     TORCH_CHECK(
         keys.size(0) == cached_keys[0] && keys.size(1) == cached_keys[1] &&
             keys.size(3) == cached_keys[3] && values.size(3) == cached_values[3],
-        kCaller, ": keys must be (B, H, T, D) = (", cached_keys[0], ", ", cached_keys[1], ", T, ",
-        cached_keys[3], ") and values (B, H, T, Dv) with Dv = ", cached_values[3],
+        kKVCacheCaller, ": keys must be (B, H, T, D) = (", cached_keys[0], ", ", cached_keys[1],
+        ", T, ", cached_keys[3], ") and values (B, H, T, Dv) with Dv = ", cached_values[3],
         " as the cached ones (reset() to start another batch), got keys ", keys.sizes(),
         " and values ", values.sizes());
     TORCH_CHECK(
-        keys.scalar_type() == keys_.scalar_type() && keys.device() == keys_.device(), kCaller,
-        ": keys and values must have the cached dtype ", keys_.scalar_type(), " and device ",
-        keys_.device(), ", got ", keys.scalar_type(), " on ", keys.device());
+        keys.scalar_type() == keys_.scalar_type() && keys.device() == keys_.device(),
+        kKVCacheCaller, ": keys and values must have the cached dtype ", keys_.scalar_type(),
+        " and device ", keys_.device(), ", got ", keys.scalar_type(), " on ", keys.device());
   }
   const int64_t needed = length_ + T;
   TORCH_CHECK(
-      max_length_ == 0 || needed <= max_length_, kCaller, ": appending ", T, " tokens to the ",
-      length_, " cached would exceed max_length ", max_length_,
+      max_length_ == 0 || needed <= max_length_, kKVCacheCaller, ": appending ", T,
+      " tokens to the ", length_, " cached would exceed max_length ", max_length_,
       " (reset() to start another sequence)");
 
   // Storage that does not fit the new tokens (or no longer matches their

@@ -17,7 +17,6 @@ namespace attn::testing {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // A tensor on the meta device: another device than the CPU, available
 // without a GPU, so that device checks are exercised everywhere.

@@ -44,9 +44,7 @@ bool cpu_has(const char* feature) {
 constexpr bool kRuleMeasured = TORCH_VERSION_MAJOR > 2 ||
     (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 
-struct Inputs {
-  torch::Tensor q, k, v;
-};
+using Inputs = attn::testing::QueryKeyValue;
 
 // (B, H, L, D) = (2, 3, length, 16) query against as many keys, float32,
 // from a fixed seed.

@@ -37,7 +37,7 @@ std::vector<ContextParallelStrategy> strategies() {
   return {ContextParallelStrategy::ring, ContextParallelStrategy::all_to_all};
 }
 
-struct Case {
+struct ModuleCase {
   std::string name;
   MultiHeadAttentionOptions options = MultiHeadAttentionOptions(32, 4);
   int64_t length = 24; // T
@@ -49,7 +49,7 @@ struct Case {
   bool from_attention_options = false;
 };
 
-void PrintTo(const Case& test_case, std::ostream* stream) {
+void PrintTo(const ModuleCase& test_case, std::ostream* stream) {
   *stream << test_case.name;
 }
 
@@ -57,65 +57,66 @@ void PrintTo(const Case& test_case, std::ostream* stream) {
 // between a rank's local rows and their places in the sequence), lengths
 // that the chunks do not divide (23 and 21 for 2 and 4 ranks) and the
 // sequence-first layout.
-std::vector<Case> cases() {
-  NamedCases<Case> named;
+std::vector<ModuleCase> cases() {
+  NamedCases<ModuleCase> named;
   const auto add = [&](std::string name, auto&& customise) {
     named.add(std::move(name), customise);
   };
   const auto rotary = MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(8));
-  add("plain", [](Case&) {});
-  add("causal", [](Case& c) { c.is_causal = true; });
-  add("causal_contiguous", [](Case& c) {
+  add("plain", [](ModuleCase&) {});
+  add("causal", [](ModuleCase& c) { c.is_causal = true; });
+  add("causal_contiguous", [](ModuleCase& c) {
     c.is_causal = true;
     c.layout = SequenceLayout::contiguous;
   });
-  add("grouped_query_causal", [](Case& c) {
+  add("grouped_query_causal", [](ModuleCase& c) {
     c.options = MultiHeadAttentionOptions(32, 8).num_kv_heads(2);
     c.is_causal = true;
   });
-  add("multi_query", [](Case& c) { c.options = MultiHeadAttentionOptions(32, 4).num_kv_heads(1); });
-  add("rotary_causal", [&](Case& c) {
+  add("multi_query",
+      [](ModuleCase& c) { c.options = MultiHeadAttentionOptions(32, 4).num_kv_heads(1); });
+  add("rotary_causal", [&](ModuleCase& c) {
     c.options = rotary;
     c.is_causal = true;
   });
-  add("rotary_causal_contiguous", [&](Case& c) {
+  add("rotary_causal_contiguous", [&](ModuleCase& c) {
     c.options = rotary;
     c.is_causal = true;
     c.layout = SequenceLayout::contiguous;
   });
-  add("partial_rotary_grouped_query", [](Case& c) {
+  add("partial_rotary_grouped_query", [](ModuleCase& c) {
     c.options = MultiHeadAttentionOptions(32, 4).num_kv_heads(2).rotary(
         RotaryEmbeddingOptions(4).interleaved(true));
   });
-  add("key_padding", [](Case& c) { c.key_padding = true; });
-  add("causal_key_padding_from_attention_options", [](Case& c) {
+  add("key_padding", [](ModuleCase& c) { c.key_padding = true; });
+  add("causal_key_padding_from_attention_options", [](ModuleCase& c) {
     c.is_causal = true;
     c.key_padding = true;
     c.from_attention_options = true;
   });
-  add("window", [](Case& c) { c.window = 5; });
-  add("causal_window_rotary", [&](Case& c) {
+  add("window", [](ModuleCase& c) { c.window = 5; });
+  add("causal_window_rotary", [&](ModuleCase& c) {
     c.options = rotary;
     c.is_causal = true;
     c.window = 4;
   });
-  add("no_bias", [](Case& c) { c.options = MultiHeadAttentionOptions(32, 4).bias(false); });
-  add("uneven_rotary_causal", [&](Case& c) {
+  add("no_bias", [](ModuleCase& c) { c.options = MultiHeadAttentionOptions(32, 4).bias(false); });
+  add("uneven_rotary_causal", [&](ModuleCase& c) {
     c.options = rotary;
     c.length = 23;
     c.is_causal = true;
   });
-  add("uneven_padding_window_contiguous", [](Case& c) {
+  add("uneven_padding_window_contiguous", [](ModuleCase& c) {
     c.length = 21;
     c.key_padding = true;
     c.window = 6;
     c.layout = SequenceLayout::contiguous;
   });
-  add("sequence_first", [](Case& c) {
+  add("sequence_first", [](ModuleCase& c) {
     c.options = MultiHeadAttentionOptions(32, 4).batch_first(false);
     c.is_causal = true;
   });
-  add("sequence_first_uneven_rotary", [](Case& c) {
+  add("sequence_first_uneven_rotary", [](ModuleCase& c) {
     c.options = MultiHeadAttentionOptions(32, 4).batch_first(false).rotary(
         RotaryEmbeddingOptions(8));
     c.length = 23;
@@ -137,15 +138,15 @@ int64_t sequence_dim(const MultiHeadAttentionOptions& options) {
 }
 
 // The whole problem, drawn alike on every rank.
-struct WholeSequence {
+struct ModuleSequence {
   torch::Tensor x, padding, upstream;
 };
 
-WholeSequence draw(const Case& test_case, torch::ScalarType dtype) {
+ModuleSequence draw_module_sequence(const ModuleCase& test_case, torch::ScalarType dtype) {
   const int64_t B = 2, T = test_case.length, E = test_case.options.embed_dim();
   const auto shape = test_case.options.batch_first() ? std::vector<int64_t>{B, T, E}
                                                      : std::vector<int64_t>{T, B, E};
-  WholeSequence whole{torch::randn(shape, dtype), {}, torch::randn(shape, dtype)};
+  ModuleSequence whole{torch::randn(shape, dtype), {}, torch::randn(shape, dtype)};
   if (test_case.key_padding) {
     whole.padding = torch::rand({B, T}) < 0.3;
   }
@@ -156,8 +157,8 @@ WholeSequence draw(const Case& test_case, torch::ScalarType dtype) {
 // the parameters' gradients are left in `full`.
 std::tuple<torch::Tensor, torch::Tensor> one_process(
     MultiHeadAttention& full,
-    const Case& test_case,
-    const WholeSequence& whole) {
+    const ModuleCase& test_case,
+    const ModuleSequence& whole) {
   const auto x = whole.x.clone().requires_grad_();
   const auto options = MultiHeadAttentionForwardOptions()
                            .is_causal(test_case.is_causal)
@@ -170,7 +171,7 @@ std::tuple<torch::Tensor, torch::Tensor> one_process(
 }
 
 ContextParallelForwardOptions forward_options(
-    const Case& test_case,
+    const ModuleCase& test_case,
     const SequenceSharding& sharding,
     const torch::Tensor& local_padding,
     ContextParallelStrategy strategy) {
@@ -193,8 +194,8 @@ ContextParallelForwardOptions forward_options(
 // The module's output and input gradient, gathered into the whole sequence.
 std::tuple<torch::Tensor, torch::Tensor> context_parallel(
     ContextParallelMultiHeadAttention& parallel,
-    const Case& test_case,
-    const WholeSequence& whole,
+    const ModuleCase& test_case,
+    const ModuleSequence& whole,
     ContextParallelStrategy strategy) {
   const SequenceSharding sharding(test_case.length, group().size(), test_case.layout);
   const auto dim = sequence_dim(test_case.options);
@@ -212,7 +213,7 @@ std::tuple<torch::Tensor, torch::Tensor> context_parallel(
   return {gathered(out.detach()), gathered(x.grad())};
 }
 
-using Param = std::tuple<Case, ContextParallelStrategy, torch::ScalarType>;
+using Param = std::tuple<ModuleCase, ContextParallelStrategy, torch::ScalarType>;
 
 class ContextParallelModule : public ::testing::TestWithParam<Param> {};
 
@@ -228,7 +229,7 @@ TEST_P(ContextParallelModule, OutputAndGradientsMatchTheWholeModule) {
   MultiHeadAttention full(test_case.options);
   full->to(dtype);
   ContextParallelMultiHeadAttention parallel(full, group());
-  const auto whole = draw(test_case, dtype);
+  const auto whole = draw_module_sequence(test_case, dtype);
 
   const auto [expected_out, expected_dx] = one_process(full, test_case, whole);
   const auto [actual_out, actual_dx] = context_parallel(parallel, test_case, whole, strategy);

@@ -29,7 +29,7 @@ namespace {
 using attn::testing::ThreadCount;
 using attn::testing::Tolerance;
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
+using attn::testing::kInf;
 
 // One vectorised exp against libm in float64, every tail length, -inf and
 // 0 among the inputs; its sum against the portable version's.

@@ -36,9 +36,7 @@ torch::Tensor flatten_batch(const torch::Tensor& t) {
   return t.reshape({-1, t.size(-2), t.size(-1)});
 }
 
-struct Inputs {
-  torch::Tensor q, k, v;
-};
+using Inputs = attn::testing::QueryKeyValue;
 
 // Random query (..., L, E), key (..., S, E) and value (..., S, Ev).
 Inputs random_inputs(const Shapes& s, torch::ScalarType dtype) {

@@ -26,7 +26,7 @@ namespace {
 using attn::testing::additive_bias;
 using attn::testing::Tolerance;
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
+using attn::testing::kInf;
 constexpr uint64_t kBaseSeed = 1000;
 constexpr int kFunctionCases = 300;
 constexpr int kMultiHeadCases = 160;

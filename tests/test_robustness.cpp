@@ -40,7 +40,7 @@ using attn::testing::additive_bias;
 using attn::testing::ThreadCount;
 using attn::testing::Tolerance;
 
-constexpr double kInf = std::numeric_limits<double>::infinity();
+using attn::testing::kInf;
 
 // The function's routes on the CPU, each backend asked for by name: the
 // tiled kernel without weights (with and without a gradient; kept to it

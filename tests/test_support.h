@@ -12,10 +12,18 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
 namespace attn::testing {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Queries, keys and values of one call.
+struct QueryKeyValue {
+  torch::Tensor q, k, v;
+};
 
 // Asserts that `statement` throws a c10::Error whose message contains
 // `needle`.

@@ -11,7 +11,7 @@
 namespace attn::distributed::detail {
 
 // The name ring_attention's messages start with, whichever strategy runs.
-constexpr const char* kCaller = "attn::distributed::ring_attention";
+constexpr const char* kRingAttentionCaller = "attn::distributed::ring_attention";
 
 struct ContextParallelInputs {
   torch::Tensor query, key, value; // (B, H, N, D), (B, H_kv, N, D), (B, H_kv, N, Dv)

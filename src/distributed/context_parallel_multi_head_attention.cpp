@@ -19,20 +19,22 @@ namespace attn::distributed {
 
 namespace {
 
-constexpr const char* kCaller = "attn::distributed::ContextParallelMultiHeadAttention";
+constexpr const char* kContextParallelCaller =
+    "attn::distributed::ContextParallelMultiHeadAttention";
 
 // What the module cannot split by sequence: an extra key every token
 // attends to would have to be added once, not on every rank, and keys of
 // another sequence (cross-attention) would need their own sharding.
 MultiHeadAttentionOptions checked(const MultiHeadAttentionOptions& options) {
   TORCH_CHECK(
-      !options.add_bias_kv(), kCaller,
+      !options.add_bias_kv(), kContextParallelCaller,
       ": add_bias_kv cannot be split by sequence, expected add_bias_kv=false, got true");
   TORCH_CHECK(
-      !options.add_zero_attn(), kCaller,
+      !options.add_zero_attn(), kContextParallelCaller,
       ": add_zero_attn cannot be split by sequence, expected add_zero_attn=false, got true");
   TORCH_CHECK(
-      options.kdim() == options.embed_dim() && options.vdim() == options.embed_dim(), kCaller,
+      options.kdim() == options.embed_dim() && options.vdim() == options.embed_dim(),
+      kContextParallelCaller,
       ": self-attention only, expected kdim and vdim equal to embed_dim=", options.embed_dim(),
       ", got kdim=", options.kdim(), " and vdim=", options.vdim());
   return options;
@@ -40,8 +42,9 @@ MultiHeadAttentionOptions checked(const MultiHeadAttentionOptions& options) {
 
 void check_sharding(const SequenceSharding& sharding, const Group& group) {
   TORCH_CHECK(
-      sharding.world_size() == group.size(), kCaller, ": expected a sharding for the group's ",
-      group.size(), " ranks, got one for ", sharding.world_size());
+      sharding.world_size() == group.size(), kContextParallelCaller,
+      ": expected a sharding for the group's ", group.size(), " ranks, got one for ",
+      sharding.world_size());
 }
 
 void check_input(
@@ -51,16 +54,18 @@ void check_input(
     const torch::Tensor& weight) {
   const int64_t N = sharding.local_length(), E = options.embed_dim();
   const bool batch_first = options.batch_first();
-  TORCH_CHECK(x_local.defined(), kCaller, ": expected x_local to be a defined tensor");
   TORCH_CHECK(
-      x_local.dim() == 3 && x_local.size(batch_first ? 1 : 0) == N && x_local.size(2) == E, kCaller,
-      ": expected x_local ", batch_first ? "(B, N, E)" : "(N, B, E)", " with N = ", N,
-      " (this rank's rows of the ", sharding.length(), "-token sequence) and E = ", E, ", got ",
-      x_local.sizes());
+      x_local.defined(), kContextParallelCaller, ": expected x_local to be a defined tensor");
   TORCH_CHECK(
-      x_local.scalar_type() == weight.scalar_type() && x_local.device() == weight.device(), kCaller,
-      ": expected x_local with the module's dtype ", weight.scalar_type(), " on ", weight.device(),
-      ", got ", x_local.scalar_type(), " on ", x_local.device(), " (convert one with .to())");
+      x_local.dim() == 3 && x_local.size(batch_first ? 1 : 0) == N && x_local.size(2) == E,
+      kContextParallelCaller, ": expected x_local ", batch_first ? "(B, N, E)" : "(N, B, E)",
+      " with N = ", N, " (this rank's rows of the ", sharding.length(),
+      "-token sequence) and E = ", E, ", got ", x_local.sizes());
+  TORCH_CHECK(
+      x_local.scalar_type() == weight.scalar_type() && x_local.device() == weight.device(),
+      kContextParallelCaller, ": expected x_local with the module's dtype ", weight.scalar_type(),
+      " on ", weight.device(), ", got ", x_local.scalar_type(), " on ", x_local.device(),
+      " (convert one with .to())");
 }
 
 // ring_attention has no dropout: it would need a mask drawn for every
@@ -68,7 +73,7 @@ void check_input(
 // the ranks compute.
 void check_dropout(const MultiHeadAttentionOptions& options, bool training) {
   TORCH_CHECK(
-      !training || options.dropout() == 0.0, kCaller,
+      !training || options.dropout() == 0.0, kContextParallelCaller,
       ": attention dropout cannot be split by sequence, expected dropout=0 or eval(), got "
       "dropout=",
       options.dropout(), " while training");
@@ -77,8 +82,8 @@ void check_dropout(const MultiHeadAttentionOptions& options, bool training) {
 // Queries and keys turned by the rotary embeddings at the positions in the
 // whole sequence of this rank's rows: segment by segment, since the zigzag
 // layout puts two distant stretches of the sequence side by side.
-::attn::detail::Heads rotate(
-    ::attn::detail::Heads heads,
+::attn::detail::ProjectedHeads rotate(
+    ::attn::detail::ProjectedHeads heads,
     RotaryEmbedding rotary,
     const SequenceSharding& sharding,
     int64_t rank) {
@@ -142,16 +147,16 @@ ContextParallelForwardOptions::ContextParallelForwardOptions(
     : ContextParallelForwardOptions(sharding) {
   const auto& attn_mask = attention_options.attn_mask();
   TORCH_CHECK(
-      !attn_mask.defined(), kCaller,
+      !attn_mask.defined(), kContextParallelCaller,
       ": an attn_mask of arbitrary (query, key) pairs cannot be split by sequence, expected none "
       "(is_causal, window and key_padding_mask can be), got one of sizes ",
       attn_mask.sizes());
   TORCH_CHECK(
-      attention_options.kv_cache() == nullptr, kCaller,
+      attention_options.kv_cache() == nullptr, kContextParallelCaller,
       ": a kv_cache cannot be split by sequence, expected none, got one");
   const auto& padding = attention_options.key_padding_mask();
   TORCH_CHECK(
-      !padding.defined() || padding.scalar_type() == torch::kBool, kCaller,
+      !padding.defined() || padding.scalar_type() == torch::kBool, kContextParallelCaller,
       ": key_padding_mask must be bool (true = padding) to be split by sequence, got ",
       padding.scalar_type());
   key_padding_mask_ = padding;

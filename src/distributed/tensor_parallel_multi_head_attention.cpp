@@ -14,7 +14,7 @@ namespace attn::distributed {
 
 namespace {
 
-constexpr const char* kCaller = "TensorParallelMultiHeadAttention";
+constexpr const char* kTensorParallelCaller = "TensorParallelMultiHeadAttention";
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -87,10 +87,10 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
   const auto H = options.num_heads();
   const auto H_kv = options.num_kv_heads().value_or(H);
   TORCH_CHECK(
-      H % W == 0, kCaller, ": num_heads must be divisible by the number of ranks, ",
+      H % W == 0, kTensorParallelCaller, ": num_heads must be divisible by the number of ranks, ",
       "got num_heads=", H, " and ", W, " ranks");
   TORCH_CHECK(
-      H_kv % W == 0 || W % H_kv == 0, kCaller, ": num_kv_heads and the number of ",
+      H_kv % W == 0 || W % H_kv == 0, kTensorParallelCaller, ": num_kv_heads and the number of ",
       "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
 
   const auto D = options.embed_dim() / H;
@@ -114,9 +114,9 @@ torch::Tensor TensorParallelMultiHeadAttentionImpl::shard(
   const auto parts = group_.size() / split.ranks_per_part;
   const auto local = named_parameters()[name];
   TORCH_CHECK(
-      whole.dim() == local.dim() && whole.size(split.dim) == local.size(split.dim) * parts, kCaller,
-      ": ", name, " of the whole module must be ", parts, " times ", local.sizes(), " along dim ",
-      split.dim, ", got ", whole.sizes());
+      whole.dim() == local.dim() && whole.size(split.dim) == local.size(split.dim) * parts,
+      kTensorParallelCaller, ": ", name, " of the whole module must be ", parts, " times ",
+      local.sizes(), " along dim ", split.dim, ", got ", whole.sizes());
   return whole.chunk(parts, split.dim)[group_.rank() / split.ranks_per_part].clone();
 }
 
@@ -180,7 +180,8 @@ TensorParallelMultiHeadAttentionImpl::Split TensorParallelMultiHeadAttentionImpl
   if (name == "out_proj.weight") {
     return {1, 1};
   }
-  TORCH_CHECK(name == "out_proj.bias", kCaller, ": no split for the parameter ", name);
+  TORCH_CHECK(
+      name == "out_proj.bias", kTensorParallelCaller, ": no split for the parameter ", name);
   return {0, group_.size()};
 }
 

@@ -9,7 +9,8 @@
 namespace attn::detail {
 namespace {
 
-constexpr double kNegativeInfinity = -std::numeric_limits<double>::infinity();
+// The score of a pair that the mask hides.
+constexpr double kMaskedScore = -std::numeric_limits<double>::infinity();
 
 // Softmax over the last dim in which a row that is -inf everywhere (a query
 // with every key masked) gets zero weights instead of NaN. Such rows are
@@ -18,7 +19,7 @@ torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
   if (scores.size(-1) == 0) {
     return scores;
   }
-  const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kNegativeInfinity;
+  const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kMaskedScore;
   return torch::softmax(scores.masked_fill(fully_masked, 0.0), -1).masked_fill(fully_masked, 0.0);
 }
 
@@ -54,7 +55,7 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(
   const auto& mask = options.attn_mask();
   if (mask.defined()) {
     scores = mask.scalar_type() == torch::kBool
-        ? scores.masked_fill(mask.logical_not(), kNegativeInfinity)
+        ? scores.masked_fill(mask.logical_not(), kMaskedScore)
         : scores + mask;
   }
   const auto& window = options.window();
@@ -62,7 +63,7 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(
     scores = scores.masked_fill(
         visible_band(L, S, options.query_offset(), options.is_causal(), window, query.device())
             .logical_not(),
-        kNegativeInfinity);
+        kMaskedScore);
   }
 
   // Causal masking alone with a non-negative offset always leaves key 0

@@ -265,3 +265,5 @@ double exp_shifted_sum(double* x, int64_t n, double shift) {
 }
 
 } // namespace attn::detail
+
+#undef ATTN_HAVE_X86_TARGETS

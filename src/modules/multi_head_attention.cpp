@@ -12,12 +12,6 @@ namespace attn {
 MultiHeadAttentionOptions::MultiHeadAttentionOptions(int64_t embed_dim, int64_t num_heads)
     : embed_dim_(embed_dim), num_heads_(num_heads), kdim_(embed_dim), vdim_(embed_dim) {}
 
-namespace {
-
-constexpr const char* kCaller = "MultiHeadAttention";
-
-} // namespace
-
 void MultiHeadLayers::register_layers(
     torch::nn::Module& owner,
     const MultiHeadAttentionOptions& options,
@@ -61,24 +55,24 @@ void MultiHeadAttentionImpl::reset() {
   const auto E = options.embed_dim();
   const auto H = options.num_heads();
   const auto H_kv = options.num_kv_heads().value_or(H);
-  TORCH_CHECK(E > 0, kCaller, ": embed_dim must be positive, got ", E);
-  TORCH_CHECK(H > 0, kCaller, ": num_heads must be positive, got ", H);
+  TORCH_CHECK(E > 0, detail::kMultiHeadCaller, ": embed_dim must be positive, got ", E);
+  TORCH_CHECK(H > 0, detail::kMultiHeadCaller, ": num_heads must be positive, got ", H);
   TORCH_CHECK(
-      E % H == 0, kCaller, ": embed_dim must be divisible by num_heads, got ", "embed_dim=", E,
-      " and num_heads=", H, " (remainder ", E % H, ")");
+      E % H == 0, detail::kMultiHeadCaller, ": embed_dim must be divisible by num_heads, got ",
+      "embed_dim=", E, " and num_heads=", H, " (remainder ", E % H, ")");
   TORCH_CHECK(
-      H_kv > 0 && H % H_kv == 0, kCaller,
+      H_kv > 0 && H % H_kv == 0, detail::kMultiHeadCaller,
       ": num_kv_heads must be positive and divide num_heads, got num_heads=", H,
       " and num_kv_heads=", H_kv);
   TORCH_CHECK(
-      options.kdim() > 0 && options.vdim() > 0, kCaller,
+      options.kdim() > 0 && options.vdim() > 0, detail::kMultiHeadCaller,
       ": kdim and vdim must be positive, got kdim=", options.kdim(), " and vdim=", options.vdim());
   TORCH_CHECK(
-      options.dropout() >= 0.0 && options.dropout() < 1.0, kCaller,
+      options.dropout() >= 0.0 && options.dropout() < 1.0, detail::kMultiHeadCaller,
       ": dropout must be in [0, 1), got ", options.dropout());
   const auto D = E / H;
   TORCH_CHECK(
-      !options.rotary() || options.rotary()->dim() <= D, kCaller,
+      !options.rotary() || options.rotary()->dim() <= D, detail::kMultiHeadCaller,
       ": rotary dim must be at most the head width embed_dim / num_heads = ", D, ", got ",
       options.rotary() ? options.rotary()->dim() : 0);
 

@@ -11,8 +11,6 @@
 namespace attn::detail {
 namespace {
 
-constexpr const char* kCaller = "MultiHeadAttention";
-
 // The call's inputs seen batch-first: (B, L, E), (B, S, kdim), (B, S, vdim).
 struct BatchFirstInputs {
   torch::Tensor query, key, value;
@@ -27,18 +25,18 @@ BatchFirstInputs batch_first_inputs(
     const MultiHeadAttentionOptions& options) {
   const bool batch_first = options.batch_first();
   TORCH_CHECK(
-      query.defined() && key.defined() && value.defined(), kCaller,
+      query.defined() && key.defined() && value.defined(), kMultiHeadCaller,
       ": query, key and value must be defined tensors");
   TORCH_CHECK(
-      query.dim() == 3 && query.size(2) == options.embed_dim(), kCaller, ": query must be ",
-      batch_first ? "(B, L, E)" : "(L, B, E)", " with E == ", options.embed_dim(), ", got ",
-      query.sizes());
+      query.dim() == 3 && query.size(2) == options.embed_dim(), kMultiHeadCaller,
+      ": query must be ", batch_first ? "(B, L, E)" : "(L, B, E)",
+      " with E == ", options.embed_dim(), ", got ", query.sizes());
   TORCH_CHECK(
-      key.dim() == 3 && key.size(2) == options.kdim(), kCaller, ": key must be ",
+      key.dim() == 3 && key.size(2) == options.kdim(), kMultiHeadCaller, ": key must be ",
       batch_first ? "(B, S, kdim)" : "(S, B, kdim)", " with kdim == ", options.kdim(), ", got ",
       key.sizes());
   TORCH_CHECK(
-      value.dim() == 3 && value.size(2) == options.vdim(), kCaller, ": value must be ",
+      value.dim() == 3 && value.size(2) == options.vdim(), kMultiHeadCaller, ": value must be ",
       batch_first ? "(B, S, vdim)" : "(S, B, vdim)", " with vdim == ", options.vdim(), ", got ",
       value.sizes());
 
@@ -48,11 +46,11 @@ BatchFirstInputs batch_first_inputs(
   inputs.B = inputs.query.size(0);
   inputs.L = inputs.query.size(1);
   TORCH_CHECK(
-      inputs.key.size(0) == inputs.B && inputs.value.size(0) == inputs.B, kCaller,
+      inputs.key.size(0) == inputs.B && inputs.value.size(0) == inputs.B, kMultiHeadCaller,
       ": query, key and value must have the same batch size B, got query ", query.sizes(), ", key ",
       key.sizes(), ", value ", value.sizes());
   TORCH_CHECK(
-      inputs.value.size(1) == inputs.key.size(1), kCaller,
+      inputs.value.size(1) == inputs.key.size(1), kMultiHeadCaller,
       ": key and value must have the same length S, got key ", key.sizes(), ", value ",
       value.sizes());
   return inputs;
@@ -66,11 +64,12 @@ void check_device_and_dtype(
     const torch::Tensor& weight) {
   for (const auto* input : {&query, &key, &value}) {
     TORCH_CHECK(
-        input->device() == weight.device(), kCaller, ": inputs must be on the module's device ",
-        weight.device(), ", got query on ", query.device(), ", key on ", key.device(),
-        ", value on ", value.device(), " (move one with .to())");
+        input->device() == weight.device(), kMultiHeadCaller,
+        ": inputs must be on the module's device ", weight.device(), ", got query on ",
+        query.device(), ", key on ", key.device(), ", value on ", value.device(),
+        " (move one with .to())");
     TORCH_CHECK(
-        input->scalar_type() == weight.scalar_type(), kCaller,
+        input->scalar_type() == weight.scalar_type(), kMultiHeadCaller,
         ": inputs must have the module's dtype ", weight.scalar_type(), ", got query ",
         query.scalar_type(), ", key ", key.scalar_type(), ", value ", value.scalar_type(),
         " (convert one with .to())");
@@ -87,9 +86,10 @@ void check_window_and_cache(
     const MultiHeadAttentionForwardOptions& forward_options) {
   const auto& window = forward_options.window();
   TORCH_CHECK(
-      !window || *window > 0, kCaller, ": window must be a positive number of keys, got ", *window);
+      !window || *window > 0, kMultiHeadCaller, ": window must be a positive number of keys, got ",
+      *window);
   TORCH_CHECK(
-      forward_options.kv_cache() == nullptr || extra_keys(options) == 0, kCaller,
+      forward_options.kv_cache() == nullptr || extra_keys(options) == 0, kMultiHeadCaller,
       ": a kv_cache cannot be combined with add_bias_kv or add_zero_attn ",
       "(their extra key would be cached at every step)");
 }
@@ -107,22 +107,22 @@ void check_masks(
   const auto [B, H, L, S, past] = shape;
   const auto& padding = forward_options.key_padding_mask();
   if (padding.defined()) {
-    check_mask_dtype_and_device(kCaller, "key_padding_mask", padding, query);
+    check_mask_dtype_and_device(kMultiHeadCaller, "key_padding_mask", padding, query);
     TORCH_CHECK(
-        padding.dim() == 2 && padding.size(0) == B && padding.size(1) == S, kCaller,
+        padding.dim() == 2 && padding.size(0) == B && padding.size(1) == S, kMultiHeadCaller,
         ": key_padding_mask must be (B, S) = ", torch::IntArrayRef({B, S}),
         past > 0 ? " (S counting the cached keys)" : "", ", got ", padding.sizes());
   }
   const auto& attn_mask = forward_options.attn_mask();
   if (attn_mask.defined()) {
-    check_mask_dtype_and_device(kCaller, "attn_mask", attn_mask, query);
+    check_mask_dtype_and_device(kMultiHeadCaller, "attn_mask", attn_mask, query);
     const auto sizes = attn_mask.sizes();
     const bool valid = (sizes == torch::IntArrayRef({L, S})) ||
         (sizes == torch::IntArrayRef({B * H, L, S})) ||
         (attn_mask.dim() == 4 && (sizes[0] == B || sizes[0] == 1) &&
          (sizes[1] == H || sizes[1] == 1) && sizes[2] == L && sizes[3] == S);
     TORCH_CHECK(
-        valid, kCaller, ": attn_mask must be (L, S) = ", torch::IntArrayRef({L, S}),
+        valid, kMultiHeadCaller, ": attn_mask must be (L, S) = ", torch::IntArrayRef({L, S}),
         ", (B·H, L, S) = ", torch::IntArrayRef({B * H, L, S}),
         " or (B, H, L, S) = ", torch::IntArrayRef({B, H, L, S}), " (B and H may be 1)",
         past > 0 ? ", S counting the cached keys" : "", ", got ", sizes);
@@ -130,7 +130,7 @@ void check_masks(
 }
 
 // The projections (B, ·, H·D) into heads, by strides.
-Heads split_heads(
+ProjectedHeads split_heads(
     const torch::Tensor& q,
     const torch::Tensor& k,
     const torch::Tensor& v,
@@ -143,7 +143,7 @@ Heads split_heads(
 }
 
 // Rotary positions start after the `past` cached tokens.
-Heads rotate(Heads heads, const MultiHeadParameters& parameters, int64_t past) {
+ProjectedHeads rotate(ProjectedHeads heads, const MultiHeadParameters& parameters, int64_t past) {
   if (parameters.rotary) {
     auto rotary = parameters.rotary; // the module caches its tables: not const
     heads.q = rotary(heads.q, past);
@@ -154,8 +154,8 @@ Heads rotate(Heads heads, const MultiHeadParameters& parameters, int64_t past) {
 
 // Keys and values after the call's own: the cache's before them, the bias
 // key and the zero key after them.
-Heads append_keys(
-    Heads heads,
+ProjectedHeads append_keys(
+    ProjectedHeads heads,
     KVCache* cache,
     const MultiHeadAttentionOptions& options,
     const MultiHeadParameters& parameters) {
@@ -222,7 +222,7 @@ SDPAOptions attention_options(
 
 } // namespace
 
-Heads project_heads(
+ProjectedHeads project_heads(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,

@@ -18,6 +18,9 @@
 
 namespace attn::detail {
 
+// The name MultiHeadAttention's messages start with.
+inline constexpr const char* kMultiHeadCaller = "MultiHeadAttention";
+
 // The heads one call computes and the tensors it computes them with, in
 // torch::nn::Linear's layout (out_features, in_features). A bias may be
 // undefined: a projection without one (`out_bias`: or one that the caller
@@ -43,14 +46,14 @@ MultiHeadParameters parameters_of(
     int64_t head_dim);
 
 // Queries, keys and values split into heads: (B, H, L, D), (B, H_kv, S, D).
-struct Heads {
+struct ProjectedHeads {
   torch::Tensor q, k, v;
 };
 
 // The projections of batch-first `query` (B, L, E), `key` (B, S, kdim) and
 // `value` (B, S, vdim) into heads, views of the projections (no copy).
 // Self-attention (the same tensor thrice) projects with one GEMM.
-Heads project_heads(
+ProjectedHeads project_heads(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,

@@ -14,7 +14,7 @@ RotaryEmbeddingOptions::RotaryEmbeddingOptions(int64_t dim) : dim_(dim) {}
 
 namespace {
 
-constexpr const char* kCaller = "RotaryEmbedding";
+constexpr const char* kRotaryCaller = "RotaryEmbedding";
 constexpr int64_t kFirstTableLength = 256;
 // Positions up to here are cached (a table of 2^16 positions holds
 // dim · 256 KB in float32); later ones are computed for each call, so that
@@ -63,27 +63,27 @@ RotaryEmbeddingImpl::RotaryEmbeddingImpl(const RotaryEmbeddingOptions& options_)
 void RotaryEmbeddingImpl::reset() {
   const auto dim = options.dim();
   TORCH_CHECK(
-      dim > 0 && dim % 2 == 0, kCaller,
+      dim > 0 && dim % 2 == 0, kRotaryCaller,
       ": dim must be a positive even number of features (they rotate in ", "pairs), got ", dim);
   TORCH_CHECK(
-      std::isfinite(options.base()) && options.base() > 0.0, kCaller,
+      std::isfinite(options.base()) && options.base() > 0.0, kRotaryCaller,
       ": base must be a positive finite number, got ", options.base());
   tables_ = std::make_shared<Tables>();
 }
 
 torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offset) {
   const auto dim = options.dim();
-  TORCH_CHECK(x.defined(), kCaller, ": x must be a defined tensor");
+  TORCH_CHECK(x.defined(), kRotaryCaller, ": x must be a defined tensor");
   TORCH_CHECK(
-      x.dim() >= 2 && x.size(-1) >= dim, kCaller, ": x must be (..., T, F) with F >= dim = ", dim,
-      ", got ", x.sizes());
+      x.dim() >= 2 && x.size(-1) >= dim, kRotaryCaller,
+      ": x must be (..., T, F) with F >= dim = ", dim, ", got ", x.sizes());
   TORCH_CHECK(
-      torch::isFloatingType(x.scalar_type()), kCaller, ": x must have a floating-point dtype, got ",
-      x.scalar_type());
-  TORCH_CHECK(offset >= 0, kCaller, ": offset must be >= 0, got ", offset);
+      torch::isFloatingType(x.scalar_type()), kRotaryCaller,
+      ": x must have a floating-point dtype, got ", x.scalar_type());
+  TORCH_CHECK(offset >= 0, kRotaryCaller, ": offset must be >= 0, got ", offset);
   const auto T = x.size(-2);
   TORCH_CHECK(
-      offset <= kLastPosition - T, kCaller, ": positions must stay within 2^53 (exact in ",
+      offset <= kLastPosition - T, kRotaryCaller, ": positions must stay within 2^53 (exact in ",
       "float64), got offset ", offset, " for ", T, " tokens");
 
   torch::Tensor cos, sin; // (T, dim / 2)
