@@ -18,9 +18,9 @@
 // H = 8, D = 64, float32, zigzag ring); prints each rank's peak tensor
 // memory and fails (exit 1) unless every rank's stays below the bytes one
 // process must hold for the same sequence: its queries, keys, values,
-// output and their four gradients, 8·B·H·T·D floats. `memory-forward`:
-// the forward alone (no gradient), against Q, K, V and O, 4·B·H·T·D
-// floats; ctest runs it (a quarter of the time).
+// output and their four gradients, 8·B·H·T·D floats; ctest runs it.
+// `memory-forward`: the forward alone (no gradient), against Q, K, V and
+// O, 4·B·H·T·D floats, in a quarter of the time.
 
 #include <attn/attn.h>
 #include <attn/distributed/context_parallel.h>
