@@ -23,17 +23,15 @@ constexpr int64_t kLongestTable = int64_t{1} << 16;
 // Positions are exact integers in float64 up to 2^53.
 constexpr int64_t kLastPosition = int64_t{1} << 53;
 
-// cos and sin of every position's angles, (length, dim / 2) each.
-struct Table {
-  torch::Device device;
-  torch::ScalarType dtype;
+// cos and sin of positions' angles, (positions, dim / 2) each.
+struct Angles {
   torch::Tensor cos, sin;
 };
 
 // cos and sin of the angles of positions [begin, begin + length), in
 // float64 (position · base^(-2i/dim), exact for integer positions up to
-// 2^53 before the one rounding to `target`), (length, dim / 2) each.
-Table angle_table(
+// 2^53 before the one rounding to `target`).
+Angles angle_table(
     const RotaryEmbeddingOptions& options,
     int64_t begin,
     int64_t length,
@@ -43,14 +41,18 @@ Table angle_table(
   const auto inverse_frequency = torch::pow(
       options.base(), torch::arange(0, dim, 2, f64) / -static_cast<double>(dim));
   const auto angles = torch::outer(torch::arange(begin, begin + length, f64), inverse_frequency);
-  return {
-      target.device(), c10::typeMetaToScalarType(target.dtype()), angles.cos().to(target),
-      angles.sin().to(target)};
+  return {angles.cos().to(target), angles.sin().to(target)};
 }
 
 } // namespace
 
+// The cached angles of positions [0, length), one table per device and dtype.
 struct RotaryEmbeddingImpl::Tables {
+  struct Table {
+    torch::Device device;
+    torch::ScalarType dtype;
+    torch::Tensor cos, sin; // (length, dim / 2)
+  };
   std::mutex mutex;
   std::vector<Table> tables;
 };
@@ -96,7 +98,7 @@ torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offse
   } else {
     const std::lock_guard<std::mutex> lock(tables_->mutex);
     auto& tables = tables_->tables;
-    auto table = std::find_if(tables.begin(), tables.end(), [&](const Table& t) {
+    auto table = std::find_if(tables.begin(), tables.end(), [&](const Tables::Table& t) {
       return t.device == x.device() && t.dtype == x.scalar_type();
     });
     if (table == tables.end() || table->cos.size(0) < needed) {
@@ -104,7 +106,8 @@ torch::Tensor RotaryEmbeddingImpl::forward(const torch::Tensor& x, int64_t offse
       while (length < needed) {
         length *= 2;
       }
-      auto fresh = angle_table(options, 0, length, target);
+      auto angles = angle_table(options, 0, length, target);
+      Tables::Table fresh{x.device(), x.scalar_type(), angles.cos, angles.sin};
       if (table == tables.end()) {
         tables.push_back(std::move(fresh));
         table = tables.end() - 1;
