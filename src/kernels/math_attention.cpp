@@ -1,16 +1,12 @@
 #include "math_attention.h"
 
+#include "kernels/mask_view.h"
 #include "masks.h"
 
 #include <torch/torch.h>
 
-#include <limits>
-
 namespace attn::detail {
 namespace {
-
-// The score of a pair that the mask hides.
-constexpr double kMaskedScore = -std::numeric_limits<double>::infinity();
 
 // Softmax over the last dim in which a row that is -inf everywhere (a query
 // with every key masked) gets zero weights instead of NaN. Such rows are
@@ -19,7 +15,7 @@ torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
   if (scores.size(-1) == 0) {
     return scores;
   }
-  const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kMaskedScore;
+  const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kNegativeInfinity<double>;
   return torch::softmax(scores.masked_fill(fully_masked, 0.0), -1).masked_fill(fully_masked, 0.0);
 }
 
@@ -55,7 +51,7 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(
   const auto& mask = options.attn_mask();
   if (mask.defined()) {
     scores = mask.scalar_type() == torch::kBool
-        ? scores.masked_fill(mask.logical_not(), kMaskedScore)
+        ? scores.masked_fill(mask.logical_not(), kNegativeInfinity<double>)
         : scores + mask;
   }
   const auto& window = options.window();
@@ -63,7 +59,7 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(
     scores = scores.masked_fill(
         visible_band(L, S, options.query_offset(), options.is_causal(), window, query.device())
             .logical_not(),
-        kMaskedScore);
+        kNegativeInfinity<double>);
   }
 
   // Causal masking alone with a non-negative offset always leaves key 0
