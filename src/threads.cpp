@@ -139,6 +139,19 @@ LiveGuards& live_guards() {
 
 } // namespace
 
+void keep_thread_count() {
+  thread_local bool kept = false;
+  if (kept) {
+    return;
+  }
+  kept = true;
+  const int own = at::get_num_threads();
+  at::internal::lazy_init_num_threads(); // attn's copy: may set the process-wide count
+  if (at::get_num_threads() != own) {
+    at::set_num_threads(own);
+  }
+}
+
 ScopedSingleThreadedBlas::ScopedSingleThreadedBlas() {
   const auto& blas = openblas();
   active_ = blas.has_own_pool() && at::get_num_threads() > 1;

@@ -8,10 +8,12 @@
 
 #include "test_support.h"
 
+#include <attn/functional.h>
 #include <attn/kv_cache.h>
 #include <attn/modules/multi_head_attention.h>
 
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -55,6 +57,31 @@ void run_in_threads(const Work& work) {
 struct Result {
   torch::Tensor output, weights;
 };
+
+// LibTorch's first use of a thread's count sets it to the count last set
+// by any thread, and at::parallel_for does it again the first time it runs
+// from another library's code: the record of having done it is per
+// library. A thread's own count must survive attn's first call: here the
+// thread sets 1 (after LibTorch's first use, as ThreadCount does), another
+// thread sets 2, and then the thread makes its first attention call.
+TEST(ThreadCounts, AThreadKeepsItsOwnCountThroughItsFirstAttentionCall) {
+  const auto x = torch::randn({1, 2, 64, 16});
+  const ThreadCount restored_afterwards(at::get_num_threads());
+  std::promise<void> own_count_set, other_count_set;
+  int count_after_call = 0;
+  std::thread caller([&] {
+    const ThreadCount own(1);
+    own_count_set.set_value();
+    other_count_set.get_future().wait();
+    attn::scaled_dot_product_attention(x, x, x);
+    count_after_call = at::get_num_threads();
+  });
+  own_count_set.get_future().wait();
+  at::set_num_threads(2);
+  other_count_set.set_value();
+  caller.join();
+  EXPECT_EQ(count_after_call, 1);
+}
 
 TEST(SharedModuleThreads, EightThreadsOfInferenceMatchSerialCallsBitwise) {
   auto mha = make_module();

@@ -17,7 +17,9 @@
 ///   which shares ATen's pool).
 ///
 /// A program that wants fewer threads calls `at::set_num_threads` in `main`,
-/// which runs after the library is loaded, or sets `OMP_NUM_THREADS`.
+/// which runs after the library is loaded, or sets `OMP_NUM_THREADS`. A
+/// thread that sets a count of its own (one intra-op thread per serving
+/// thread, say) keeps it through attn's calls.
 
 #include <string>
 

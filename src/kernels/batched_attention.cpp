@@ -3,7 +3,7 @@
 #include "compat.h"
 
 #include "kernels/mask_view.h"
-#include "kernels/parallel_grain.h"
+#include "kernels/parallel.h"
 #include "kernels/tile_product.h"
 #include "row_ops.h"
 
@@ -126,7 +126,7 @@ torch::Tensor product_per_matrix(
   const scalar_t* b_data = rows.data_ptr<scalar_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
   const int64_t grain = parallel_grain(static_cast<double>(m * n * k), kMinSmallProductWork);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t batch = begin; batch < end; ++batch) {
       multiply(
           out_data + batch * m * n, a_data + batch * a.stride(0), a.stride(1), a.stride(2),
@@ -182,7 +182,7 @@ void softmax_rows(
   const auto scale = static_cast<scalar_t>(config.scale);
   scalar_t* data = scores.data_ptr<scalar_t>();
   const int64_t S = shape.S;
-  at::parallel_for(
+  parallel_for(
       0, scores.numel() / std::max<int64_t>(S, 1), parallel_grain(S, kMinRowPassScores),
       [&](int64_t begin, int64_t end) {
         for (int64_t row = begin; row < end; ++row) {
@@ -212,7 +212,7 @@ void softmax_backward_rows(
   const scalar_t* p = probs.data_ptr<scalar_t>();
   scalar_t* g = grad_probs.data_ptr<scalar_t>();
   const int64_t S = probs.size(-1);
-  at::parallel_for(
+  parallel_for(
       0, probs.numel() / std::max<int64_t>(S, 1), parallel_grain(S, kMinRowPassScores),
       [&](int64_t begin, int64_t end) {
         for (int64_t row = begin; row < end; ++row) {

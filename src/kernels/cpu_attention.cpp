@@ -2,7 +2,7 @@
 
 #include "kernels/heads.h"
 #include "kernels/mask_view.h"
-#include "kernels/parallel_grain.h"
+#include "kernels/parallel.h"
 #include "kernels/short_heads.h"
 #include "kernels/workspace.h"
 #include "row_ops.h"
@@ -52,7 +52,7 @@ void parallel_units(
   if (units > grain) {
     one_blas_thread_per_task.emplace();
   }
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     // Grad mode is thread-local: worker threads start with it on.
     const torch::NoGradGuard no_grad;
     auto scratch = make_scratch();

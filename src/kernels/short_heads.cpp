@@ -1,6 +1,6 @@
 #include "kernels/short_heads.h"
 
-#include "kernels/parallel_grain.h"
+#include "kernels/parallel.h"
 #include "kernels/short_heads_loops.h"
 #include "kernels/tile_product.h"
 
@@ -42,8 +42,7 @@ void parallel_heads(
     double flops_per_head,
     ShortHeadsFn run) {
   const int64_t grain = parallel_grain(flops_per_head, kMinParallelFlops);
-  at::parallel_for(
-      0, B * call.H, grain, [&](int64_t begin, int64_t end) { run(call, begin, end); });
+  parallel_for(0, B * call.H, grain, [&](int64_t begin, int64_t end) { run(call, begin, end); });
 }
 
 ShortHeadsCall call_of(

@@ -1,7 +1,7 @@
 #include "tile_product.h"
 
 #include "kernels/micro_tile.h"
-#include "kernels/parallel_grain.h"
+#include "kernels/parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -394,7 +394,7 @@ void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
   const float* source = t.data_ptr<float>();
   float* target = transposed.data_ptr<float>();
   const int64_t grain = parallel_grain(static_cast<double>(S * D), kMinParallelTranspose);
-  at::parallel_for(0, t.size(0) * H, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, t.size(0) * H, grain, [&](int64_t begin, int64_t end) {
     for (int64_t head = begin; head < end; ++head) {
       const int64_t b = head / H, h = head % H;
       transpose_float(
