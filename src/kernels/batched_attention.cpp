@@ -7,7 +7,6 @@
 #include "kernels/tile_product.h"
 #include "row_ops.h"
 
-#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <algorithm>

@@ -4,7 +4,6 @@
 #include "kernels/short_heads_loops.h"
 #include "kernels/tile_product.h"
 
-#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 namespace attn::detail {
