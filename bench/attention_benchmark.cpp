@@ -14,8 +14,8 @@
 
 #include <attn/attn.h>
 
-#include "compat.h" // LibTorch's own attention, where the version has it
 #include "naive_attention.h"
+#include "runtime/compat.h" // LibTorch's own attention, where the version has it
 
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -480,7 +480,7 @@ void register_cpu() {
       ->UseRealTime();
   Suite float32{
       {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive},
-      {Impl::ours},
+      {Impl::ours, Impl::ours_weights},
       {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
       {Impl::ours, Impl::builtin, Impl::naive}};
   if (attn::detail::kHasNativeAttention) {

@@ -24,9 +24,9 @@
 
 #include <attn/attn.h>
 
-#include "compat.h"               // whether LibTorch has its own attention
-#include "kernels/tile_product.h" // the tiled kernel's products, attn's loops or BLAS's
+#include "kernels/cpu/tile_product.h" // the tiled kernel's products, attn's loops or BLAS's
 #include "naive_attention.h"
+#include "runtime/compat.h" // whether LibTorch has its own attention
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>

@@ -4,7 +4,7 @@
 # the compiler. Included at the top level, so that TorchConfig's variables
 # (TORCH_LIBRARIES, Torch_VERSION, ...) reach the rest of the build.
 
-# 1.13 is the oldest LibTorch whose API src/compat.h covers.
+# 1.13 is the oldest LibTorch whose API src/runtime/compat.h covers.
 set(ATTN_MIN_TORCH_VERSION 1.13)
 set(attn_torch_wanted
   "attn needs LibTorch ${ATTN_MIN_TORCH_VERSION} or later (tested: 1.13 and 2.15)")

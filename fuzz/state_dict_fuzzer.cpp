@@ -1,5 +1,5 @@
 // libFuzzer target: attn's reader of Python's torch.save files
-// (src/torch_save_reader.cpp), fed the inputs that state_dict_input.h
+// (src/serialization/torch_save_reader.cpp), fed the inputs that state_dict_input.h
 // describes. A refusal is a c10::Error with a message; anything else
 // (another exception, a crash, a sanitizer report, a leak, a timeout or
 // running out of memory) is a finding.

@@ -1,6 +1,6 @@
 #include "state_dict_input.h"
 
-#include "torch_save_reader.h"
+#include "serialization/torch_save_reader.h"
 
 #include <caffe2/serialize/inline_container.h>
 #include <torch/torch.h>

@@ -1,11 +1,11 @@
-// attn::select_backend (src/backend.cpp): which backend each request takes, that a requested
+// attn::select_backend (src/sdpa/backend.cpp): which backend each request takes, that a requested
 // backend runs or says why it cannot, and that every backend computes the
 // float64 reference's output and gradients.
 
 #include "test_support.h"
 
-#include "kernels/short_heads.h"
-#include "kernels/tile_product.h"
+#include "kernels/cpu/short_heads.h"
+#include "kernels/cpu/tile_product.h"
 
 #include <attn/attn.h>
 
@@ -91,9 +91,12 @@ TEST(BackendSelection, WeightsForInferenceTakeTheWeightsKernel) {
       AttentionBackend::fused_cpu_weights);
 }
 
-TEST(BackendSelection, WeightsWithGradientsTakeTheMathPath) {
+TEST(BackendSelection, WeightsWithGradientsTakeTheBatchedKernel) {
   const auto in = make_inputs(/*requires_grad=*/true, torch::kFloat, kLong);
-  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::math);
+  // The one CPU kernel whose weights are differentiable, not the math path.
+  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::batched_cpu);
+  // Where no CPU kernel runs (dropout while training), the math path.
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().dropout_p(0.1)), AttentionBackend::math);
   // Without grad mode nothing needs a gradient.
   torch::NoGradGuard no_grad;
   EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::fused_cpu_weights);
@@ -119,7 +122,8 @@ TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
 // take the fused kernel's short loops where they run; with weights, up to
 // batched_longest() queries and keys take the batched kernel, with or
 // without gradients (and so do requests without weights where the short
-// loops do not run); beyond either, the others. (A window keeps LibTorch's
+// loops do not run); beyond either, the others, except weights with
+// gradients, which only the batched kernel differentiates. (A window keeps LibTorch's
 // kernel out of the choice.)
 TEST(BackendSelection, ShortSequencesTakeTheShortLoopsOrTheBatchedKernel) {
   const auto lengths = [](int64_t L, int64_t S, bool grad) {
@@ -143,9 +147,14 @@ TEST(BackendSelection, ShortSequencesTakeTheShortLoopsOrTheBatchedKernel) {
         EXPECT_EQ(select_backend(in.q, in.k, in.v, options), short_choice)
             << "L=" << in.q.size(2) << " S=" << in.k.size(2);
       }
+      // Beyond them, weights with gradients still take the batched kernel
+      // (the one CPU kernel that differentiates them); the rest do not.
+      const bool weights_with_grad = need_weights && grad;
       for (const auto& in :
            {lengths(beyond, beyond, grad), lengths(1, beyond, grad), lengths(beyond, 1, grad)}) {
-        EXPECT_NE(select_backend(in.q, in.k, in.v, options), AttentionBackend::batched_cpu)
+        EXPECT_EQ(
+            select_backend(in.q, in.k, in.v, options) == AttentionBackend::batched_cpu,
+            weights_with_grad)
             << "L=" << in.q.size(2) << " S=" << in.k.size(2);
       }
       // The short loops' bounds: 128 queries, 64 keys.

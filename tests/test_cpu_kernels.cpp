@@ -1,4 +1,4 @@
-// The CPU kernels (src/kernels), tiled and batched, against the math path: forward,
+// The CPU kernels (src/kernels/cpu), tiled and batched, against the math path: forward,
 // weights and gradients over a seeded random sweep of shapes and masks,
 // with 1 and 2 threads, and the vectorised exp against libm.
 
@@ -6,13 +6,14 @@
 
 #include <attn/functional.h>
 
-#include "kernels/batched_attention.h"
-#include "kernels/cpu_attention.h"
-#include "kernels/math_attention.h"
-#include "kernels/row_ops.h"
-#include "kernels/short_heads.h"
-#include "kernels/tile_product.h"
-#include "kernels/workspace.h"
+#include "kernels/cpu/batched_attention.h"
+#include "kernels/cpu/cpu_attention.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/row_ops.h"
+#include "kernels/cpu/short_heads.h"
+#include "kernels/cpu/tile_product.h"
+#include "kernels/cpu/workspace.h"
+#include "sdpa/math_attention.h"
 
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -59,38 +60,58 @@ void expect_exp_matches_libm(attn::detail::ExpShiftedSumFn vectorised) {
   }
 }
 
-TEST(RowOps, VectorisedExpMatchesLibmToAFewUlp) {
-  const auto avx2 = attn::detail::exp_shifted_sum_avx2();
-  if (avx2 == nullptr) {
-    GTEST_SKIP() << "this CPU or build has no AVX2+FMA; only the portable exp runs here";
+// The vector loops of `set` (isa.h), or a skip saying why there are none.
+#define ATTN_VECTOR_LOOPS_OR_SKIP(loops, set)                                               \
+  const auto* loops = attn::detail::isa_loops(set);                                         \
+  if (loops == nullptr || loops->exp_shifted_sum == nullptr) {                              \
+    GTEST_SKIP() << "this CPU or build runs no " << attn::detail::instruction_set_name(set) \
+                 << " vector loops; the portable row operations run here";                  \
   }
-  expect_exp_matches_libm(avx2);
+
+TEST(RowOps, Avx2ExpMatchesLibmToAFewUlp) {
+  ATTN_VECTOR_LOOPS_OR_SKIP(loops, attn::detail::InstructionSet::avx2);
+  expect_exp_matches_libm(loops->exp_shifted_sum);
 }
 
 TEST(RowOps, Avx512ExpMatchesLibmToAFewUlp) {
-  const auto avx512 = attn::detail::exp_shifted_sum_avx512();
-  if (avx512 == nullptr) {
-    GTEST_SKIP() << "this CPU or build has no AVX-512; the AVX2 or portable exp runs here";
-  }
-  expect_exp_matches_libm(avx512);
+  ATTN_VECTOR_LOOPS_OR_SKIP(loops, attn::detail::InstructionSet::avx512);
+  expect_exp_matches_libm(loops->exp_shifted_sum);
 }
 
-TEST(RowOps, RowMaxFindsTheLargestAtEveryTailLength) {
+// One row maximum against std::max_element at every tail length, the
+// largest value in every lane, and rows of -inf.
+void expect_row_max_finds_the_largest(attn::detail::RowMaxFn row_max) {
   std::mt19937 rng(2);
   std::uniform_real_distribution<float> uniform(-50.0f, 50.0f);
-  EXPECT_EQ(attn::detail::row_max(static_cast<const float*>(nullptr), 0), -kInf);
+  EXPECT_EQ(row_max(nullptr, 0), -kInf);
   for (int64_t n = 1; n <= 37; ++n) {
-    for (int64_t where = 0; where < n; ++where) { // the largest in every lane
+    for (int64_t where = 0; where < n; ++where) {
       std::vector<float> x(n);
       for (auto& value : x) {
         value = uniform(rng);
       }
       x[where] = 60.0f;
-      EXPECT_EQ(attn::detail::row_max(x.data(), n), 60.0f) << "n=" << n << " at " << where;
+      EXPECT_EQ(row_max(x.data(), n), *std::max_element(x.begin(), x.end()))
+          << "n=" << n << " at " << where;
     }
     const std::vector<float> masked(n, -std::numeric_limits<float>::infinity());
-    EXPECT_EQ(attn::detail::row_max(masked.data(), n), -kInf) << "n=" << n;
+    EXPECT_EQ(row_max(masked.data(), n), -kInf) << "n=" << n;
   }
+}
+
+TEST(RowOps, Avx2RowMaxFindsTheLargestAtEveryTailLength) {
+  ATTN_VECTOR_LOOPS_OR_SKIP(loops, attn::detail::InstructionSet::avx2);
+  expect_row_max_finds_the_largest(loops->row_max);
+}
+
+TEST(RowOps, Avx512RowMaxFindsTheLargestAtEveryTailLength) {
+  ATTN_VECTOR_LOOPS_OR_SKIP(loops, attn::detail::InstructionSet::avx512);
+  expect_row_max_finds_the_largest(loops->row_max);
+}
+
+TEST(RowOps, DispatchedRowMaxFindsTheLargestAtEveryTailLength) {
+  const auto row_max = [](const float* x, int64_t n) { return attn::detail::row_max(x, n); };
+  expect_row_max_finds_the_largest(row_max);
 }
 
 TEST(Workspace, ReusesEachThreadsBufferPerSlot) {

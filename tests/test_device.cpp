@@ -1,4 +1,4 @@
-// attn::select_device (src/device.cpp): the accepted requests and the
+// attn::select_device (src/runtime/device.cpp): the accepted requests and the
 // errors for the rest.
 
 #include "bad_input_catalogue.h"

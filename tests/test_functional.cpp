@@ -1,4 +1,4 @@
-// attn::scaled_dot_product_attention (src/functional.cpp) against the
+// attn::scaled_dot_product_attention (src/sdpa/functional.cpp) against the
 // plain float64 reference in test_support.
 
 #include "bad_input_catalogue.h"

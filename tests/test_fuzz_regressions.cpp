@@ -6,8 +6,8 @@
 // ones, under AddressSanitizer and UBSan.
 
 #include "entry_points_input.h"
+#include "serialization/torch_save_reader.h"
 #include "state_dict_input.h"
-#include "torch_save_reader.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -142,9 +142,22 @@ const std::map<std::string, std::string> kExpectedOutcomes = {
     {"half_gradients_in_the_subnormal_range", ""}, // the oracle's tolerance, not attn
 };
 
+TEST(FuzzInputs, EveryFolderHoldsInputs) {
+  // An empty or missing folder would leave the suites above with nothing
+  // to run, and passing.
+  for (const std::string target : {"state_dict", "entry_points"}) {
+    for (const char* folder : {"seeds", "regressions"}) {
+      const auto path = kFuzzFolder / target / folder;
+      EXPECT_FALSE(files_in(path).empty()) << path << " holds no fuzz inputs";
+    }
+  }
+}
+
 TEST(FuzzRegressions, EachHasItsExpectedOutcome) {
+  size_t regressions = 0;
   for (const std::string target : {"state_dict", "entry_points"}) {
     for (const auto& path : files_in(kFuzzFolder / target / "regressions")) {
+      ++regressions;
       const auto name = path.filename().string();
       SCOPED_TRACE(target + "/" + name);
       const auto expected = kExpectedOutcomes.find(name);
@@ -160,6 +173,8 @@ TEST(FuzzRegressions, EachHasItsExpectedOutcome) {
       }
     }
   }
+  EXPECT_EQ(regressions, kExpectedOutcomes.size())
+      << "an expected outcome in kExpectedOutcomes without its input file";
 }
 
 TEST(FuzzSeeds, EveryFileThatTorchSaveWroteLoadsAsItsRecordsDo) {

@@ -1,13 +1,13 @@
-// Weights in and out of attn::MultiHeadAttention (src/interop.cpp,
-// src/torch_save_reader.cpp): exchange with
+// Weights in and out of attn::MultiHeadAttention (src/serialization/interop.cpp,
+// src/serialization/torch_save_reader.cpp): exchange with
 // torch::nn::MultiheadAttention, state_dicts written by Python PyTorch
 // (fixtures/python, with the outputs Python computed, and the same files
 // written at build time by ATTN_TEST_PYTHON's torch), and torch::save /
 // torch::load of our own modules.
 
 #include "bad_input_catalogue.h"
+#include "serialization/torch_save_reader.h"
 #include "test_support.h"
-#include "torch_save_reader.h"
 
 #include <attn/interop.h>
 #include <attn/modules/multi_head_attention.h>

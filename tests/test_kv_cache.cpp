@@ -1,4 +1,4 @@
-// attn::KVCache (src/kv_cache.cpp): its storage on its own, and decoding
+// attn::KVCache (src/modules/kv_cache.cpp): its storage on its own, and decoding
 // through MultiHeadAttention token by token against one causal forward.
 
 #include "test_support.h"

@@ -12,8 +12,8 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
-#include "kernels/short_heads.h"
-#include "kernels/tile_product.h" // which loops compute the kernels' float products
+#include "kernels/cpu/short_heads.h"
+#include "kernels/cpu/tile_product.h" // which loops compute the kernels' float products
 
 #include <cmath>
 #include <cstdint>

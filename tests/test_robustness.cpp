@@ -5,9 +5,9 @@
 
 #include "test_support.h"
 
-#include "kernels/short_heads.h"
-#include "kernels/tile_product.h"
-#include "threads.h"
+#include "kernels/cpu/short_heads.h"
+#include "kernels/cpu/tile_product.h"
+#include "runtime/threads.h"
 
 #include <attn/backend.h>
 #include <attn/threads.h>

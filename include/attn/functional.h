@@ -48,9 +48,9 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
 ///    heads"); else `batched_cpu` for short sequences (at most 64 queries
 ///    and 64 keys; 32 on LibTorch 1.13 where the tiled kernel multiplies in
 ///    attn's own loops, on x86 CPUs with AVX-512 or AVX2;
-///    docs/BENCHMARKS.md, "Short sequences"); else `fused_cpu_weights`
-///    when weights are asked for and no gradient is needed; else
-///    `fused_cpu`.
+///    docs/BENCHMARKS.md, "Short sequences"); else, when weights are asked
+///    for, `fused_cpu_weights` if no gradient is needed and `batched_cpu`
+///    (whose weights are differentiable) if one is; else `fused_cpu`.
 /// 3. On CUDA: `libtorch` where it applies.
 /// 4. `math` for everything else.
 ///

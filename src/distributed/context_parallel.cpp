@@ -5,7 +5,7 @@
 
 #include "distributed/collectives.h"
 #include "distributed/context_parallel_inputs.h"
-#include "masks.h"
+#include "sdpa/masks.h"
 
 #include <torch/torch.h>
 

@@ -8,8 +8,8 @@
 
 #include "distributed/collectives.h"
 #include "distributed/context_parallel_inputs.h"
-#include "kernels/cpu_attention.h"
-#include "masks.h"
+#include "kernels/cpu/cpu_attention.h"
+#include "sdpa/masks.h"
 
 #include <torch/torch.h>
 

@@ -3,8 +3,8 @@
 #include <attn/functional.h>
 #include <attn/kv_cache.h>
 
-#include "masks.h"
 #include "modules/stacked_projection.h"
+#include "sdpa/masks.h"
 
 #include <torch/torch.h>
 

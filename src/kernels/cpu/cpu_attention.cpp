@@ -1,0 +1,851 @@
+#include "kernels/cpu/cpu_attention.h"
+
+#include "kernels/cpu/heads.h"
+#include "kernels/cpu/mask_view.h"
+#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/row_ops.h"
+#include "kernels/cpu/short_heads.h"
+#include "kernels/cpu/tile_product.h"
+#include "kernels/cpu/workspace.h"
+#include "runtime/threads.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace attn::detail {
+namespace {
+
+// A query tile's scores (128 × 512 floats = 256 KiB) stay in L2 while they
+// are masked, exponentiated and multiplied into V. Measured single-threaded
+// at T = 1024 and 4096 (D = 64): 128 × 512 ran at ~70 % of sgemm, ahead of
+// 64 × 512, 256 × 512, 128 × 256, 64 × 1024 and 256 × 1024.
+constexpr int64_t kQueryTile = 128;
+constexpr int64_t kKeyBlock = 512;
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The kernels' parallel loop: `body(scratch, unit)` for units 0 .. units-1,
+// with one `make_scratch()` per task. BLAS runs on one thread inside the
+// tasks when they run in parallel (two pools on the same cores would
+// contend), and as it is set when the loop runs inline.
+template <typename MakeScratch, typename Body>
+void parallel_units(
+    int64_t units,
+    double flops_per_unit,
+    const MakeScratch& make_scratch,
+    const Body& body) {
+  const int64_t grain = parallel_grain(flops_per_unit, kMinTiledTaskFlops);
+  c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
+  if (units > grain) {
+    one_blas_thread_per_task.emplace();
+  }
+  parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    // Grad mode is thread-local: worker threads start with it on.
+    const torch::NoGradGuard no_grad;
+    auto scratch = make_scratch();
+    for (int64_t unit = begin; unit < end; ++unit) {
+      body(scratch, unit);
+    }
+  });
+}
+
+// One task's share of the forward: query rows [i0, i0 + rows) of head (b, h).
+struct QueryTile {
+  int64_t b = 0, h = 0, i0 = 0, rows = 0;
+};
+
+// parallel_units over every tile of `tile_rows` queries of every (b, h)
+// head of a (B, H, L) grid: `body(scratch, tile)`.
+template <typename MakeScratch, typename Body>
+void parallel_query_tiles(
+    int64_t B,
+    int64_t H,
+    int64_t L,
+    int64_t tile_rows,
+    double flops_per_tile,
+    const MakeScratch& make_scratch,
+    const Body& body) {
+  const int64_t tiles = L > 0 ? ceil_div(L, tile_rows) : 0;
+  parallel_units(B * H * tiles, flops_per_tile, make_scratch, [&](auto& scratch, int64_t unit) {
+    const int64_t i0 = unit % tiles * tile_rows;
+    body(scratch, QueryTile{unit / (H * tiles), unit / tiles % H, i0, std::min(tile_rows, L - i0)});
+  });
+}
+
+// The part of one query tile × key block that the band (causal, window)
+// leaves visible, in the blocks that attn's products work in
+// (tile_addmm_banded): for each block of kProductRowBlock queries, the keys
+// (from the block's first) that some row of it sees, widened to whole
+// panels; for each block of kProductRowBlock keys, the queries of the
+// query blocks that compute it. The products compute, and the row passes
+// visit, only these parts. Where BLAS computes the products, every part is
+// the whole tile.
+struct TileBands {
+  std::vector<IndexRange> keys_of_query_block, queries_of_key_block;
+
+  template <typename scalar_t>
+  void fit_queries(
+      const MaskView<scalar_t>& mask,
+      const QueryTile& tile,
+      int64_t j0,
+      int64_t cols,
+      bool banded) {
+    keys_of_query_block.resize(ceil_div(tile.rows, kProductRowBlock));
+    for (size_t block = 0; block < keys_of_query_block.size(); ++block) {
+      const int64_t first = tile.i0 + static_cast<int64_t>(block) * kProductRowBlock;
+      const int64_t last = std::min(tile.i0 + tile.rows, first + kProductRowBlock) - 1;
+      const int64_t begin = std::clamp<int64_t>(mask.band.begin(first) - j0, 0, cols);
+      const int64_t end = std::clamp<int64_t>(mask.band.end(last) - j0, 0, cols);
+      if (!banded) {
+        keys_of_query_block[block] = {0, cols};
+      } else if (begin >= end) {
+        keys_of_query_block[block] = {0, 0};
+      } else {
+        keys_of_query_block[block] = {
+            begin / kProductColumnPanel * kProductColumnPanel,
+            std::min(cols, ceil_div(end, kProductColumnPanel) * kProductColumnPanel)};
+      }
+    }
+  }
+
+  // After fit_queries, for products whose rows are the block's keys.
+  void fit_keys(int64_t rows, int64_t cols) {
+    queries_of_key_block.resize(ceil_div(cols, kProductRowBlock));
+    for (size_t block = 0; block < queries_of_key_block.size(); ++block) {
+      const int64_t key = static_cast<int64_t>(block) * kProductRowBlock;
+      // Query blocks' key ranges are nondecreasing, apart from empty ones:
+      // those that hold `key` are consecutive.
+      int64_t first = -1, last = -1;
+      for (size_t q = 0; q < keys_of_query_block.size(); ++q) {
+        if (keys_of_query_block[q].begin <= key && key < keys_of_query_block[q].end) {
+          first = first < 0 ? static_cast<int64_t>(q) : first;
+          last = static_cast<int64_t>(q);
+        }
+      }
+      queries_of_key_block[block] = first < 0
+          ? IndexRange{0, 0}
+          : IndexRange{first * kProductRowBlock, std::min(rows, (last + 1) * kProductRowBlock)};
+    }
+  }
+};
+
+// (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
+// writing head h of token t lands where merged heads expect it.
+torch::Tensor empty_heads_interleaved(
+    int64_t B,
+    int64_t H,
+    int64_t T,
+    int64_t F,
+    const torch::TensorOptions& options) {
+  return torch::empty({B, T, H, F}, options).permute({0, 2, 1, 3});
+}
+
+// Query heads per key/value head (1 when there are no heads at all).
+int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
+  return k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
+}
+
+// Zeroes a matrix whose rows have unit stride.
+template <typename scalar_t>
+void zero_matrix(const MatrixRef<scalar_t>& m) {
+  if (m.data == nullptr) {
+    return;
+  }
+  for (int64_t r = 0; r < m.rows; ++r) {
+    std::fill(m.row(r), m.row(r) + m.cols, scalar_t(0));
+  }
+}
+
+// A matrix over a tensor's memory, which the tensor keeps alive.
+template <typename scalar_t>
+struct OwnedMatrix {
+  explicit OwnedMatrix(torch::Tensor memory)
+      : memory(std::move(memory)), matrix(matrix_of<scalar_t>(this->memory)) {}
+  torch::Tensor memory;
+  MatrixRef<scalar_t> matrix;
+};
+
+// workspace_tensor of `sizes` whose rows (the last dimension) lie
+// spread_row_stride apart: a view of a buffer with wider rows.
+torch::Tensor spread_workspace_tensor(
+    WorkspaceSlot slot,
+    std::vector<int64_t> sizes,
+    const torch::TensorOptions& options) {
+  const int64_t cols = sizes.back();
+  sizes.back() = spread_row_stride(cols, static_cast<int64_t>(options.dtype().itemsize()));
+  return workspace_tensor(slot, sizes, options).narrow(-1, 0, cols);
+}
+
+// tᵀ over its last two dimensions, for the products that read it as their
+// right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that operand
+// by rows, so its rows are made contiguous once per call, where attn's own
+// products run and each row of Kᵀ is read by at least kMinRowsForCopy
+// queries (a decoding step's one query would pay as much for the copy as
+// for the product). BLAS reads the transposed view as it is.
+constexpr int64_t kMinRowsForCopy = 16;
+
+torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, WorkspaceSlot slot) {
+  if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
+    return t.transpose(2, 3);
+  }
+  const auto copy = spread_workspace_tensor(
+      slot, {t.size(0), t.size(1), t.size(3), t.size(2)}, t.options());
+  if (t.numel() > 0) {
+    transpose_heads(t, copy);
+  }
+  return copy;
+}
+
+// Heads as the kernels read them: rows of unit stride, copied into
+// contiguous heads where each key and value row is read by more than
+// kMaxQueryTilesInPlace query tiles (`queries`: how many read them; 1 for
+// the queries themselves). Heads whose rows interleave with other heads'
+// (MultiHeadAttention's (B, L, H, D) projections seen as (B, H, L, D))
+// slowed every tile's GEMM by a third at T = 4096, where one copy costs far
+// less; read in place, GPT-2-small's layer at T = 128 ran 1-3 % faster
+// and at T = 512 2-3 % slower than with the copies.
+constexpr int64_t kMaxQueryTilesInPlace = 2;
+
+torch::Tensor heads_for_kernels(const torch::Tensor& t, int64_t queries) {
+  const bool rows_have_unit_stride = t.size(-1) <= 1 || t.stride(-1) == 1;
+  const bool read_by_few_tiles = ceil_div(queries, kQueryTile) <= kMaxQueryTilesInPlace;
+  return rows_have_unit_stride && read_by_few_tiles ? t : t.contiguous();
+}
+
+// Whether q, k and v (B, H, L, D) are the query, key and value parts of
+// one projection: (B, L, 3, H, D) or (L, B, 3, H, D) memory, as
+// MultiHeadAttention's one product for Q, K and V leaves them.
+bool parts_of_one_projection(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v) {
+  const int64_t width = q.size(1) * q.size(3); // H·D
+  const auto tokens_major = [&](int64_t outer, int64_t inner) {
+    return q.stride(inner) == 3 * width && q.stride(outer) == 3 * width * q.size(inner);
+  };
+  return q.sizes() == k.sizes() && q.sizes() == v.sizes() && q.strides() == k.strides() &&
+      q.strides() == v.strides() && q.has_storage() && k.has_storage() && v.has_storage() &&
+      k.storage().is_alias_of(q.storage()) && v.storage().is_alias_of(q.storage()) &&
+      k.storage_offset() == q.storage_offset() + width &&
+      v.storage_offset() == q.storage_offset() + 2 * width && q.stride(3) == 1 &&
+      q.stride(1) == q.size(3) && (tokens_major(0, 2) || tokens_major(2, 0));
+}
+
+// Uninitialised gradients for q, k and v (B, H, L, D), (B, H, S, ·): one
+// key/value gradient per query head. Where q, k and v are the parts of one
+// projection, and few query tiles accumulate into each row, their
+// gradients are the same parts of one buffer, which that projection's
+// backward reads as one matrix, with no concatenation: GPT-2-small's layer
+// at T = 128 trained 7 % faster. At T = 2048 (16 tiles) the strided rows
+// made it 4 % slower, and the gradients stay apart.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> input_gradients(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v) {
+  if (parts_of_one_projection(q, k, v) &&
+      ceil_div(q.size(2), kQueryTile) <= kMaxQueryTilesInPlace) {
+    const auto buffer = torch::empty({3 * q.numel()}, q.options());
+    const auto part = [&](int64_t i) {
+      return buffer.as_strided(q.sizes(), q.strides(), i * q.size(1) * q.size(3));
+    };
+    return {part(0), part(1), part(2)};
+  }
+  const int64_t B = q.size(0), H = q.size(1), S = k.size(2);
+  return {
+      torch::empty(q.sizes(), q.options()), torch::empty({B, H, S, k.size(3)}, k.options()),
+      torch::empty({B, H, S, v.size(3)}, v.options())};
+}
+
+// What every kernel reads: the inputs (B, H, L, D), (B, Hkv, S, D),
+// (B, Hkv, S, Dv), their sizes, the masks and the scale.
+template <typename scalar_t>
+struct KernelInputs {
+  KernelInputs(
+      const torch::Tensor& q,
+      const torch::Tensor& k,
+      const torch::Tensor& v,
+      const CpuAttentionConfig& config)
+      : q(q),
+        k(k),
+        v(v),
+        B(q.size(0)),
+        H(q.size(1)),
+        L(q.size(2)),
+        S(k.size(2)),
+        group(kv_group(q, k)),
+        key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
+        k_t(transposed_for_products(k, L, WorkspaceSlot::keys_transposed)),
+        q_heads(q),
+        k_heads(k),
+        v_heads(v),
+        k_t_heads(k_t),
+        mask(config, S),
+        scale(static_cast<scalar_t>(config.scale)) {}
+
+  const torch::Tensor& q;
+  const torch::Tensor& k;
+  const torch::Tensor& v;
+  int64_t B, H, L, S;
+  int64_t group;     // query heads per key/value head
+  int64_t key_block; // keys scored per GEMM
+  torch::Tensor k_t; // Kᵀ (B, Hkv, D, S), see transposed_for_products
+  Heads<scalar_t> q_heads, k_heads, v_heads, k_t_heads;
+  MaskView<scalar_t> mask;
+  scalar_t scale;
+};
+
+// A task's (kQueryTile, key_block) tile of scores or their gradients, over
+// this thread's workspace, its rows spread over the cache sets (the
+// backward reads it down its columns).
+template <typename scalar_t>
+OwnedMatrix<scalar_t> tile_matrix(WorkspaceSlot slot, const KernelInputs<scalar_t>& in) {
+  return OwnedMatrix<scalar_t>(
+      spread_workspace_tensor(slot, {std::min(kQueryTile, in.L), in.key_block}, in.q.options()));
+}
+
+// A forward task's working memory: one tile's scores and its rows' running
+// maximum and sum (online softmax).
+template <typename scalar_t>
+struct ForwardScratch {
+  OwnedMatrix<scalar_t> scores; // (kQueryTile, key_block)
+  std::vector<scalar_t> running_max, running_sum;
+  TileBands bands;
+};
+
+// Folds one block of scores (row r of `scores`, already masked) into row
+// r's running maximum and sum, turning the scores into exp(score - max) and
+// rescaling the output row accumulated under the previous maximum.
+template <typename scalar_t>
+void online_softmax_row(
+    ForwardScratch<scalar_t>& scratch,
+    int64_t r,
+    scalar_t* row,
+    int64_t cols,
+    scalar_t* out_row,
+    int64_t Dv) {
+  scalar_t& running_max = scratch.running_max[r];
+  const scalar_t new_max = std::max(running_max, row_max(row, cols));
+  if (new_max == kNegativeInfinity<scalar_t>) {
+    std::fill(row, row + cols, scalar_t(0)); // nothing visible yet
+    return;
+  }
+  const scalar_t correction = std::exp(running_max - new_max);
+  scratch.running_sum[r] = scratch.running_sum[r] * correction +
+      exp_shifted_sum(row, cols, new_max);
+  running_max = new_max;
+  if (correction != scalar_t(1)) {
+    scale_row(out_row, Dv, correction);
+  }
+}
+
+// Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L),
+// contiguous.
+template <typename scalar_t>
+void flash_forward(
+    const KernelInputs<scalar_t>& in,
+    const torch::Tensor& out,
+    const torch::Tensor& lse) {
+  const int64_t Dv = in.v.size(3);
+  const Heads<scalar_t> out_heads(out);
+  scalar_t* const lse_data = lse.data_ptr<scalar_t>();
+
+  const auto make_scratch = [&] {
+    return ForwardScratch<scalar_t>{
+        tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in), std::vector<scalar_t>(kQueryTile),
+        std::vector<scalar_t>(kQueryTile), TileBands{}};
+  };
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
+  parallel_query_tiles(
+      in.B, in.H, in.L, kQueryTile, flops_per_tile, make_scratch,
+      [&](ForwardScratch<scalar_t>& scratch, const QueryTile& tile) {
+        const auto [b, h, i0, rows] = tile;
+        const auto q_tile = in.q_heads.head(b, h).row_block(i0, rows);  // (rows, D)
+        const auto out_tile = out_heads.head(b, h).row_block(i0, rows); // (rows, Dv)
+        zero_matrix(out_tile);
+        std::fill(
+            scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
+        std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
+
+        const auto k_t_head = in.k_t_heads.head(b, h / in.group);
+        const auto v_head = in.v_heads.head(b, h / in.group);
+        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+        for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
+          const int64_t cols = std::min(in.key_block, key_end - j0);
+          const auto block = scratch.scores.matrix.row_block(0, rows).column_block(0, cols);
+          const auto k_t_block = k_t_head.column_block(j0, cols);
+          const auto& keys_of = scratch.bands.keys_of_query_block;
+          scratch.bands.fit_queries(
+              in.mask, tile, j0, cols, tile_loops_take(block, q_tile, k_t_block, 0));
+          tile_addmm_banded(block, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
+          for (int64_t r = 0; r < rows; ++r) {
+            const auto [begin, end] = keys_of[r / kProductRowBlock];
+            scalar_t* row = block.row(r);
+            in.mask.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin);
+            online_softmax_row(scratch, r, row + begin, end - begin, out_tile.row(r), Dv);
+          }
+          tile_addmm_banded(
+              out_tile, block, v_head.row_block(j0, cols), 1, 1, ProductBand::depth, keys_of);
+        }
+
+        scalar_t* lse_row = lse_data + (b * in.H + h) * in.L + i0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t sum = scratch.running_sum[r];
+          scale_row(out_tile.row(r), Dv, sum > 0 ? scalar_t(1) / sum : scalar_t(0));
+          lse_row[r] = sum > 0 ? scratch.running_max[r] + std::log(sum)
+                               : kNegativeInfinity<scalar_t>;
+        }
+      });
+}
+
+// A backward task's working memory: one tile's probabilities and their
+// gradients, and its rows' softmax-backward terms.
+template <typename scalar_t>
+struct BackwardScratch {
+  OwnedMatrix<scalar_t> probs, grad_scores; // (kQueryTile, key_block)
+  std::vector<scalar_t> delta;              // (kQueryTile), see fill_row_deltas
+  TileBands bands;
+  std::vector<scalar_t> query_rows, grad_out_rows; // see compact_rows
+};
+
+// A query tile's rows of Q or dO as the backward's products read them.
+// Where the heads' rows interleave with other heads' ((B, L, H, D) memory,
+// rows thousands of bytes apart), they are copied into `buffer`, one row
+// after the other: dK += dSᵀ Q and dV += Pᵀ dO read them down their
+// columns, and rows so far apart fall into a few cache sets, which cannot
+// hold a tile's panel from one row block of the product to the next.
+template <typename scalar_t>
+MatrixRef<scalar_t> compact_rows(const MatrixRef<scalar_t>& m, std::vector<scalar_t>& buffer) {
+  if (m.data == nullptr || (m.row_stride == m.cols && m.column_stride == 1)) {
+    return m;
+  }
+  buffer.resize(static_cast<size_t>(m.rows * m.cols));
+  for (int64_t r = 0; r < m.rows; ++r) {
+    const scalar_t* from = m.row(r);
+    scalar_t* to = buffer.data() + r * m.cols;
+    for (int64_t c = 0; c < m.cols; ++c) {
+      to[c] = from[c * m.column_stride];
+    }
+  }
+  return {buffer.data(), m.rows, m.cols, m.cols, 1};
+}
+
+// One query tile of the backward: where it is, its rows of Q and dO (see
+// compact_rows) and its rows of dQ.
+template <typename scalar_t>
+struct BackwardTile {
+  QueryTile tile;
+  MatrixRef<scalar_t> q, grad_out, dq;
+};
+
+// What the backward reads besides the inputs, and the key/value gradients
+// it accumulates.
+template <typename scalar_t>
+struct BackwardTensors {
+  Heads<scalar_t> out, grad_out; // (B, H, L, Dv), rows of unit stride
+  Heads<scalar_t> v_t;           // Vᵀ (B, Hkv, Dv, S), see transposed_for_products
+  const scalar_t* lse;           // (B, H, L), contiguous
+  Heads<scalar_t> dk, dv;        // (B, H, S, ·)
+};
+
+// delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij, the softmax backward's row
+// term, for the tile's rows: once per tile, not once per key block.
+template <typename scalar_t>
+void fill_row_deltas(
+    const BackwardTensors<scalar_t>& t,
+    const QueryTile& tile,
+    std::vector<scalar_t>& delta) {
+  const auto out = t.out.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+  const auto grad_out = t.grad_out.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+  if (out.data == nullptr) { // no values: every term is 0
+    std::fill(delta.begin(), delta.begin() + tile.rows, scalar_t(0));
+    return;
+  }
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const scalar_t* out_row = out.row(r);
+    const scalar_t* grad_row = grad_out.row(r);
+    scalar_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < out.cols; ++d) {
+      sum += out_row[d] * grad_row[d];
+    }
+    delta[r] = sum;
+  }
+}
+
+// How backward_block's products treat the gradients: 0 writes the block's
+// share over what the rows held, 1 adds it.
+struct GradientBetas {
+  double dq = 1, dk_dv = 1;
+};
+
+// One query tile against keys [j0, j0 + cols): recomputes the tile's
+// probabilities P and adds its shares of dV, dQ and dK, or writes them, as
+// `betas` say.
+template <typename scalar_t>
+void backward_block(
+    const KernelInputs<scalar_t>& in,
+    const BackwardTensors<scalar_t>& t,
+    BackwardScratch<scalar_t>& scratch,
+    const BackwardTile<scalar_t>& query_tile,
+    int64_t j0,
+    int64_t cols,
+    const GradientBetas& betas) {
+  const QueryTile& tile = query_tile.tile;
+  const auto [b, h, i0, rows] = tile;
+  const int64_t kv_head = h / in.group;
+  const auto& q_tile = query_tile.q;
+  const auto& go_tile = query_tile.grad_out;
+  const auto& dq_tile = query_tile.dq;
+  const scalar_t* lse_rows = t.lse + (b * in.H + h) * in.L + i0;
+  const auto p = scratch.probs.matrix.row_block(0, rows).column_block(0, cols);
+  const auto ds = scratch.grad_scores.matrix.row_block(0, rows).column_block(0, cols);
+
+  // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
+  const auto k_t_block = in.k_t_heads.head(b, kv_head).column_block(j0, cols);
+  scratch.bands.fit_queries(in.mask, tile, j0, cols, tile_loops_take(p, q_tile, k_t_block, 0));
+  scratch.bands.fit_keys(rows, cols);
+  const auto& keys_of = scratch.bands.keys_of_query_block;
+  const auto& queries_of = scratch.bands.queries_of_key_block;
+  tile_addmm_banded(p, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto [begin, end] = keys_of[r / kProductRowBlock];
+    scalar_t* row = p.row(r) + begin;
+    in.mask.apply(row, end - begin, b, h, i0 + r, j0 + begin);
+    if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
+      std::fill(row, row + (end - begin), scalar_t(0)); // fully masked row
+    } else {
+      exp_shifted_sum(row, end - begin, lse_rows[r]);
+    }
+  }
+  const auto dv_block = t.dv.head(b, h).row_block(j0, cols);
+  tile_addmm_banded(
+      dv_block, p.transposed(), go_tile, betas.dk_dv, 1, ProductBand::depth,
+      queries_of); // dV += Pᵀ dO
+  tile_addmm_banded(
+      ds, go_tile, t.v_t.head(b, kv_head).column_block(j0, cols), 0, 1, ProductBand::columns,
+      keys_of); // dP = dO Vᵀ
+  for (int64_t r = 0; r < rows; ++r) {
+    // Plain locals: OpenMP's simd loop below cannot capture a structured binding.
+    const IndexRange keys = keys_of[r / kProductRowBlock];
+    const int64_t begin = keys.begin, end = keys.end;
+    const scalar_t* p_row = p.row(r);
+    scalar_t* ds_row = ds.row(r);
+    const scalar_t d = scratch.delta[r];
+#pragma omp simd
+    for (int64_t j = begin; j < end; ++j) {
+      ds_row[j] = p_row[j] * (ds_row[j] - d); // dS
+    }
+  }
+  const auto k_block = in.k_heads.head(b, kv_head).row_block(j0, cols);
+  tile_addmm_banded(
+      dq_tile, ds, k_block, betas.dq, in.scale, ProductBand::depth, keys_of); // dQ += s·dS K
+  tile_addmm_banded(
+      t.dk.head(b, h).row_block(j0, cols), ds.transposed(), q_tile, betas.dk_dv, in.scale,
+      ProductBand::depth, queries_of); // dK += s·dSᵀ Q
+}
+
+// Into how many key ranges the backward splits each head: one when there
+// are at least as many heads as threads; else enough ranges of whole key
+// blocks for a task per thread, as far as the keys allow.
+int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
+  const int64_t threads = at::get_num_threads();
+  if (heads >= threads) {
+    return 1;
+  }
+  return std::clamp<int64_t>(
+      ceil_div(threads, std::max<int64_t>(heads, 1)), 1, ceil_div(S, key_block));
+}
+
+// Backward: writes dq, dk, dv ((B, H, ·, ·), rows of unit stride: one
+// key/value gradient per query head, which grouped-query callers sum). A
+// task takes one range of keys of one (b, h) and owns their rows of dK and
+// dV, which it accumulates into while they are in its cache; where a
+// head's keys are split, each range writes its share of dQ into a buffer
+// of its own, summed into dq at the end. No accumulation races.
+template <typename scalar_t>
+void flash_backward(
+    const KernelInputs<scalar_t>& in,
+    const torch::Tensor& out,
+    const torch::Tensor& grad_out,
+    const torch::Tensor& lse,
+    const torch::Tensor& dq,
+    const torch::Tensor& dk,
+    const torch::Tensor& dv) {
+  const auto v_t = transposed_for_products(in.v, in.L, WorkspaceSlot::values_transposed);
+  const BackwardTensors<scalar_t> t{Heads<scalar_t>(out), Heads<scalar_t>(grad_out),
+                                    Heads<scalar_t>(v_t), lse.data_ptr<scalar_t>(),
+                                    Heads<scalar_t>(dk),  Heads<scalar_t>(dv)};
+  const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
+  const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
+  const auto dq_parts = splits == 1
+      ? dq.unsqueeze(0)
+      : torch::empty({splits, in.B, in.H, in.L, in.q.size(3)}, dq.options());
+  std::vector<Heads<scalar_t>> dq_of_split;
+  dq_of_split.reserve(splits);
+  for (int64_t split = 0; split < splits; ++split) {
+    dq_of_split.emplace_back(dq_parts[split]);
+  }
+
+  const auto make_scratch = [&] {
+    return BackwardScratch<scalar_t>{
+        tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in),
+        tile_matrix<scalar_t>(WorkspaceSlot::tile_grad_scores, in),
+        std::vector<scalar_t>(kQueryTile),
+        TileBands{},
+        {},
+        {}};
+  };
+  // Each task writes its tiles' rows of dQ with their first key block and
+  // adds the others'. With one query tile per head, every row of dK and dV
+  // gets at most one share, which it writes; with more, the task zeroes
+  // its rows first and adds each tile's share. (Zeroing all three took 6 %
+  // of the step at T = 128.)
+  const bool one_query_tile = in.L > 0 && in.L <= kQueryTile;
+  // Five GEMMs of L·S·D per head.
+  const double flops_per_task = 10.0 * in.L * in.S * in.q.size(3) / static_cast<double>(splits);
+  parallel_units(
+      in.B * in.H * splits, flops_per_task, make_scratch,
+      [&](BackwardScratch<scalar_t>& scratch, int64_t unit) {
+        const int64_t b = unit / (in.H * splits), h = unit / splits % in.H, split = unit % splits;
+        const int64_t keys_begin = split * keys_per_split;
+        const int64_t keys_end = std::min(in.S, keys_begin + keys_per_split);
+        const auto dq_head = dq_of_split[split].head(b, h);
+        const auto zero_key_rows = [&](int64_t first, int64_t last) {
+          if (first < last) {
+            zero_matrix(t.dk.head(b, h).row_block(first, last - first));
+            zero_matrix(t.dv.head(b, h).row_block(first, last - first));
+          }
+        };
+        if (!one_query_tile) {
+          zero_key_rows(keys_begin, keys_end);
+        }
+        for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
+          const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
+          const auto dq_tile = dq_head.row_block(i0, tile.rows);
+          const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
+          const int64_t end = std::max(
+              begin, std::min(keys_end, in.mask.tile_key_end(i0, tile.rows)));
+          if (one_query_tile) { // the keys no query sees
+            zero_key_rows(keys_begin, begin);
+            zero_key_rows(end, keys_end);
+          }
+          if (begin == end) { // a tile that sees none of these keys
+            zero_matrix(dq_tile);
+            continue;
+          }
+          const BackwardTile<scalar_t> query_tile{
+              tile,
+              compact_rows(in.q_heads.head(b, h).row_block(i0, tile.rows), scratch.query_rows),
+              compact_rows(t.grad_out.head(b, h).row_block(i0, tile.rows), scratch.grad_out_rows),
+              dq_tile};
+          fill_row_deltas(t, tile, scratch.delta);
+          for (int64_t j0 = begin; j0 < end; j0 += in.key_block) {
+            const GradientBetas betas{j0 == begin ? 0.0 : 1.0, one_query_tile ? 0.0 : 1.0};
+            backward_block(in, t, scratch, query_tile, j0, std::min(in.key_block, end - j0), betas);
+          }
+        }
+      });
+  if (splits > 1) {
+    dq.copy_(dq_parts.sum(0));
+  }
+}
+
+// Weights materialised in (B, H, L, S): each query tile's rows are scored
+// straight into the output, normalised in place and multiplied into V.
+template <typename scalar_t>
+void forward_with_weights(
+    const KernelInputs<scalar_t>& in,
+    const torch::Tensor& out,
+    const torch::Tensor& weights) {
+  const Heads<scalar_t> out_heads(out), weight_heads(weights);
+  const auto no_scratch = [] { return 0; };
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S *
+      (in.q.size(3) + in.v.size(3));
+  parallel_query_tiles(
+      in.B, in.H, in.L, kQueryTile, flops_per_tile, no_scratch,
+      [&](int /*scratch*/, const QueryTile& tile) {
+        const auto [b, h, i0, rows] = tile;
+        const auto out_tile = out_heads.head(b, h).row_block(i0, rows);
+        const auto w_tile = weight_heads.head(b, h).row_block(i0, rows); // (rows, S)
+        // Keys outside [key_begin, key_end) are invisible to every row.
+        const int64_t key_begin = in.mask.tile_key_begin(tile.i0);
+        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+        const int64_t cols = key_end - key_begin;
+        zero_matrix(w_tile.column_block(0, key_begin));
+        zero_matrix(w_tile.column_block(key_end, in.S - key_end));
+        if (cols == 0) {
+          zero_matrix(out_tile);
+          return;
+        }
+        const auto visible = w_tile.column_block(key_begin, cols);
+        tile_addmm(
+            visible, in.q_heads.head(b, h).row_block(i0, rows),
+            in.k_t_heads.head(b, h / in.group).column_block(key_begin, cols), 0, in.scale);
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* row = visible.row(r);
+          in.mask.apply(row, cols, b, h, i0 + r, key_begin);
+          const scalar_t largest = row_max(row, cols);
+          if (largest == kNegativeInfinity<scalar_t>) {
+            std::fill(row, row + cols, scalar_t(0));
+            continue;
+          }
+          scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
+        }
+        tile_addmm(
+            out_tile, visible, in.v_heads.head(b, h / in.group).row_block(key_begin, cols), 0, 1);
+      });
+}
+
+// The forward kernel for any floating dtype, writing `out` (B, H, L, Dv)
+// and `lse` (B, H, L).
+void run_flash_forward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config,
+    const torch::Tensor& out,
+    const torch::Tensor& lse) {
+  const int64_t L = q.size(2);
+  if (short_heads_run(q.scalar_type(), L, k.size(2))) {
+    short_heads_forward(
+        heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config, out,
+        lse);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_forward", [&] {
+    flash_forward<scalar_t>(
+        {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config}, out,
+        lse);
+  });
+}
+
+class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFunction> {
+ public:
+  // q, k, v (B, H, ·, ·); returns the output as (B, L, H, Dv).
+  static torch::Tensor forward(
+      torch::autograd::AutogradContext* ctx,
+      const torch::Tensor& q,
+      const torch::Tensor& k,
+      const torch::Tensor& v,
+      const CpuAttentionConfig& config) {
+    const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+    // The kernel writes through a (B, H, L, Dv) view; the function returns
+    // the underlying (B, L, H, Dv) tensor itself, not a view of it.
+    auto out = torch::empty({B, L, H, v.size(3)}, q.options());
+    const auto lse = torch::empty({B, H, L}, q.options());
+    run_flash_forward(q, k, v, config, out.permute({0, 2, 1, 3}), lse);
+    ctx->save_for_backward({q, k, v, out, lse});
+    config.save_to(*ctx);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const auto out = saved[3].permute({0, 2, 1, 3}); // (B, H, L, Dv)
+    const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3});
+    auto [dq, dk, dv] = cpu_flash_backward(
+        saved[0], saved[1], saved[2], out, saved[4], grad_out,
+        CpuAttentionConfig::restore_from(*ctx));
+    return {dq, dk, dv, torch::Tensor()}; // nothing for the config
+  }
+};
+
+} // namespace
+
+void CpuAttentionConfig::save_to(torch::autograd::AutogradContext& ctx) const {
+  ctx.saved_data["mask"] = mask;
+  ctx.saved_data["scale"] = scale;
+  ctx.saved_data["causal"] = causal;
+  ctx.saved_data["query_offset"] = query_offset;
+  ctx.saved_data["window"] = window;
+}
+
+CpuAttentionConfig CpuAttentionConfig::restore_from(torch::autograd::AutogradContext& ctx) {
+  return {
+      ctx.saved_data.at("mask").toTensor(), ctx.saved_data.at("scale").toDouble(),
+      ctx.saved_data.at("causal").toBool(), ctx.saved_data.at("query_offset").toInt(),
+      ctx.saved_data.at("window").toInt()};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> cpu_flash_forward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
+  const auto lse = torch::empty({B, H, L}, q.options());
+  run_flash_forward(q, k, v, config, out, lse);
+  return {out, lse};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& out,
+    const torch::Tensor& lse,
+    const torch::Tensor& grad_out,
+    const CpuAttentionConfig& config) {
+  // The inputs' gradients (input_gradients: every element written by the
+  // kernel); with grouped queries, one key/value gradient per query head,
+  // summed below.
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
+  // Named tensors, not a structured binding: the dispatch lambda below
+  // captures them, which C++17 allows only for variables.
+  torch::Tensor dq, dk, dv;
+  std::tie(dq, dk, dv) = input_gradients(q, k, v);
+  if (short_heads_run(q.scalar_type(), L, S)) {
+    short_heads_backward(
+        heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L),
+        heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), config, dq, dk,
+        dv);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
+      flash_backward<scalar_t>(
+          {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config},
+          heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), dq, dk, dv);
+    });
+  }
+  if (Hkv == H) {
+    return {dq, dk, dv};
+  }
+  const auto sum_groups = [&](const torch::Tensor& grad) {
+    return grad.view({B, Hkv, H / Hkv, S, grad.size(3)}).sum(2);
+  };
+  return {dq, sum_groups(dk), sum_groups(dv)};
+}
+
+torch::Tensor cpu_flash_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config) {
+  return FlashAttentionFunction::apply(q, k, v, config).permute({0, 2, 1, 3});
+}
+
+std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const CpuAttentionConfig& config) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
+  const auto weights = torch::empty({B, H, L, S}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_attention_with_weights", [&] {
+    forward_with_weights<scalar_t>(
+        {q.contiguous(), k.contiguous(), v.contiguous(), config}, out, weights);
+  });
+  return {out, weights};
+}
+
+} // namespace attn::detail

@@ -1,0 +1,130 @@
+#include "kernels/cpu/isa.h"
+
+#include "kernels/cpu/micro_tile.h"
+#include "kernels/cpu/vector_loops.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#define ATTN_X86 1
+#include <cpuid.h>
+#endif
+
+namespace attn::detail {
+namespace {
+
+#ifdef ATTN_X86
+
+struct CpuidLeaf {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+};
+
+// Leaf `leaf`, sub-leaf `sub`; zeros where the CPU has no such leaf.
+CpuidLeaf cpuid(unsigned leaf, unsigned sub) {
+  CpuidLeaf r;
+  // (GCC and newer Clang declare the maximum leaf unsigned, Clang 14 int.)
+  const unsigned max_leaf = __get_cpuid_max(0, nullptr);
+  if (max_leaf < leaf || __get_cpuid_count(leaf, sub, &r.eax, &r.ebx, &r.ecx, &r.edx) == 0) {
+    return {};
+  }
+  return r;
+}
+
+bool bit(unsigned word, int index) {
+  return ((word >> index) & 1u) != 0;
+}
+
+// XCR0, the register state the operating system saves (XGETBV; only where
+// CPUID says the OS enabled it).
+uint64_t saved_register_state(const CpuidLeaf& leaf1) {
+  constexpr int kOsxsave = 27;
+  if (!bit(leaf1.ecx, kOsxsave)) {
+    return 0;
+  }
+  unsigned low = 0, high = 0;
+  __asm__ volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
+  return (uint64_t{high} << 32) | low;
+}
+
+CpuFeatures probe() {
+  // Bit positions: Intel SDM vol. 2A, CPUID; XCR0 vol. 1, 13.3.
+  const CpuidLeaf leaf1 = cpuid(1, 0), leaf7 = cpuid(7, 0), leaf7_1 = cpuid(7, 1);
+  const uint64_t xcr0 = saved_register_state(leaf1);
+  constexpr uint64_t kYmmState = 0x6;      // SSE and AVX registers
+  constexpr uint64_t kZmmState = 0xe6;     // and the opmask and upper ZMM registers
+  constexpr uint64_t kTileState = 0x60000; // AMX tile configuration and data
+  const bool ymm = (xcr0 & kYmmState) == kYmmState;
+  const bool zmm = (xcr0 & kZmmState) == kZmmState;
+  CpuFeatures f;
+  f.fma = ymm && bit(leaf1.ecx, 12);
+  f.f16c = ymm && bit(leaf1.ecx, 29);
+  f.avx2 = ymm && bit(leaf7.ebx, 5);
+  f.avx512f = zmm && bit(leaf7.ebx, 16);
+  f.avx512bw = zmm && bit(leaf7.ebx, 30);
+  f.avx512vl = zmm && bit(leaf7.ebx, 31);
+  f.avx512_fp16 = zmm && bit(leaf7.edx, 23);
+  f.avx512_bf16 = zmm && bit(leaf7_1.eax, 5);
+  f.amx_bf16 = (xcr0 & kTileState) == kTileState && bit(leaf7.edx, 22) && bit(leaf7.edx, 24);
+  return f;
+}
+
+#else
+
+CpuFeatures probe() {
+  return {};
+}
+
+#endif
+
+bool cpu_runs(InstructionSet set) {
+  const auto& cpu = cpu_features();
+  switch (set) {
+    case InstructionSet::avx512: return cpu.avx512f;
+    case InstructionSet::avx2: return cpu.avx2 && cpu.fma;
+  }
+  return false;
+}
+
+// The set's loops, as its files compiled them; null without micro-tiles.
+const IsaLoops* compiled_loops(InstructionSet set) {
+  const auto table = [](InstructionSet s, const MicroTiles* tiles, const VectorLoops* vector) {
+    return tiles == nullptr ? IsaLoops{s, nullptr, nullptr, nullptr, nullptr}
+        : vector == nullptr
+        ? IsaLoops{s, tiles, nullptr, nullptr, nullptr}
+        : IsaLoops{s, tiles, &vector->short_heads, vector->row_max, vector->exp_shifted_sum};
+  };
+  static const IsaLoops avx512 = table(
+      InstructionSet::avx512, avx512_micro_tiles(), avx512_vector_loops());
+  static const IsaLoops avx2 = table(InstructionSet::avx2, avx2_micro_tiles(), avx2_vector_loops());
+  const IsaLoops& loops = set == InstructionSet::avx512 ? avx512 : avx2;
+  return loops.micro_tiles == nullptr ? nullptr : &loops;
+}
+
+} // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = probe();
+  return features;
+}
+
+const char* instruction_set_name(InstructionSet set) {
+  switch (set) {
+    case InstructionSet::avx512: return "AVX-512";
+    case InstructionSet::avx2: return "AVX2";
+  }
+  return "unknown";
+}
+
+const IsaLoops* isa_loops(InstructionSet set) {
+  return cpu_runs(set) ? compiled_loops(set) : nullptr;
+}
+
+const IsaLoops* widest_isa_loops() {
+  static const IsaLoops* const widest = [] {
+    const auto* avx512 = isa_loops(InstructionSet::avx512);
+    return avx512 != nullptr ? avx512 : isa_loops(InstructionSet::avx2);
+  }();
+  return widest;
+}
+
+} // namespace attn::detail
+
+#undef ATTN_X86

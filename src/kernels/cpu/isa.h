@@ -1,0 +1,64 @@
+#pragma once
+
+// The instruction-set layer of the CPU kernels: the one probe of what this
+// processor and its operating system can run, and the one table of the
+// loops attn compiles for each x86 instruction set (micro-tiles, short-head
+// loops, row operations). Every kernel asks here; nothing else probes the
+// CPU. The probe reads CPUID and XGETBV itself, so that every compiler
+// (GCC, Clang) sees the same processor and the backend rules agree.
+
+#include <cstdint>
+
+namespace attn::detail {
+
+struct MicroTiles;
+struct ShortHeadsLoops;
+
+// What the processor has and the operating system saves across context
+// switches (a set whose registers the OS does not save counts as absent).
+struct CpuFeatures {
+  bool avx2 = false;
+  bool fma = false;
+  bool f16c = false;
+  bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512vl = false;
+  bool avx512_bf16 = false;
+  bool avx512_fp16 = false;
+  // AMX tiles with bfloat16 products. Linux grants a process the tile state
+  // only on request (arch_prctl(ARCH_REQ_XCOMP_PERM)); this says what the
+  // processor has.
+  bool amx_bf16 = false;
+};
+
+// This machine's, probed once. All false off x86.
+const CpuFeatures& cpu_features();
+
+// The instruction sets attn compiles loops for, narrowest first.
+enum class InstructionSet { avx2, avx512 };
+
+// "AVX2", "AVX-512".
+const char* instruction_set_name(InstructionSet set);
+
+// Row operations on floats (row_ops.h): the largest of x[0..n), and
+// x[j] = exp(x[j] - shift) in place with the sum of the results.
+using RowMaxFn = float (*)(const float* x, int64_t n);
+using ExpShiftedSumFn = float (*)(float* x, int64_t n, float shift);
+
+// Everything compiled for one instruction set.
+struct IsaLoops {
+  InstructionSet set;
+  const MicroTiles* micro_tiles;      // micro_tile.h
+  const ShortHeadsLoops* short_heads; // short_heads_loops.h; null where not compiled
+  RowMaxFn row_max;
+  ExpShiftedSumFn exp_shifted_sum;
+};
+
+// The loops of `set`, or null where this build did not compile them or
+// this CPU cannot run them (AVX2 needs FMA too).
+const IsaLoops* isa_loops(InstructionSet set);
+
+// The widest set this CPU runs, or null.
+const IsaLoops* widest_isa_loops();
+
+} // namespace attn::detail

@@ -1,0 +1,34 @@
+#pragma once
+
+// Row operations of the attention kernels on raw float/double arrays:
+// max, shifted exp with sum, scaling. The float versions run the widest
+// instruction set's vector loops (isa.h, row_ops_vector.h), chosen once at
+// run time, and portable C++ otherwise.
+
+#include <cstdint>
+
+namespace attn::detail {
+
+// Largest of x[0..n); -inf for n == 0.
+float row_max(const float* x, int64_t n);
+double row_max(const double* x, int64_t n);
+
+// x[j] = exp(x[j] - shift) in place; returns the sum of the results. An
+// entry of -inf becomes 0. Callers never pass shift == -inf.
+float exp_shifted_sum(float* x, int64_t n, float shift);
+double exp_shifted_sum(double* x, int64_t n, double shift);
+
+// x[j] *= factor for every j in [0, n).
+template <typename T>
+void scale_row(T* x, int64_t n, T factor) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] *= factor;
+  }
+}
+
+// The portable float exp behind the dispatch, for tests (the vector ones
+// are in isa.h's table).
+float exp_shifted_sum_portable(float* x, int64_t n, float shift);
+
+} // namespace attn::detail

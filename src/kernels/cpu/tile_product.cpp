@@ -1,0 +1,424 @@
+#include "kernels/cpu/tile_product.h"
+
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/micro_tile.h"
+#include "kernels/cpu/parallel.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace attn::detail {
+namespace {
+
+// Which part of each row block a product computes (tile_addmm_banded):
+// all of it where `ranges` is null.
+struct RowBlockBands {
+  ProductBand band = ProductBand::columns;
+  const IndexRange* ranges = nullptr;
+};
+
+// The operands restricted to depth [range.begin, range.end).
+GemmOperands with_depth(const GemmOperands& g, const IndexRange& range) {
+  GemmOperands part = g;
+  part.depth = range.end - range.begin;
+  part.a += range.begin * g.a_depth_stride;
+  part.b += range.begin * g.ldb;
+  return part;
+}
+
+// Column panels outside, row blocks inside: a panel of b (depth ×
+// tiles.cols) is read from cache by every row block in turn. (Splitting
+// the depth into blocks of 128 or 256, for a panel that stays in L1,
+// measured no faster.) A micro-tile lies within one row block and one
+// column panel of the banded products.
+void gemm_by_micro_tiles(
+    const MicroTiles& tiles,
+    int64_t rows,
+    int64_t cols,
+    const GemmOperands& g,
+    const RowBlockBands& bands = {}) {
+  for (int64_t c0 = 0; c0 < cols; c0 += tiles.cols) {
+    const int64_t width = std::min(tiles.cols, cols - c0);
+    const MicroTileFn* by_rows = width == tiles.cols ? tiles.full : tiles.edge;
+    const int64_t step = bands.ranges == nullptr ? tiles.rows : tiles.banded_rows;
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+      const MicroTileFn tile = by_rows[std::min(step, rows - r0) - 1];
+      if (bands.ranges == nullptr) {
+        tile(g, r0, c0, width);
+        continue;
+      }
+      const IndexRange& range = bands.ranges[r0 / kProductRowBlock];
+      if (bands.band == ProductBand::depth) {
+        tile(with_depth(g, range), r0, c0, width);
+      } else if (c0 >= range.begin && c0 < range.end) {
+        tile(g, r0, c0, width);
+      }
+    }
+  }
+}
+
+// The operands of out = beta·out + alpha·a·b for attn's loops.
+GemmOperands operands_of(
+    const MatrixRef<float>& out,
+    const MatrixRef<float>& a,
+    const MatrixRef<float>& b,
+    double beta,
+    double alpha) {
+  return {a.cols,          static_cast<float>(alpha),
+          a.data,          a.row_stride,
+          a.column_stride, b.data,
+          b.row_stride,    out.data,
+          out.row_stride,  beta == 1};
+}
+
+// Rows and columns per block of the portable transpose.
+constexpr int64_t kTransposeBlock = 16;
+
+void transpose_by_blocks(
+    int64_t rows,
+    int64_t cols,
+    const float* from,
+    int64_t from_row_stride,
+    int64_t from_column_stride,
+    float* to,
+    int64_t ld_to) {
+  for (int64_t i0 = 0; i0 < rows; i0 += kTransposeBlock) {
+    const int64_t i_end = std::min(rows, i0 + kTransposeBlock);
+    for (int64_t j0 = 0; j0 < cols; j0 += kTransposeBlock) {
+      const int64_t j_end = std::min(cols, j0 + kTransposeBlock);
+      for (int64_t i = i0; i < i_end; ++i) {
+        for (int64_t j = j0; j < j_end; ++j) {
+          to[j * ld_to + i] = from[i * from_row_stride + j * from_column_stride];
+        }
+      }
+    }
+  }
+}
+
+// Whether attn's loops can compute this product: rows of b and of out
+// contiguous, beta 0 or 1.
+bool fits_tile_gemm(const MatrixRef<float>& out, const MatrixRef<float>& b, double beta) {
+  return (beta == 0 || beta == 1) && (out.cols <= 1 || out.column_stride == 1) &&
+      (b.cols <= 1 || b.column_stride == 1);
+}
+
+// attn's loops run on the calling thread: inside a parallel task, with one
+// thread, or on a product too small to share. A kernel whose tiles are too
+// few for a task per thread (one head of 128 queries against many keys)
+// leaves its products to a BLAS that uses every thread.
+bool product_stays_on_one_thread(int64_t rows, int64_t cols, int64_t depth) {
+  return at::in_parallel_region() || at::get_num_threads() == 1 ||
+      static_cast<double>(rows) * static_cast<double>(cols) * static_cast<double>(depth) <
+      kMinSharedProduct;
+}
+
+// The set, where its micro-tiles divide the banded products' row blocks
+// and column panels.
+const MicroTiles* dividing_bands(const MicroTiles* tiles) {
+  TORCH_INTERNAL_ASSERT(
+      tiles == nullptr ||
+      (kProductRowBlock % tiles->banded_rows == 0 && tiles->banded_rows <= tiles->rows &&
+       kProductColumnPanel % tiles->cols == 0));
+  return tiles;
+}
+
+const MicroTiles* micro_tiles_of(ProductLoops loops) {
+  const auto tiles_of = [](InstructionSet set) {
+    const auto* isa = isa_loops(set);
+    return dividing_bands(isa == nullptr ? nullptr : isa->micro_tiles);
+  };
+  static const MicroTiles* const avx512 = tiles_of(InstructionSet::avx512);
+  static const MicroTiles* const avx2 = tiles_of(InstructionSet::avx2);
+  switch (loops) {
+    case ProductLoops::avx512: return avx512;
+    case ProductLoops::avx2: return avx2;
+    case ProductLoops::blas: return nullptr;
+  }
+  return nullptr;
+}
+
+ProductLoops widest_product_loops() {
+  static const ProductLoops widest = available_product_loops().back();
+  return widest;
+}
+
+// The loops that compute the float products now: the widest, or a
+// ScopedProductLoops' choice.
+std::atomic<ProductLoops>& chosen_product_loops() {
+  static std::atomic<ProductLoops> chosen{widest_product_loops()};
+  return chosen;
+}
+
+// Null while the BLAS computes the float products.
+const MicroTiles* active_micro_tiles() {
+  return micro_tiles_of(chosen_product_loops().load(std::memory_order_relaxed));
+}
+
+} // namespace
+
+std::vector<ProductLoops> available_product_loops() {
+  std::vector<ProductLoops> loops{ProductLoops::blas};
+  for (const auto candidate : {ProductLoops::avx2, ProductLoops::avx512}) {
+    if (micro_tiles_of(candidate) != nullptr) {
+      loops.push_back(candidate);
+    }
+  }
+  return loops;
+}
+
+const char* product_loops_name(ProductLoops loops) {
+  switch (loops) {
+    case ProductLoops::blas: return "BLAS";
+    case ProductLoops::avx2: return "AVX2";
+    case ProductLoops::avx512: return "AVX-512";
+  }
+  return "?";
+}
+
+ScopedProductLoops::ScopedProductLoops(ProductLoops loops)
+    : previous_(chosen_product_loops().exchange(loops, std::memory_order_relaxed)) {
+  const auto available = available_product_loops();
+  if (std::find(available.begin(), available.end(), loops) == available.end()) {
+    chosen_product_loops().store(previous_, std::memory_order_relaxed);
+    TORCH_CHECK(
+        false, "ScopedProductLoops: this build or CPU cannot run ", product_loops_name(loops),
+        " loops");
+  }
+}
+
+ScopedProductLoops::~ScopedProductLoops() {
+  chosen_product_loops().store(previous_, std::memory_order_relaxed);
+}
+
+ProductLoops active_product_loops() {
+  return chosen_product_loops().load(std::memory_order_relaxed);
+}
+
+bool tile_products_run(torch::ScalarType dtype) {
+  return dtype == torch::kFloat && active_micro_tiles() != nullptr;
+}
+
+bool tile_gemm_float(
+    int64_t rows,
+    int64_t cols,
+    int64_t depth,
+    float alpha,
+    const float* a,
+    int64_t a_row_stride,
+    int64_t a_depth_stride,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    bool accumulate) {
+  const MicroTiles* tiles = active_micro_tiles();
+  if (tiles == nullptr) {
+    return false;
+  }
+  gemm_by_micro_tiles(
+      *tiles, rows, cols,
+      {depth, alpha, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate});
+  return true;
+}
+
+template <typename T>
+bool tile_loops_take(
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
+    double beta) {
+  if constexpr (std::is_same_v<T, float>) {
+    return out.rows > 0 && out.cols > 0 && a.cols > 0 && fits_tile_gemm(out, b, beta) &&
+        product_stays_on_one_thread(out.rows, out.cols, a.cols) && active_micro_tiles() != nullptr;
+  } else {
+    return false;
+  }
+}
+
+namespace {
+
+// Runs the product in attn's loops where tile_loops_take says so, and
+// says whether it did.
+template <typename T>
+bool ran_tile_loops(
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
+    double beta,
+    [[maybe_unused]] double alpha,
+    [[maybe_unused]] const RowBlockBands& bands = {}) {
+  if (!tile_loops_take(out, a, b, beta)) {
+    return false;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    gemm_by_micro_tiles(
+        *active_micro_tiles(), out.rows, out.cols, operands_of(out, a, b, beta, alpha), bands);
+    return true;
+  }
+  return false; // unreachable: tile_loops_take says no to other dtypes
+}
+
+// A matrix as a tensor over its memory, for at::addmm_out.
+template <typename T>
+torch::Tensor tensor_over(const MatrixRef<T>& m) {
+  return torch::from_blob(
+      m.data, {m.rows, m.cols}, {m.row_stride, m.column_stride},
+      torch::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+}
+
+} // namespace
+
+template <typename T>
+void tile_addmm(
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
+    double beta,
+    double alpha) {
+  if (out.rows == 0 || out.cols == 0 || ran_tile_loops(out, a, b, beta, alpha)) {
+    return;
+  }
+  auto result = tensor_over(out); // addmm_out takes its output by reference
+  at::addmm_out(result, result, tensor_over(a), tensor_over(b), beta, alpha);
+}
+
+void tile_addmm(
+    const torch::Tensor& out,
+    const torch::Tensor& a,
+    const torch::Tensor& b,
+    double beta,
+    double alpha) {
+  const bool floats = out.scalar_type() == torch::kFloat && a.scalar_type() == torch::kFloat &&
+      b.scalar_type() == torch::kFloat;
+  if (floats) {
+    tile_addmm(matrix_of<float>(out), matrix_of<float>(a), matrix_of<float>(b), beta, alpha);
+    return;
+  }
+  torch::Tensor result = out; // addmm_out takes its output by reference
+  at::addmm_out(result, out, a, b, beta, alpha);
+}
+
+template <typename T>
+void tile_addmm_banded(
+    const MatrixRef<T>& out,
+    const MatrixRef<T>& a,
+    const MatrixRef<T>& b,
+    double beta,
+    double alpha,
+    ProductBand band,
+    c10::ArrayRef<IndexRange> row_block_bands) {
+  const int64_t rows = out.rows;
+  const auto blocks = static_cast<size_t>((rows + kProductRowBlock - 1) / kProductRowBlock);
+  TORCH_INTERNAL_ASSERT(row_block_bands.size() == blocks, "one band per row block");
+  if (rows == 0 || out.cols == 0) {
+    return;
+  }
+  // Bands that agree in every row block (no mask, or one on keys alone)
+  // make one product of the band, whose micro-tiles need not stay within
+  // row blocks.
+  const bool one_band = std::all_of(
+      row_block_bands.begin(), row_block_bands.end(),
+      [&](const IndexRange& range) { return range == row_block_bands.front(); });
+  if (!one_band && ran_tile_loops(out, a, b, beta, alpha, {band, row_block_bands.data()})) {
+    return;
+  }
+  // Row blocks with equal bands in one call each.
+  for (size_t first = 0; first < blocks;) {
+    size_t last = first + 1;
+    while (last < blocks && row_block_bands[last] == row_block_bands[first]) {
+      ++last;
+    }
+    const int64_t r0 = static_cast<int64_t>(first) * kProductRowBlock;
+    const int64_t n = std::min(rows, static_cast<int64_t>(last) * kProductRowBlock) - r0;
+    const auto [begin, end] = row_block_bands[first];
+    const auto out_rows = out.row_block(r0, n), a_rows = a.row_block(r0, n);
+    if (band == ProductBand::columns) {
+      tile_addmm(
+          out_rows.column_block(begin, end - begin), a_rows, b.column_block(begin, end - begin),
+          beta, alpha);
+    } else {
+      tile_addmm(
+          out_rows, a_rows.column_block(begin, end - begin), b.row_block(begin, end - begin), beta,
+          alpha);
+    }
+    first = last;
+  }
+}
+
+void transpose_float(
+    int64_t rows,
+    int64_t cols,
+    const float* from,
+    int64_t from_row_stride,
+    int64_t from_column_stride,
+    float* to,
+    int64_t ld_to) {
+  // In registers with the products' instruction set, or the widest while
+  // the BLAS multiplies.
+  const MicroTiles* tiles = active_micro_tiles();
+  if (tiles == nullptr) {
+    tiles = micro_tiles_of(widest_product_loops());
+  }
+  if (tiles != nullptr && from_column_stride == 1) {
+    const int64_t block = tiles->transpose_block;
+    const int64_t full_rows = rows / block * block, full_cols = cols / block * block;
+    for (int64_t i0 = 0; i0 < full_rows; i0 += block) {
+      for (int64_t j0 = 0; j0 < full_cols; j0 += block) {
+        tiles->transpose(
+            from + i0 * from_row_stride + j0, from_row_stride, to + j0 * ld_to + i0, ld_to);
+      }
+    }
+    // The edges: the last columns of the full rows, then the last rows.
+    transpose_by_blocks(
+        full_rows, cols - full_cols, from + full_cols, from_row_stride, 1, to + full_cols * ld_to,
+        ld_to);
+    transpose_by_blocks(
+        rows - full_rows, cols, from + full_rows * from_row_stride, from_row_stride, 1,
+        to + full_rows, ld_to);
+    return;
+  }
+  transpose_by_blocks(rows, cols, from, from_row_stride, from_column_stride, to, ld_to);
+}
+
+void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
+  const int64_t H = t.size(1), S = t.size(2), D = t.size(3);
+  const float* source = t.data_ptr<float>();
+  float* target = transposed.data_ptr<float>();
+  const int64_t grain = parallel_grain(static_cast<double>(S * D), kMinParallelTranspose);
+  parallel_for(0, t.size(0) * H, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t head = begin; head < end; ++head) {
+      const int64_t b = head / H, h = head % H;
+      transpose_float(
+          S, D, source + b * t.stride(0) + h * t.stride(1), t.stride(2), t.stride(3),
+          target + b * transposed.stride(0) + h * transposed.stride(1), transposed.stride(2));
+    }
+  });
+}
+
+int64_t spread_row_stride(int64_t cols, int64_t element_size) {
+  constexpr int64_t kLineBytes = 64;
+  const int64_t per_line = std::max<int64_t>(1, kLineBytes / element_size);
+  const int64_t lines = (cols + per_line - 1) / per_line;
+  return (lines % 2 == 0 ? lines + 1 : lines) * per_line;
+}
+
+// The products for the two dtypes the kernels dispatch to.
+#define ATTN_TILE_PRODUCTS(T)                                                                     \
+  template bool tile_loops_take(                                                                  \
+      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double);                     \
+  template void tile_addmm(                                                                       \
+      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double, double);             \
+  template void tile_addmm_banded(                                                                \
+      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double, double, ProductBand, \
+      c10::ArrayRef<IndexRange>);
+ATTN_TILE_PRODUCTS(float)
+ATTN_TILE_PRODUCTS(double)
+#undef ATTN_TILE_PRODUCTS
+
+} // namespace attn::detail

@@ -1,0 +1,98 @@
+// The vector loops (vector_loops.h) compiled for AVX-512: the short-head
+// loops (short_heads_vector.h) and the float row operations
+// (row_ops_vector.h), both over lanes.h.
+
+#include "kernels/cpu/vector_loops.h"
+
+#ifdef ATTN_VECTOR_LOOPS_COMPILED
+// Every other header before the target: what follows is compiled for it.
+#include "kernels/cpu/heads.h"
+#include "kernels/cpu/mask_view.h"
+#include "kernels/cpu/micro_tile.h"
+#include "kernels/cpu/short_heads.h"
+#include "kernels/cpu/tile_product.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#endif
+namespace attn::detail {
+namespace {
+
+// Vectors of the registers' width (64 bytes): wider ones would live in
+// memory.
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(64)));      // NOLINT(modernize-use-using)
+typedef int32_t LaneBits __attribute__((vector_size(64))); // NOLINT(modernize-use-using)
+
+} // namespace
+} // namespace attn::detail
+
+#include "kernels/cpu/lanes.h"
+
+namespace attn::detail {
+namespace {
+
+// lanes.h's last exp step in one scalef, masked where x underflows (NaN
+// compares unordered, so it is kept).
+ATTN_INLINE Lanes times_two_to_or_zero(const Lanes& p, const Lanes& k, const Lanes& x) {
+  const __mmask16 kept = _mm512_cmp_ps_mask(
+      __builtin_bit_cast(__m512, x), _mm512_set1_ps(kExpLowest), _CMP_NLT_UQ);
+  return __builtin_bit_cast(
+      Lanes,
+      _mm512_maskz_scalef_ps(kept, __builtin_bit_cast(__m512, p), __builtin_bit_cast(__m512, k)));
+}
+
+} // namespace
+} // namespace attn::detail
+
+#include "kernels/cpu/row_ops_vector.h"
+#include "kernels/cpu/short_heads_vector.h"
+
+namespace attn::detail {
+namespace {
+
+// 32 registers of 16 floats: 16 accumulators, the rest for the right
+// operand's row and the broadcasts.
+constexpr int kAccumulators = 16;
+
+const VectorLoops kLoops{
+    {forward_heads<kAccumulators>, backward_heads<kAccumulators>},
+    row_max_lanes,
+    exp_shifted_sum_lanes};
+
+} // namespace
+} // namespace attn::detail
+
+#undef ATTN_INLINE
+#undef ATTN_OWN_CODE
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+namespace attn::detail {
+
+const VectorLoops* avx512_vector_loops() {
+#ifdef ATTN_VECTOR_LOOPS_COMPILED
+  return &kLoops;
+#else
+  return nullptr;
+#endif
+}
+
+} // namespace attn::detail

@@ -1,0 +1,261 @@
+#include "sdpa/backend.h"
+
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/short_heads.h"
+#include "kernels/cpu/tile_product.h"
+
+#include "runtime/compat.h"
+
+#include <torch/torch.h>
+
+#include <sstream>
+
+namespace attn {
+
+const char* backend_name(AttentionBackend backend) {
+  switch (backend) {
+    case AttentionBackend::fused_cpu: return "fused_cpu";
+    case AttentionBackend::fused_cpu_weights: return "fused_cpu_weights";
+    case AttentionBackend::batched_cpu: return "batched_cpu";
+    case AttentionBackend::libtorch: return "libtorch";
+    case AttentionBackend::math: return "math";
+  }
+  return "unknown";
+}
+
+std::ostream& operator<<(std::ostream& stream, AttentionBackend backend) {
+  return stream << backend_name(backend);
+}
+
+namespace detail {
+namespace {
+
+bool dropout_active(const SDPAOptions& options) {
+  return options.training() && options.dropout_p() > 0.0;
+}
+
+bool inputs_need_grad(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
+  return torch::GradMode::is_enabled() &&
+      (query.requires_grad() || key.requires_grad() || value.requires_grad());
+}
+
+// What attn's CPU kernels have in common: the device, no dropout, no
+// gradient for the mask.
+std::string cpu_kernel_reason(const torch::Tensor& query, const SDPAOptions& options) {
+  const auto& mask = options.attn_mask();
+  std::ostringstream reason;
+  if (!query.device().is_cpu()) {
+    reason << "runs on the CPU only, and the inputs are on " << query.device();
+  } else if (dropout_active(options)) {
+    reason << "has no dropout, and dropout_p is " << options.dropout_p() << " while training";
+  } else if (mask.defined() && mask.requires_grad() && torch::GradMode::is_enabled()) {
+    reason << "gives the attn_mask no gradient, and it requires one";
+  }
+  return reason.str();
+}
+
+std::string fused_cpu_reason(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options,
+    bool with_weights) {
+  std::ostringstream reason;
+  if (const auto common = cpu_kernel_reason(query, options); !common.empty()) {
+    reason << common;
+  } else if (with_weights && inputs_need_grad(query, key, value)) {
+    reason << "is not differentiable, and the inputs require grad";
+  } else if (!with_weights && options.need_weights()) {
+    reason << "returns no weights: set need_weights(false)";
+  }
+  return reason.str();
+}
+
+std::string libtorch_reason(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  std::ostringstream reason;
+  if (!kHasNativeAttention) {
+    reason << "needs LibTorch 2.0 or later, and this is " << TORCH_VERSION;
+  } else if (options.scale() && !kNativeAttentionTakesScale) {
+    reason << "takes a custom scale from LibTorch 2.1 on, and this is " << TORCH_VERSION;
+  } else if (options.scale() && *options.scale() <= 0.0) {
+    // Some 2.x versions scale query and key by sqrt(scale) each.
+    reason << "takes only a positive scale, got " << *options.scale();
+  } else if (options.need_weights()) {
+    reason << "returns no weights: set need_weights(false)";
+  } else if (options.attn_mask().defined()) {
+    // A row with every key masked gives NaN there and zeros in attn.
+    reason << "takes no attn_mask (rows with every key masked would be NaN)";
+  } else if (query.numel() == 0 || key.numel() == 0 || value.numel() == 0) {
+    reason << "needs non-empty query, key and value";
+  } else if (
+      options.is_causal() && (query.size(-2) != key.size(-2) || options.query_offset() != 0)) {
+    // LibTorch's kernels have differed on where a non-square causal mask
+    // sits; attn puts it at the top left, or where query_offset says.
+    reason << "takes causal masks only with L == S and no query_offset, got L = " << query.size(-2)
+           << ", S = " << key.size(-2) << ", query_offset = " << options.query_offset();
+  } else if (options.window()) {
+    reason << "has no sliding window";
+  } else if (options.enable_gqa() && query.size(-3) != key.size(-3)) {
+    reason << "needs as many key/value heads as query heads, got " << query.size(-3) << " and "
+           << key.size(-3);
+  } else if (options.training() && options.dropout_p() >= 1.0) {
+    // attn's dropout_p = 1 keeps nothing: a zero output.
+    reason << "cannot drop every weight (dropout_p = 1)";
+  }
+  return reason.str();
+}
+
+// LibTorch's fused CPU kernel takes query, key and value of one feature
+// size with unit stride in it; other requests fall back to its math path,
+// which holds the L×S scores.
+bool libtorch_fused_cpu_kernel_applies(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
+  return value.size(-1) == query.size(-1) && query.stride(-1) == 1 && key.stride(-1) == 1 &&
+      value.stride(-1) == 1;
+}
+
+// Where LibTorch's fused CPU kernel outruns attn's, for a request both can
+// run. Measured with LibTorch 2.15 on 2 cores of a Xeon with AVX-512 and
+// AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
+// LibTorch's kernel is faster up to 64 keys than attn's batched kernel
+// (its forward up to 1.5x; with backward, GPT-2-small's layer and
+// train_transformer's trained 1.0-1.1x faster through it), which it
+// replaces where the fused kernel's short loops do not run, and from 2048
+// keys without a causal mask where batch x heads is 32 or more (forward
+// 1.04-1.18x, backward level); in between, and causal from 128 keys at every length,
+// attn's tiled kernel is faster (1.05-1.25x at 1024 keys without a mask,
+// 1.05-1.6x causal), forward and backward.
+// In bfloat16 LibTorch multiplies on the AMX units and is 2-5x faster,
+// except that training on 128 keys runs 1.5-1.7x faster through attn's
+// float32 kernels. Other versions, CPUs and dtypes: attn.
+bool libtorch_faster_on_cpu(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  if (!kLibTorchCpuRuleMeasured || !libtorch_fused_cpu_kernel_applies(query, key, value)) {
+    return false;
+  }
+  const int64_t S = key.size(-2);
+  const int64_t rows = query.size(-2) * query.size(-1);
+  const int64_t heads = rows > 0 ? query.numel() / rows : 0; // batch × heads
+  // The machine the rule was measured on had AVX-512 (LibTorch's float32
+  // kernel) and AMX (its bfloat16 products); elsewhere attn keeps its own
+  // kernel.
+  const auto& cpu = cpu_features();
+  switch (query.scalar_type()) {
+    case torch::kFloat:
+      return cpu.avx512f &&
+          ((S <= 64 && !short_heads_run(torch::kFloat, query.size(-2), S)) ||
+           (!options.is_causal() && S >= 2048 && heads >= 32));
+    case torch::kBFloat16: return cpu.amx_bf16 && (!inputs_need_grad(query, key, value) || S > 256);
+    default: return false;
+  }
+}
+
+// The dtype attn's CPU kernels compute a request in: half precision in
+// float32.
+torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
+  return query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
+
+// Where attn's batched kernel outruns its tiled one: short sequences, whose
+// per-head products are too small to pay for a loop each. Measured on 2
+// cores (docs/BENCHMARKS.md, "Short sequences"), forward and backward,
+// D = 16 and 64, 32 to 256 heads. With LibTorch 2.15 and MKL the batched
+// kernel is level to 1.3x as fast up to 64 queries and keys, and slower
+// from 96. With LibTorch 1.13, where the tiled kernel multiplies in attn's
+// loops (float, AVX-512), it is up to 1.2x as fast forward up to 32, and
+// the tiled kernel 1.15-1.25x as fast with backward from 48 (with AVX2's
+// loops, on a Zen 2: the batched one 1.0-1.3x as fast up to 32, level at
+// 64, slower from 96); where BLAS multiplies for the tiled kernel, the
+// batched one is as fast up to 64.
+// Other versions: as 1.13.
+bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
+  const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed_on_cpu(query))
+      ? 64
+      : 32;
+  return query.size(-2) <= longest && key.size(-2) <= longest;
+}
+
+// Where the fused kernel's short loops run (kernels/cpu/short_heads.h), they
+// are the fastest of the CPU kernels without weights in nearly every case
+// measured (L = S = 16 to 64). Measured on 2 cores
+// of an AMD EPYC (Zen 4), LibTorch 2.15 and 1.13 (docs/BENCHMARKS.md, "Short
+// heads"): at 16-64 tokens, D = 16 and 64, forward 1.3-2.6x the batched
+// kernel and 1.05-2.2x LibTorch's; with backward 1.0-1.9x and 1.2-2.3x
+// (on 1.13 the batched kernel was up to 1.27x faster at 32 tokens, D = 64,
+// 96 heads; with AVX2 forced on that CPU, up to 1.2x at 64 keys, D = 64).
+// In the module, train_transformer's layer ran forward + backward 1.2-1.4x
+// as fast as the built-in, against 0.9-1.0x through LibTorch's kernel, and
+// no short shape lost.
+bool short_heads_faster(const torch::Tensor& query, const torch::Tensor& key) {
+  return short_heads_run(computed_on_cpu(query), query.size(-2), key.size(-2));
+}
+
+} // namespace
+
+std::string unsupported_reason(
+    AttentionBackend backend,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  switch (backend) {
+    case AttentionBackend::fused_cpu:
+      return fused_cpu_reason(query, key, value, options, /*with_weights=*/false);
+    case AttentionBackend::fused_cpu_weights:
+      return fused_cpu_reason(query, key, value, options, /*with_weights=*/true);
+    case AttentionBackend::batched_cpu: return cpu_kernel_reason(query, options);
+    case AttentionBackend::libtorch: return libtorch_reason(query, key, value, options);
+    case AttentionBackend::math: return {};
+  }
+  return "is not a backend";
+}
+
+AttentionBackend choose_backend(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const auto runs = [&](AttentionBackend backend) {
+    return unsupported_reason(backend, query, key, value, options).empty();
+  };
+  if (query.device().is_cpu()) {
+    if (runs(AttentionBackend::fused_cpu) && runs(AttentionBackend::libtorch) &&
+        libtorch_faster_on_cpu(query, key, value, options)) {
+      return AttentionBackend::libtorch;
+    }
+    if (runs(AttentionBackend::fused_cpu) && short_heads_faster(query, key)) {
+      return AttentionBackend::fused_cpu;
+    }
+    if (runs(AttentionBackend::batched_cpu) && batched_cpu_faster(query, key)) {
+      return AttentionBackend::batched_cpu;
+    }
+    if (runs(AttentionBackend::fused_cpu_weights) && options.need_weights()) {
+      return AttentionBackend::fused_cpu_weights;
+    }
+    // Weights with gradients: the one CPU kernel that differentiates them.
+    if (runs(AttentionBackend::batched_cpu) && options.need_weights()) {
+      return AttentionBackend::batched_cpu;
+    }
+    if (runs(AttentionBackend::fused_cpu)) {
+      return AttentionBackend::fused_cpu;
+    }
+  } else if (query.device().is_cuda() && runs(AttentionBackend::libtorch)) {
+    return AttentionBackend::libtorch;
+  }
+  return AttentionBackend::math;
+}
+
+} // namespace detail
+} // namespace attn

@@ -1,0 +1,285 @@
+#include <attn/functional.h>
+
+#include "kernels/cpu/batched_attention.h"
+#include "kernels/cpu/cpu_attention.h"
+#include "runtime/compat.h"
+#include "sdpa/backend.h"
+#include "sdpa/masks.h"
+#include "sdpa/math_attention.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+namespace attn {
+namespace {
+
+constexpr const char* kSdpaCaller = "scaled_dot_product_attention";
+
+// The leading dims: equal, or with enable_gqa, fewer key/value heads.
+void check_leading_dims(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  TORCH_CHECK(
+      query.defined() && key.defined() && value.defined(), kSdpaCaller,
+      ": query, key and value must be defined tensors");
+  TORCH_CHECK(
+      query.dim() >= 2, kSdpaCaller, ": query must be (..., L, E) with at least 2 dims, got ",
+      query.sizes());
+  TORCH_CHECK(
+      key.dim() == query.dim() && value.dim() == query.dim(), kSdpaCaller,
+      ": query, key and value must have the same number of dims, got query ", query.sizes(),
+      ", key ", key.sizes(), ", value ", value.sizes());
+
+  const auto batch_dims = query.dim() - 2;
+  if (options.enable_gqa()) {
+    TORCH_CHECK(
+        query.dim() >= 3, kSdpaCaller,
+        ": enable_gqa needs a heads dim: query must be (..., Hq, L, E), got ", query.sizes());
+    const auto Hq = query.size(-3), Hkv = key.size(-3);
+    const auto outer_dims = batch_dims - 1;
+    TORCH_CHECK(
+        key.sizes().slice(0, outer_dims) == query.sizes().slice(0, outer_dims) &&
+            value.sizes().slice(0, outer_dims) == query.sizes().slice(0, outer_dims) &&
+            value.size(-3) == Hkv,
+        kSdpaCaller, ": with enable_gqa, query (..., Hq, L, E), key (..., Hkv, S, E) ",
+        "and value (..., Hkv, S, Ev) must share the dims before the heads, ",
+        "and key and value their heads, got query ", query.sizes(), ", key ", key.sizes(),
+        ", value ", value.sizes());
+    TORCH_CHECK(
+        Hkv > 0 && Hq % Hkv == 0, kSdpaCaller,
+        ": with enable_gqa, the key/value heads Hkv must divide the query ",
+        "heads Hq, got Hq=", Hq, " and Hkv=", Hkv);
+  } else {
+    TORCH_CHECK(
+        key.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims) &&
+            value.sizes().slice(0, batch_dims) == query.sizes().slice(0, batch_dims),
+        kSdpaCaller, ": query, key and value must have the same leading dims, got ", "query ",
+        query.sizes(), ", key ", key.sizes(), ", value ", value.sizes(),
+        " (enable_gqa allows fewer key/value heads)");
+  }
+}
+
+// Feature sizes, lengths, dtypes and devices.
+void check_features_dtypes_and_devices(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
+  const auto E = query.size(-1);
+  TORCH_CHECK(E > 0, kSdpaCaller, ": query must have a feature size E > 0, got ", query.sizes());
+  TORCH_CHECK(
+      key.size(-1) == E, kSdpaCaller, ": key must be (..., S, E) with E == ", E,
+      " (the query's feature size), got ", key.sizes());
+  TORCH_CHECK(
+      value.size(-2) == key.size(-2), kSdpaCaller,
+      ": value must be (..., S, Ev) with S == ", key.size(-2), " (the key's length), got ",
+      value.sizes());
+
+  TORCH_CHECK(
+      torch::isFloatingType(query.scalar_type()), kSdpaCaller,
+      ": query must have a floating-point dtype, got ", query.scalar_type());
+  TORCH_CHECK(
+      key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+      kSdpaCaller, ": key and value must have the query's dtype ", query.scalar_type(),
+      ", got key ", key.scalar_type(), " and value ", value.scalar_type());
+  TORCH_CHECK(
+      key.device() == query.device() && value.device() == query.device(), kSdpaCaller,
+      ": key and value must be on the query's device ", query.device(), ", got key on ",
+      key.device(), " and value on ", value.device());
+}
+
+void check_attn_mask(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& mask) {
+  if (mask.defined()) {
+    detail::check_mask_dtype_and_device(kSdpaCaller, "attn_mask", mask, query);
+    auto scores_shape = query.sizes().vec();
+    scores_shape.back() = key.size(-2); // (..., L, S)
+    bool broadcastable = mask.dim() <= static_cast<int64_t>(scores_shape.size());
+    for (int64_t i = 1; broadcastable && i <= mask.dim(); ++i) {
+      const auto m = mask.size(-i);
+      broadcastable = m == 1 || m == scores_shape[scores_shape.size() - i];
+    }
+    TORCH_CHECK(
+        broadcastable, kSdpaCaller,
+        ": attn_mask must be broadcastable to the scores' shape (..., L, S) = ",
+        torch::IntArrayRef(scores_shape), ", got ", mask.sizes());
+  }
+}
+
+void check_option_values(const SDPAOptions& options) {
+  TORCH_CHECK(
+      options.dropout_p() >= 0.0 && options.dropout_p() <= 1.0, kSdpaCaller,
+      ": dropout_p must be in [0, 1], got ", options.dropout_p());
+  TORCH_CHECK(
+      !options.scale() || std::isfinite(*options.scale()), kSdpaCaller,
+      ": scale must be a finite number, got ", *options.scale());
+  TORCH_CHECK(
+      !options.window() || *options.window() > 0, kSdpaCaller,
+      ": window must be a positive number of keys, got ", *options.window());
+  TORCH_CHECK(
+      std::abs(options.query_offset()) <= detail::kMaxQueryOffset, kSdpaCaller,
+      ": query_offset must be within ±2^60, got ", options.query_offset());
+}
+
+// (..., T, F) as (B, H, T, F), a view whenever there are at most 4 dims.
+torch::Tensor as_4d(const torch::Tensor& t) {
+  switch (t.dim()) {
+    case 2: return t.unsqueeze(0).unsqueeze(0);
+    case 3: return t.unsqueeze(0);
+    case 4: return t;
+    default: return t.flatten(0, t.dim() - 4);
+  }
+}
+
+// query's shape with its last dim replaced: (..., L, last).
+std::vector<int64_t> with_last_dim(const torch::Tensor& query, int64_t last) {
+  auto shape = query.sizes().vec();
+  shape.back() = last;
+  return shape;
+}
+
+// The CPU kernels' description of the request's masks and scale.
+detail::CpuAttentionConfig cpu_kernel_config(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const SDPAOptions& options,
+    double scale) {
+  const auto& mask = options.attn_mask();
+  return {
+      mask.defined() ? as_4d(mask.expand(with_last_dim(query, key.size(-2)))) : torch::Tensor(),
+      scale, options.is_causal(), options.query_offset(),
+      std::min(options.window().value_or(0), detail::kUnboundedWindow)};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options,
+    double scale,
+    bool with_weights) {
+  const auto output_shape = with_last_dim(query, value.size(-1)); // (..., L, Ev)
+  const auto weights_shape = with_last_dim(query, key.size(-2));  // (..., L, S)
+  const auto config = cpu_kernel_config(query, key, options, scale);
+  const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
+  if (!with_weights) {
+    return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape), torch::Tensor()};
+  }
+  const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);
+  return {
+      output.reshape(output_shape),
+      options.need_weights() ? weights.reshape(weights_shape) : torch::Tensor()};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> run_batched_cpu(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options,
+    double scale) {
+  const auto [output, weights] = detail::cpu_batched_attention(
+      as_4d(query), as_4d(key), as_4d(value), cpu_kernel_config(query, key, options, scale),
+      options.need_weights());
+  return {
+      output.reshape(with_last_dim(query, value.size(-1))),
+      weights.defined() ? weights.reshape(with_last_dim(query, key.size(-2))) : weights};
+}
+
+torch::Tensor run_libtorch(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  const double dropout_p = options.training() ? options.dropout_p() : 0.0;
+  return detail::native_attention(
+             as_4d(query), as_4d(key), as_4d(value), dropout_p, options.is_causal(),
+             options.scale())
+      .reshape(with_last_dim(query, value.size(-1)));
+}
+
+// The request's dtype on a CPU that computes it in float32.
+bool computed_in_float32_on_cpu(const torch::Tensor& query) {
+  const auto dtype = query.scalar_type();
+  return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
+}
+
+// The options with a floating mask in float32.
+SDPAOptions with_float32_mask(SDPAOptions options) {
+  const auto& mask = options.attn_mask();
+  if (mask.defined() && mask.scalar_type() != torch::kBool) {
+    options.attn_mask(mask.to(torch::kFloat));
+  }
+  return options;
+}
+
+// Runs `backend`, already chosen for this checked request.
+std::tuple<torch::Tensor, torch::Tensor> run_backend(
+    AttentionBackend backend,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  // Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
+  // weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
+  // attn's CPU backends compute in float32 and round the results once.
+  // LibTorch's kernel computes half precision its own way.
+  if (backend != AttentionBackend::libtorch && computed_in_float32_on_cpu(query)) {
+    const auto [output, weights] = run_backend(
+        backend, query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
+        with_float32_mask(options));
+    const auto dtype = query.scalar_type();
+    return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
+  }
+  const double scale = options.scale().value_or(
+      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  switch (backend) {
+    case AttentionBackend::fused_cpu:
+    case AttentionBackend::fused_cpu_weights:
+      return run_fused_cpu(
+          query, key, value, options, scale, backend == AttentionBackend::fused_cpu_weights);
+    case AttentionBackend::batched_cpu: return run_batched_cpu(query, key, value, options, scale);
+    case AttentionBackend::libtorch:
+      return {run_libtorch(query, key, value, options), torch::Tensor()};
+    case AttentionBackend::math: break;
+  }
+  return detail::math_attention(query, key, value, options, scale);
+}
+
+} // namespace
+
+AttentionBackend select_backend(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  // Every check of the arguments, once, at the API boundary.
+  check_leading_dims(query, key, value, options);
+  check_features_dtypes_and_devices(query, key, value);
+  check_attn_mask(query, key, options.attn_mask());
+  check_option_values(options);
+  const auto& requested = options.backend();
+  if (!requested) {
+    return detail::choose_backend(query, key, value, options);
+  }
+  const auto reason = detail::unsupported_reason(*requested, query, key, value, options);
+  TORCH_CHECK(
+      reason.empty(), kSdpaCaller, ": backend ", *requested, " was requested, but it ", reason);
+  return *requested;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  return run_backend(select_backend(query, key, value, options), query, key, value, options);
+}
+
+} // namespace attn
