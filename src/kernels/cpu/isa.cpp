@@ -86,10 +86,10 @@ bool cpu_runs(InstructionSet set) {
 // The set's loops, as its files compiled them; null without micro-tiles.
 const IsaLoops* compiled_loops(InstructionSet set) {
   const auto table = [](InstructionSet s, const MicroTiles* tiles, const VectorLoops* vector) {
-    return tiles == nullptr ? IsaLoops{s, nullptr, nullptr, nullptr, nullptr}
-        : vector == nullptr
-        ? IsaLoops{s, tiles, nullptr, nullptr, nullptr}
-        : IsaLoops{s, tiles, &vector->short_heads, vector->row_max, vector->exp_shifted_sum};
+    if (vector == nullptr) {
+      return IsaLoops{s, tiles, nullptr, nullptr, nullptr};
+    }
+    return IsaLoops{s, tiles, &vector->short_heads, vector->row_max, vector->exp_shifted_sum};
   };
   static const IsaLoops avx512 = table(
       InstructionSet::avx512, avx512_micro_tiles(), avx512_vector_loops());
