@@ -267,7 +267,8 @@ void measure(benchmark::State& state, double flops, const Target& target, Step&&
 
 // The attention core on (B, H, T, D) inputs; `backward` adds a backward
 // pass to every input. `ours` is attn's fused kernel (asked for by name),
-// `attn_default` whatever attn::select_backend picks.
+// `attn_default` the call with no option but causality: whatever
+// attn::select_backend picks for it.
 void attention_core(benchmark::State& state, Impl impl, bool backward, const Target& target) {
   const auto c = read_case(state);
   const auto input = [&] {
@@ -281,7 +282,10 @@ void attention_core(benchmark::State& state, Impl impl, bool backward, const Tar
     state.SkipWithError("at::scaled_dot_product_attention needs LibTorch >= 2.0");
     return;
   }
-  auto options = attn::SDPAOptions().is_causal(c.causal).need_weights(impl == Impl::ours_weights);
+  auto options = attn::SDPAOptions().is_causal(c.causal);
+  if (impl != Impl::attn_default) {
+    options.need_weights(impl == Impl::ours_weights);
+  }
   if (impl == Impl::ours_window) {
     options.window(kWindow);
   }
@@ -338,6 +342,9 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
             x, x, x,
             attn::MultiHeadAttentionForwardOptions().is_causal(c.causal).need_weights(
                 impl == Impl::ours_weights)));
+      case Impl::attn_default:
+        return std::get<0>(
+            ours(x, x, x, attn::MultiHeadAttentionForwardOptions().is_causal(c.causal)));
       case Impl::builtin:
       case Impl::builtin_weights:
         return std::get<0>(builtin(
@@ -345,8 +352,7 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
             causal_bias));
       case Impl::naive: return naive.forward(x, lower);
       case Impl::aten_sdpa:
-      case Impl::ours_window:
-      case Impl::attn_default: break; // attention cores, not modules
+      case Impl::ours_window: break; // attention cores, not modules
     }
     return {};
   };
@@ -478,17 +484,18 @@ void register_cpu() {
       ->Arg(1024)
       ->Unit(benchmark::kMillisecond)
       ->UseRealTime();
+  // attn_default: what a call with no options but causality runs.
   Suite float32{
-      {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive},
-      {Impl::ours, Impl::ours_weights},
-      {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive},
-      {Impl::ours, Impl::builtin, Impl::naive}};
+      {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive, Impl::attn_default},
+      {Impl::ours, Impl::ours_weights, Impl::attn_default},
+      {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive,
+       Impl::attn_default},
+      {Impl::ours, Impl::builtin, Impl::naive, Impl::attn_default}};
   if (attn::detail::kHasNativeAttention) {
     // LibTorch's own fused CPU attention beside attn's kernel and attn's
-    // default choice between the two; bfloat16 likewise.
-    float32.core.insert(float32.core.end(), {Impl::aten_sdpa, Impl::attn_default});
-    float32.core_backward.insert(
-        float32.core_backward.end(), {Impl::aten_sdpa, Impl::attn_default});
+    // default choice; bfloat16 likewise.
+    float32.core.insert(float32.core.end(), Impl::aten_sdpa);
+    float32.core_backward.insert(float32.core_backward.end(), Impl::aten_sdpa);
     register_suite(
         {torch::kCPU, torch::kBFloat16},
         {{Impl::ours, Impl::aten_sdpa, Impl::attn_default},

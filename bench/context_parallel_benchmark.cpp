@@ -128,7 +128,7 @@ Problem problem(
 }
 
 torch::Tensor attend(const Problem& p, const dist::Group& group) {
-  return dist::ring_attention(p.q, p.k, p.v, group, p.options);
+  return dist::context_parallel_attention(p.q, p.k, p.v, group, p.options);
 }
 
 void forward_backward(const Problem& p, const dist::Group& group) {

@@ -108,6 +108,7 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
   const auto expected = output(q, k, v);
   const auto with_mask = [](const torch::Tensor& mask) { return SDPAOptions().attn_mask(mask); };
   const auto gqa = SDPAOptions().enable_gqa(true);
+  const auto weights = SDPAOptions().need_weights(true);
   const std::vector<BadInput> cases = {
       {"undefined key", [=] { sdpa(q, torch::Tensor(), v); },
        "scaled_dot_product_attention: query, key and value must be defined tensors"},
@@ -217,14 +218,14 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
        "(enable_gqa allows fewer key/value heads)"},
       {"zero-length queries (L = 0): empty output",
        [=] {
-         const auto [out, w] = sdpa(torch::randn({2, 0, 8}), k, v);
+         const auto [out, w] = sdpa(torch::randn({2, 0, 8}), k, v, weights);
          EXPECT_EQ(out.sizes(), torch::IntArrayRef({2, 0, 5}));
          EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 0, 6}));
        },
        ""},
       {"zero-length keys (S = 0): zero output, (…, L, 0) weights",
        [=] {
-         const auto [out, w] = sdpa(q, torch::randn({2, 0, 8}), torch::randn({2, 0, 5}));
+         const auto [out, w] = sdpa(q, torch::randn({2, 0, 8}), torch::randn({2, 0, 5}), weights);
          EXPECT_TRUE(torch::equal(out, torch::zeros({2, 4, 5})));
          EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 4, 0}));
        },

@@ -83,29 +83,54 @@ TEST(Backend, NamesPrintAsTheDocsWriteThem) {
   EXPECT_EQ(printed.str(), "fused_cpu fused_cpu_weights batched_cpu libtorch math");
 }
 
+// The default call, with inputs that need gradients, at the lengths and
+// head counts of common models: one of attn's CPU kernels (or LibTorch's
+// where the rule measured it faster), never the math path, and no weights.
+TEST(BackendSelection, TheDefaultCallTakesAFusedKernel) {
+  for (const int64_t T : {128, 512, 2048}) {
+    for (const bool causal : {false, true}) {
+      const auto make = [&] { return torch::randn({2, 8, T, 64}).requires_grad_(); };
+      const auto q = make(), k = make(), v = make();
+      const auto options = SDPAOptions().is_causal(causal);
+      const auto backend = select_backend(q, k, v, options);
+      EXPECT_TRUE(
+          backend == AttentionBackend::fused_cpu ||
+          (T == 128 && backend == AttentionBackend::batched_cpu) ||
+          (kRuleMeasured && backend == AttentionBackend::libtorch))
+          << "T=" << T << " causal=" << causal << ": " << backend;
+      EXPECT_FALSE(options.need_weights());
+    }
+  }
+}
+
 TEST(BackendSelection, WeightsForInferenceTakeTheWeightsKernel) {
   const auto in = make_inputs(false, torch::kFloat, kLong);
-  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::fused_cpu_weights);
+  const auto weights = SDPAOptions().need_weights(true);
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, weights), AttentionBackend::fused_cpu_weights);
   EXPECT_EQ(
-      select_backend(in.q, in.k, in.v, SDPAOptions().is_causal(true).window(5)),
+      select_backend(in.q, in.k, in.v, SDPAOptions(weights).is_causal(true).window(5)),
       AttentionBackend::fused_cpu_weights);
 }
 
 TEST(BackendSelection, WeightsWithGradientsTakeTheBatchedKernel) {
   const auto in = make_inputs(/*requires_grad=*/true, torch::kFloat, kLong);
+  const auto weights = SDPAOptions().need_weights(true);
   // The one CPU kernel whose weights are differentiable, not the math path.
-  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::batched_cpu);
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, weights), AttentionBackend::batched_cpu);
   // Where no CPU kernel runs (dropout while training), the math path.
-  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().dropout_p(0.1)), AttentionBackend::math);
+  EXPECT_EQ(
+      select_backend(in.q, in.k, in.v, SDPAOptions(weights).dropout_p(0.1)),
+      AttentionBackend::math);
   // Without grad mode nothing needs a gradient.
   torch::NoGradGuard no_grad;
-  EXPECT_EQ(select_backend(in.q, in.k, in.v), AttentionBackend::fused_cpu_weights);
+  EXPECT_EQ(select_backend(in.q, in.k, in.v, weights), AttentionBackend::fused_cpu_weights);
 }
 
 TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
   const auto in = make_inputs(/*requires_grad=*/true, torch::kFloat, kLong);
   const auto no_weights = SDPAOptions().need_weights(false);
-  // Masks, windows and offsets are attn's alone, whatever the version.
+  // On the CPU, masks, windows and offsets take attn's kernel, whatever the
+  // version: LibTorch's kernel was not measured with them.
   const auto mask = torch::ones({kLong, kLong}, torch::kBool).tril();
   for (const auto& options :
        {SDPAOptions(no_weights).attn_mask(mask), SDPAOptions(no_weights).window(8),
@@ -209,6 +234,17 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
       short_loops() ? AttentionBackend::fused_cpu : AttentionBackend::batched_cpu);
   expect(lengths(64, 64, torch::kFloat, true), causal, short_float32, short_elsewhere);
   expect(lengths(128, 128, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
+  // At head width 64, up to 128 keys without a causal mask: the batched
+  // kernel, on every version.
+  const auto wide_heads = [](int64_t T, bool grad) {
+    const auto make = [&] { return torch::randn({1, 8, T, 64}).requires_grad_(grad); };
+    return Inputs{make(), make(), make()};
+  };
+  const auto batched = AttentionBackend::batched_cpu;
+  expect(wide_heads(128, true), no_weights, batched, batched);
+  expect(wide_heads(96, false), no_weights, batched, batched);
+  expect(wide_heads(128, true), causal, AttentionBackend::fused_cpu);
+  expect(wide_heads(129, false), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(1024, 1024, torch::kFloat, false, 32), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kFloat, false, 32), no_weights, float32);
@@ -258,7 +294,7 @@ TEST(BackendSelection, HalfPrecisionOnAttnsBackendsChoosesAsFloat32Does) {
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     const auto low = make_inputs(false, dtype);
     const auto in = make_inputs();
-    for (const auto& options : {SDPAOptions(), SDPAOptions().need_weights(false).window(4)}) {
+    for (const auto& options : {SDPAOptions().need_weights(true), SDPAOptions().window(4)}) {
       EXPECT_EQ(
           select_backend(low.q, low.k, low.v, options), select_backend(in.q, in.k, in.v, options));
     }
@@ -276,7 +312,9 @@ TEST(BackendSelection, InvalidInputsGetTheFunctionsErrors) {
 
 TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
   const auto in = make_inputs();
-  const auto ask = [](AttentionBackend backend) { return SDPAOptions().backend(backend); };
+  const auto ask = [](AttentionBackend backend) {
+    return SDPAOptions().need_weights(true).backend(backend);
+  };
   EXPECT_ATTN_ERROR(
       attn::scaled_dot_product_attention(in.q, in.k, in.v, ask(AttentionBackend::fused_cpu)),
       "scaled_dot_product_attention: backend fused_cpu was requested, but it returns no "
@@ -294,21 +332,14 @@ TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
   const auto libtorch = ask(AttentionBackend::libtorch).need_weights(false);
   if (kLibTorch2) {
     EXPECT_ATTN_ERROR(
-        attn::scaled_dot_product_attention(in.q, in.k, in.v, SDPAOptions(libtorch).window(3)),
-        "backend libtorch was requested, but it has no sliding window");
-    EXPECT_ATTN_ERROR(
         attn::scaled_dot_product_attention(in.q, in.k, in.v, SDPAOptions(libtorch).scale(-0.5)),
         "backend libtorch was requested, but it takes only a positive scale, got -0.5");
     EXPECT_ATTN_ERROR(
         attn::scaled_dot_product_attention(
-            in.q, in.k.narrow(2, 0, 30), in.v.narrow(2, 0, 30),
-            SDPAOptions(libtorch).is_causal(true)),
-        "takes causal masks only with L == S and no query_offset, got L = 40, "
-        "S = 30, query_offset = 0");
-    EXPECT_ATTN_ERROR(
-        attn::scaled_dot_product_attention(
-            in.q, in.k, in.v, SDPAOptions(libtorch).attn_mask(torch::ones({40, 40}, torch::kBool))),
-        "takes no attn_mask (rows with every key masked would be NaN)");
+            in.q, in.k, in.v,
+            SDPAOptions(libtorch).attn_mask(torch::zeros({40, 40}).requires_grad_())),
+        "backend libtorch was requested, but it gives the attn_mask no gradient here, and it "
+        "requires one");
   } else {
     EXPECT_ATTN_ERROR(
         attn::scaled_dot_product_attention(in.q, in.k, in.v, libtorch),
@@ -386,6 +417,34 @@ TEST(RequestedBackend, EveryBackendMatchesTheFloat64Reference) {
   }
 }
 
+// (N, T, F) on the CPU, detached: the reference's layout.
+torch::Tensor flat_on_cpu(const torch::Tensor& t) {
+  return t.detach().cpu().reshape({-1, t.size(-2), t.size(-1)});
+}
+
+// `out` = attention of q, k, v (leaves that require grad) under `bias`
+// ((N, L, S) additive, float64, on the CPU) and `scale`: its value, and
+// the gradients a random upstream gives q, k and v, against the float64
+// reference in float64's tolerance.
+void expect_output_and_gradients_match_reference(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& out,
+    const torch::Tensor& bias,
+    double scale) {
+  const auto [expected, expected_weights] = attn::testing::reference_attention(
+      flat_on_cpu(q), flat_on_cpu(k), flat_on_cpu(v), bias, scale);
+  EXPECT_CLOSE(flat_on_cpu(out), expected, attn::testing::kFloat64Tolerance);
+  const auto upstream = torch::randn_like(out);
+  out.backward(upstream);
+  const auto grads = attn::testing::reference_attention_gradients(
+      flat_on_cpu(q), flat_on_cpu(k), flat_on_cpu(v), bias, scale, flat_on_cpu(upstream));
+  EXPECT_CLOSE(flat_on_cpu(q.grad()), grads[0], attn::testing::kFloat64Tolerance);
+  EXPECT_CLOSE(flat_on_cpu(k.grad()), grads[1], attn::testing::kFloat64Tolerance);
+  EXPECT_CLOSE(flat_on_cpu(v.grad()), grads[2], attn::testing::kFloat64Tolerance);
+}
+
 // LibTorch's kernel behind attn's function on the shapes and options the
 // function accepts: 2-d and 5-d inputs, a value width other than the
 // query's, a custom scale, strided inputs, grouped queries in their trivial
@@ -419,25 +478,97 @@ TEST(RequestedBackend, LibTorchMatchesTheReferenceOnEveryShapeItTakes) {
     const auto q = c.q.clone().requires_grad_(), k = c.k.clone().requires_grad_(),
                v = c.v.clone().requires_grad_();
     const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, c.options);
-    const auto flat = [](const torch::Tensor& t) {
-      return t.detach().reshape({-1, t.size(-2), t.size(-1)});
-    };
+    EXPECT_EQ(out.sizes().back(), v.size(-1));
     const auto bias = reference_bias(
-        c.options.is_causal(), flat(q).size(0), q.size(-2), k.size(-2));
+        c.options.is_causal(), flat_on_cpu(q).size(0), q.size(-2), k.size(-2));
     const double scale = c.options.scale().value_or(
         1.0 / std::sqrt(static_cast<double>(q.size(-1))));
-    const auto [expected, expected_weights] = attn::testing::reference_attention(
-        flat(q), flat(k), flat(v), bias, scale);
-    EXPECT_EQ(out.sizes().back(), v.size(-1));
-    EXPECT_CLOSE(flat(out), expected, attn::testing::kFloat64Tolerance);
-    const auto upstream = torch::randn_like(out);
-    out.backward(upstream);
-    const auto grads = attn::testing::reference_attention_gradients(
-        flat(q), flat(k), flat(v), bias, scale, flat(upstream));
-    EXPECT_CLOSE(flat(q.grad()), grads[0], attn::testing::kFloat64Tolerance);
-    EXPECT_CLOSE(flat(k.grad()), grads[1], attn::testing::kFloat64Tolerance);
-    EXPECT_CLOSE(flat(v.grad()), grads[2], attn::testing::kFloat64Tolerance);
+    expect_output_and_gradients_match_reference(q, k, v, out, bias, scale);
   }
+}
+
+// Masks, windows and causal bands that LibTorch's causal flag cannot say
+// reach its kernel as one explicit mask; a query that sees no key gets a
+// zero output and zero gradients there as on every backend (the float64
+// reference defines them so), whatever LibTorch itself would give it. On
+// CUDA such requests are the default choice.
+void expect_libtorch_takes_every_mask(torch::Device device) {
+  torch::manual_seed(13);
+  auto some_rows_empty = torch::rand({2, 1, 6, 9}) > 0.4;
+  some_rows_empty.select(2, 1).fill_(false);
+  auto additive = torch::randn({6, 9}, torch::kDouble);
+  additive[4].fill_(-attn::testing::kInf);
+  struct Case {
+    const char* name;
+    std::vector<int64_t> batch;
+    int64_t L, S;
+    SDPAOptions options;
+  };
+  const SDPAOptions none;
+  const Case cases[] = {
+      {"bool mask with an empty row", {2, 3}, 6, 9, SDPAOptions(none).attn_mask(some_rows_empty)},
+      {"float mask and window",
+       {2, 3},
+       6,
+       9,
+       SDPAOptions(none).attn_mask(additive).window(3).query_offset(2)},
+      {"causal, L < S, negative offset",
+       {2, 3},
+       6,
+       9,
+       SDPAOptions(none).is_causal(true).query_offset(-2)},
+      {"causal with an offset", {1, 2}, 7, 7, SDPAOptions(none).is_causal(true).query_offset(3)},
+      {"5-d, bool mask and causal",
+       {2, 2, 3},
+       6,
+       9,
+       SDPAOptions(none).attn_mask(some_rows_empty[0]).is_causal(true)},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto shape = [&](int64_t T) {
+      auto sizes = c.batch;
+      sizes.insert(sizes.end(), {T, 8});
+      return sizes;
+    };
+    const auto make = [&](int64_t T) {
+      return torch::randn(shape(T), torch::kDouble).to(device).requires_grad_();
+    };
+    const auto q = make(c.L), k = make(c.S), v = make(c.S);
+    auto options = c.options;
+    if (options.attn_mask().defined()) {
+      options.attn_mask(options.attn_mask().to(device));
+    }
+    if (device.is_cuda()) {
+      EXPECT_EQ(select_backend(q, k, v, options), AttentionBackend::libtorch);
+    }
+    const auto [out, w] = attn::scaled_dot_product_attention(
+        q, k, v, options.backend(AttentionBackend::libtorch));
+    auto bias = attn::testing::additive_bias(attn::testing::band_mask(
+        c.L, c.S, c.options.query_offset(), c.options.is_causal(), c.options.window().value_or(0)));
+    if (c.options.attn_mask().defined()) {
+      bias = bias + attn::testing::additive_bias(c.options.attn_mask());
+    }
+    auto scores_shape = out.sizes().vec();
+    scores_shape.back() = c.S;
+    expect_output_and_gradients_match_reference(
+        q, k, v, out, flat_on_cpu(bias.expand(scores_shape)), 1.0 / std::sqrt(8.0));
+  }
+}
+
+TEST(RequestedBackend, LibTorchTakesEveryMaskAndWindowAndZeroesRowsThatSeeNoKey) {
+  if (!kLibTorch2) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no at::scaled_dot_product_attention";
+  }
+  expect_libtorch_takes_every_mask(torch::kCPU);
+}
+
+TEST(RequestedBackend, OnCudaMaskedRequestsTakeLibTorchAndZeroRowsThatSeeNoKey) {
+  if (!kLibTorch2) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no at::scaled_dot_product_attention";
+  }
+  ATTN_SKIP_IF_UNAVAILABLE(torch::Device(torch::kCUDA));
+  expect_libtorch_takes_every_mask(torch::kCUDA);
 }
 
 TEST(RequestedBackend, LibTorchIsRefusedBelow2OrRunsBFloat16As2Does) {

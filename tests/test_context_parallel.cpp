@@ -192,7 +192,7 @@ Result context_parallel(const Case& test_case, const WholeSequence& whole) {
   if (whole.padding.defined()) {
     options.key_padding_mask(local(whole.padding, 1));
   }
-  auto out = dist::ring_attention(q, k, v, group(), options);
+  auto out = dist::context_parallel_attention(q, k, v, group(), options);
   (out * local(whole.grad_out, 2)).sum().backward();
   const auto gathered = [&](const torch::Tensor& part) {
     return dist::gather_sequence(part, 2, sharding, group());
@@ -294,10 +294,10 @@ TEST(ContextParallelHalfPrecision, BFloat16IsComputedInFloat32) {
   const auto k = sharding.shard(torch::randn({1, 2, 16, 8}), 2, group().rank());
   const auto v = sharding.shard(torch::randn({1, 2, 16, 8}), 2, group().rank());
   const auto options = ContextParallelOptions(sharding).is_causal(true);
-  const auto half = dist::ring_attention(
+  const auto half = dist::context_parallel_attention(
       q.to(torch::kBFloat16), k.to(torch::kBFloat16), v.to(torch::kBFloat16), group(), options);
   EXPECT_EQ(half.scalar_type(), torch::kBFloat16);
-  const auto full = dist::ring_attention(
+  const auto full = dist::context_parallel_attention(
       q.to(torch::kBFloat16).to(torch::kFloat), k.to(torch::kBFloat16).to(torch::kFloat),
       v.to(torch::kBFloat16).to(torch::kFloat), group(), options);
   EXPECT_CLOSE(half.to(torch::kFloat), full, (Tolerance{0, 1.0 / 128}));
@@ -317,7 +317,9 @@ TEST(ContextParallelLayout, StridedInputsGiveTheGradientsOfContiguousOnes) {
       heads = heads.contiguous();
     }
     const auto options = ContextParallelOptions(sharding).is_causal(true);
-    dist::ring_attention(heads[0], heads[1], heads[2], group(), options).sum().backward();
+    dist::context_parallel_attention(heads[0], heads[1], heads[2], group(), options)
+        .sum()
+        .backward();
     return leaf.grad();
   };
   EXPECT_CLOSE(run(true), run(false), (Tolerance{1e-12, 1e-12}));
@@ -329,7 +331,7 @@ TEST(ContextParallelCommunication, RingPassesKeysAndValuesWMinus1Times) {
   const auto q = torch::randn({1, 4, sharding.local_length(), 8});
   const auto kv = torch::randn({1, 2, sharding.local_length(), 8});
   dist::reset_communication_count();
-  dist::ring_attention(q, kv, kv, group(), ContextParallelOptions(sharding));
+  dist::context_parallel_attention(q, kv, kv, group(), ContextParallelOptions(sharding));
   const auto count = dist::communication_count();
   // One all-gather of the sizes, then W - 1 steps of a key and a value.
   EXPECT_EQ(count.collectives, 1 + 2 * (W - 1));
@@ -340,7 +342,8 @@ TEST(ContextParallelCommunication, RingPassesKeysAndValuesWMinus1Times) {
 TEST(ContextParallelEdgeCases, EmptyBatchGivesAnEmptyOutputAndGradients) {
   const SequenceSharding sharding(4 * group().size(), group().size());
   const auto x = torch::zeros({0, 2, sharding.local_length(), 8}).requires_grad_();
-  const auto out = dist::ring_attention(x, x, x, group(), ContextParallelOptions(sharding));
+  const auto out = dist::context_parallel_attention(
+      x, x, x, group(), ContextParallelOptions(sharding));
   EXPECT_EQ(out.sizes(), x.sizes());
   out.sum().backward();
   EXPECT_EQ(x.grad().sizes(), x.sizes());
@@ -354,8 +357,9 @@ TEST(ContextParallelEdgeCases, StridedInputsGiveTheContiguousResult) {
   const auto k = torch::randn({2, sharding.local_length(), 2, 8}).transpose(1, 2);
   const auto options = ContextParallelOptions(sharding).is_causal(true);
   EXPECT_TRUE(torch::equal(
-      dist::ring_attention(q, k, k, group(), options),
-      dist::ring_attention(q.contiguous(), k.contiguous(), k.contiguous(), group(), options)));
+      dist::context_parallel_attention(q, k, k, group(), options),
+      dist::context_parallel_attention(
+          q.contiguous(), k.contiguous(), k.contiguous(), group(), options)));
 }
 
 // Per rank and forward, with q (B, H, N, D), k (B, H_kv, N, D),
@@ -383,7 +387,7 @@ TEST(ContextParallelCommunication, AllToAllExchangesEachTensorOnceEachWay) {
   const int64_t all_to_all_bytes = 4 * B * N * (H * D + H_kv * D + H_kv * Dv + H * Dv);
 
   dist::reset_communication_count();
-  const auto out = dist::ring_attention(q, k, v, group(), options);
+  const auto out = dist::context_parallel_attention(q, k, v, group(), options);
   const auto forward = dist::communication_count();
   EXPECT_EQ(forward.collectives, 1 + 1 + 4);
   EXPECT_EQ(forward.bytes, 25 * 8 + B * N + all_to_all_bytes);
@@ -400,30 +404,32 @@ TEST(ContextParallelErrors, InputsThatDoNotFitTheShardingAreRefused) {
   const auto x = torch::zeros({1, 4, sharding.local_length(), 8});
   const auto options = ContextParallelOptions(sharding);
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(
+      dist::context_parallel_attention(
           x.narrow(2, 0, 3), x.narrow(2, 0, 3), x.narrow(2, 0, 3), group(), options),
       "must hold this rank's N = 8 rows of the");
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(x, x.narrow(1, 0, 3), x.narrow(1, 0, 3), group(), options),
+      dist::context_parallel_attention(x, x.narrow(1, 0, 3), x.narrow(1, 0, 3), group(), options),
       "dividing the query's H");
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(x, x, x, group(), ContextParallelOptions(SequenceSharding(8, 7))),
+      dist::context_parallel_attention(
+          x, x, x, group(), ContextParallelOptions(SequenceSharding(8, 7))),
       "the sharding is for 7 ranks, the group has");
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(x, x, x, group(), ContextParallelOptions(sharding).window(0)),
+      dist::context_parallel_attention(
+          x, x, x, group(), ContextParallelOptions(sharding).window(0)),
       "window must be a positive number of keys, got 0");
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(
+      dist::context_parallel_attention(
           x, x, x, group(),
           ContextParallelOptions(sharding).key_padding_mask(torch::zeros({1, 8}))),
       "key_padding_mask must be a bool CPU tensor");
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(
+      dist::context_parallel_attention(
           x, x, x, group(),
           ContextParallelOptions(sharding).key_padding_mask(torch::zeros({2, 8}, torch::kBool))),
       "key_padding_mask must be (B, N) = [1, 8]");
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(x, x, x.to(torch::kDouble), group(), options),
+      dist::context_parallel_attention(x, x, x.to(torch::kDouble), group(), options),
       "must have the same floating dtype");
 }
 
@@ -439,7 +445,7 @@ TEST(ContextParallelErrors, RankThatRefusesItsArgumentsFailsTheOthersAtOnce) {
   }
   const auto start = std::chrono::steady_clock::now();
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(x, x, x, group(), options),
+      dist::context_parallel_attention(x, x, x, group(), options),
       group().rank() == 1 ? "key_padding_mask must be (B, N)"
                           : "a lone 0: a rank that refused its arguments");
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
@@ -453,9 +459,10 @@ TEST(ContextParallelErrors, RanksThatDisagreeOnTheOptionsFailOnEveryRank) {
   const auto x = torch::zeros({1, 2, sharding.local_length(), 8});
   const auto options = ContextParallelOptions(sharding).is_causal(group().rank() == 0);
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(x, x, x, group(), options), "the ranks disagree on the sizes of");
+      dist::context_parallel_attention(x, x, x, group(), options),
+      "the ranks disagree on the sizes of");
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(
+      dist::context_parallel_attention(
           group().rank() == 0 ? x : x.to(torch::kDouble),
           group().rank() == 0 ? x : x.to(torch::kDouble),
           group().rank() == 0 ? x : x.to(torch::kDouble), group(),
@@ -471,7 +478,7 @@ TEST(ContextParallelErrors, RanksThatDisagreeOnTheSizesFailOnEveryRank) {
   const int64_t batch = group().rank() == 0 ? 2 : 1;
   const auto x = torch::zeros({batch, 2, sharding.local_length(), 8});
   EXPECT_ATTN_ERROR(
-      dist::ring_attention(x, x, x, group(), ContextParallelOptions(sharding)),
+      dist::context_parallel_attention(x, x, x, group(), ContextParallelOptions(sharding)),
       "the ranks disagree on the sizes of query, key, value");
 }
 
@@ -487,7 +494,7 @@ TEST(ContextParallelErrors, AllToAllNeedsTheRanksToDivideTheHeads) {
   const auto attend = [&](int64_t heads, int64_t kv_heads) {
     const auto q = torch::zeros({1, heads, N, 8});
     const auto kv = torch::zeros({1, kv_heads, N, 8});
-    return dist::ring_attention(q, kv, kv, group(), options);
+    return dist::context_parallel_attention(q, kv, kv, group(), options);
   };
   const auto expected = [&](int64_t heads, int64_t kv_heads) {
     std::ostringstream message;
@@ -515,7 +522,8 @@ TEST(ContextParallelFailure, RankThatLeavesMidRingFailsTheOthersWithinTheTimeout
   const dist::Group three_seconds(group().process_group(), std::chrono::seconds(3));
   const SequenceSharding sharding(8 * three_seconds.size(), three_seconds.size());
   const auto q = torch::randn({1, 2, sharding.local_length(), 8}).requires_grad_();
-  const auto out = dist::ring_attention(q, q, q, three_seconds, ContextParallelOptions(sharding));
+  const auto out = dist::context_parallel_attention(
+      q, q, q, three_seconds, ContextParallelOptions(sharding));
   if (three_seconds.rank() == 1) {
     std::_Exit(0);
   }

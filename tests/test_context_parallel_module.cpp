@@ -204,8 +204,9 @@ std::tuple<torch::Tensor, torch::Tensor> context_parallel(
   };
   const auto x = local(whole.x, dim).requires_grad_();
   const auto padding = whole.padding.defined() ? local(whole.padding, 1) : torch::Tensor();
-  const auto out = parallel(x, forward_options(test_case, sharding, padding, strategy));
+  const auto [out, weights] = parallel(x, forward_options(test_case, sharding, padding, strategy));
   EXPECT_EQ(out.sizes(), x.sizes());
+  EXPECT_FALSE(weights.defined());
   (out * local(whole.upstream, dim)).sum().backward();
   const auto gathered = [&](const torch::Tensor& part) {
     return dist::gather_sequence(part, dim, sharding, group());
@@ -270,9 +271,9 @@ TEST(ContextParallelModulePadding, RowsPastTheEndAreZerosAndAddNoGradient) {
   std::get<0>(full(x, x, x, MultiHeadAttentionForwardOptions().is_causal(true))).sum().backward();
 
   // A loss over every local row, padding included.
-  const auto out = parallel(
+  const auto out = std::get<0>(parallel(
       sharding.shard(x, 1, group().rank()),
-      ContextParallelForwardOptions(sharding).is_causal(true));
+      ContextParallelForwardOptions(sharding).is_causal(true)));
   out.sum().backward();
   int64_t row = 0;
   for (const auto& segment : sharding.segments(group().rank())) {
@@ -320,6 +321,26 @@ TEST(ContextParallelModuleConstruction, CopiesTheParametersAndTheModeOfTheWholeM
   EXPECT_FALSE(torch::equal(parallel->q_proj->weight, full->q_proj->weight));
 }
 
+// torch::nn::Cloneable's clone: the same parameters in storage of its own,
+// the same output, on the same group.
+TEST(ContextParallelModuleConstruction, CloneIsAnIndependentCopyThatComputesTheSame) {
+  torch::manual_seed(4);
+  ContextParallelMultiHeadAttention parallel(
+      MultiHeadAttentionOptions(16, 4).num_kv_heads(2).rotary(RotaryEmbeddingOptions(4)), group());
+  const auto copy = std::dynamic_pointer_cast<dist::ContextParallelMultiHeadAttentionImpl>(
+      parallel->clone());
+  ASSERT_TRUE(copy);
+  attn::testing::expect_same_parameters_in_own_tensors(*copy, *parallel);
+  const SequenceSharding sharding(6 * group().size(), group().size());
+  const auto x = torch::randn({2, sharding.local_length(), 16});
+  const auto options = ContextParallelForwardOptions(sharding).is_causal(true);
+  EXPECT_TRUE(
+      torch::equal(std::get<0>(copy->forward(x, options)), std::get<0>(parallel(x, options))));
+  torch::NoGradGuard no_grad;
+  copy->q_proj->weight.add_(1);
+  EXPECT_FALSE(torch::equal(copy->q_proj->weight, parallel->q_proj->weight));
+}
+
 TEST(ContextParallelModulePrinting, NamesTheHeadsAndTheRank) {
   torch::manual_seed(0);
   ContextParallelMultiHeadAttention parallel(
@@ -340,7 +361,7 @@ TEST(ContextParallelModuleCommunication, ForwardAndBackwardMakeTheDocumentedColl
   ContextParallelMultiHeadAttention parallel(MultiHeadAttentionOptions(16, 4), group());
   const auto x = torch::randn({1, sharding.local_length(), 16}).requires_grad_();
   dist::reset_communication_count();
-  const auto out = parallel(x, ContextParallelForwardOptions(sharding));
+  const auto out = std::get<0>(parallel(x, ContextParallelForwardOptions(sharding)));
   // The sizes' all-gather, then W - 1 steps of a key and a value.
   EXPECT_EQ(dist::communication_count().collectives, 1 + 2 * (W - 1));
   dist::reset_communication_count();
@@ -383,7 +404,7 @@ TEST_F(ContextParallelModuleErrors, DropoutIsRefusedWhileTrainingOnly) {
       "attention dropout cannot be split by sequence, expected dropout=0 or eval(), got "
       "dropout=0.1 while training");
   parallel->eval();
-  EXPECT_EQ(parallel(x, ContextParallelForwardOptions(sharding)).sizes(), x.sizes());
+  EXPECT_EQ(std::get<0>(parallel(x, ContextParallelForwardOptions(sharding))).sizes(), x.sizes());
 }
 
 TEST_F(ContextParallelModuleErrors, AttnMaskAndKVCacheAreRefused) {

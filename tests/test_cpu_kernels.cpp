@@ -467,7 +467,8 @@ struct KernelRun {
                        .attn_mask(mask)
                        .is_causal(c.causal)
                        .query_offset(c.query_offset)
-                       .enable_gqa(true);
+                       .enable_gqa(true)
+                       .need_weights(true);
     if (c.window > 0) {
       options.window(c.window);
     }

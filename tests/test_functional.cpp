@@ -38,6 +38,11 @@ torch::Tensor flatten_batch(const torch::Tensor& t) {
 
 using Inputs = attn::testing::QueryKeyValue;
 
+// Most of these tests read the weights, which a call returns when asked.
+SDPAOptions sdpa_with_weights() {
+  return SDPAOptions().need_weights(true);
+}
+
 // Random query (..., L, E), key (..., S, E) and value (..., S, Ev).
 Inputs random_inputs(const Shapes& s, torch::ScalarType dtype) {
   return {
@@ -53,7 +58,7 @@ TEST_P(SdpaMatchesReference, OutputAndWeightsWithoutMask) {
   torch::manual_seed(1);
   const auto [q, k, v] = random_inputs(s, dtype);
 
-  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, sdpa_with_weights());
   const auto [ref_out, ref_w] = reference_attention(
       flatten_batch(q), flatten_batch(k), flatten_batch(v), {}, 1.0 / std::sqrt(s.E));
 
@@ -82,20 +87,20 @@ TEST_P(SdpaMatchesReference, BoolFloatAndCausalMasks) {
   };
   {
     SCOPED_TRACE("bool mask");
-    check(SDPAOptions().attn_mask(allowed), additive_bias(allowed));
+    check(sdpa_with_weights().attn_mask(allowed), additive_bias(allowed));
   }
   {
     SCOPED_TRACE("float mask");
-    check(SDPAOptions().attn_mask(bias.to(dtype)), bias);
+    check(sdpa_with_weights().attn_mask(bias.to(dtype)), bias);
   }
   {
     SCOPED_TRACE("causal");
-    check(SDPAOptions().is_causal(true), additive_bias(causal_allowed));
+    check(sdpa_with_weights().is_causal(true), additive_bias(causal_allowed));
   }
   {
     SCOPED_TRACE("causal and bool mask");
     check(
-        SDPAOptions().is_causal(true).attn_mask(allowed),
+        sdpa_with_weights().is_causal(true).attn_mask(allowed),
         additive_bias(causal_allowed.logical_and(allowed)));
   }
 }
@@ -121,9 +126,9 @@ TEST(ScaledDotProductAttention, BoolMaskEqualsFloatMaskOfZerosAndNegativeInfinit
   const auto as_float = additive_bias(allowed).to(torch::kFloat);
 
   const auto [out_bool, w_bool] = attn::scaled_dot_product_attention(
-      q, k, v, SDPAOptions().attn_mask(allowed));
+      q, k, v, sdpa_with_weights().attn_mask(allowed));
   const auto [out_float, w_float] = attn::scaled_dot_product_attention(
-      q, k, v, SDPAOptions().attn_mask(as_float));
+      q, k, v, sdpa_with_weights().attn_mask(as_float));
   EXPECT_TRUE(torch::equal(out_bool, out_float));
   EXPECT_TRUE(torch::equal(w_bool, w_float));
 }
@@ -136,9 +141,9 @@ TEST(ScaledDotProductAttention, CausalEqualsLowerTriangularMaskWhenLengthsDiffer
     const auto v = torch::randn({3, S, 8});
     const auto lower = torch::ones({L, S}, torch::kBool).tril();
     const auto [out_causal, w_causal] = attn::scaled_dot_product_attention(
-        q, k, v, SDPAOptions().is_causal(true));
+        q, k, v, sdpa_with_weights().is_causal(true));
     const auto [out_mask, w_mask] = attn::scaled_dot_product_attention(
-        q, k, v, SDPAOptions().attn_mask(lower));
+        q, k, v, sdpa_with_weights().attn_mask(lower));
     EXPECT_TRUE(torch::equal(out_causal, out_mask)) << "L=" << L << " S=" << S;
     EXPECT_TRUE(torch::equal(w_causal, w_mask)) << "L=" << L << " S=" << S;
     // Query i never sees key j > i.
@@ -157,7 +162,7 @@ TEST(ScaledDotProductAttention, FullyMaskedRowGivesZerosAndFiniteGradients) {
 
   for (const auto& mask : {allowed, as_float}) {
     const auto [out, w] = attn::scaled_dot_product_attention(
-        q, k, v, SDPAOptions().attn_mask(mask));
+        q, k, v, sdpa_with_weights().attn_mask(mask));
     EXPECT_EQ(out[0][1].abs().max().item<float>(), 0.0f);
     EXPECT_EQ(w[0][1].abs().max().item<float>(), 0.0f);
     EXPECT_TRUE(torch::isfinite(out).all().item<bool>());
@@ -182,7 +187,7 @@ TEST(ScaledDotProductAttention, GradientsMatchFiniteDifferences) {
   auto v = torch::randn({2, 5, 3}, opts).requires_grad_();
   auto allowed = torch::rand({2, 3, 5}) > 0.3;
   allowed[1][2] = false; // a fully masked row too
-  const auto options = SDPAOptions().attn_mask(allowed).is_causal(true);
+  const auto options = sdpa_with_weights().attn_mask(allowed).is_causal(true);
   const auto upstream_out = torch::randn({2, 3, 3}, opts);
   const auto upstream_w = torch::randn({2, 3, 5}, opts);
   const auto loss = [&] {
@@ -200,29 +205,32 @@ TEST(ScaledDotProductAttention, ExplicitScaleReplacesOneOverSqrtE) {
   const auto q = torch::randn({2, 4, 8}, torch::kDouble);
   const auto k = torch::randn({2, 6, 8}, torch::kDouble);
   const auto v = torch::randn({2, 6, 8}, torch::kDouble);
-  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, SDPAOptions().scale(0.9));
+  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, sdpa_with_weights().scale(0.9));
   const auto [ref_out, ref_w] = reference_attention(q, k, v, {}, 0.9);
   EXPECT_CLOSE(out, ref_out, kFloat64Tolerance);
   EXPECT_CLOSE(w, ref_w, kFloat64Tolerance);
 }
 
-TEST(ScaledDotProductAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOutput) {
+TEST(ScaledDotProductAttention, WeightsOnlyWhenAskedForAndTheSameOutputEitherWay) {
   torch::manual_seed(8);
   const auto q = torch::randn({2, 4, 8});
-  const auto [out, w] = attn::scaled_dot_product_attention(q, q, q);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, q, q, sdpa_with_weights());
+  const auto [out_default, none] = attn::scaled_dot_product_attention(q, q, q);
   const auto [out_only, no_w] = attn::scaled_dot_product_attention(
       q, q, q, SDPAOptions().need_weights(false));
   EXPECT_TRUE(w.defined());
+  EXPECT_FALSE(none.defined());
   EXPECT_FALSE(no_w.defined());
   // Without weights the fused kernel normalises after multiplying by V,
   // so the two agree to float32 rounding rather than bitwise.
-  EXPECT_CLOSE(out, out_only, Tolerance{1e-6});
+  EXPECT_CLOSE(out, out_default, Tolerance{1e-6});
+  EXPECT_TRUE(torch::equal(out_default, out_only));
 }
 
 TEST(ScaledDotProductAttention, EmptyKeySequenceGivesZeroOutput) {
   const auto q = torch::randn({2, 3, 4});
   const auto kv = torch::randn({2, 0, 4});
-  const auto [out, w] = attn::scaled_dot_product_attention(q, kv, kv);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, kv, kv, sdpa_with_weights());
   EXPECT_EQ(out.sizes(), torch::IntArrayRef({2, 3, 4}));
   EXPECT_EQ(w.sizes(), torch::IntArrayRef({2, 3, 0}));
   EXPECT_EQ(out.abs().max().item<float>(), 0.0f);
@@ -231,9 +239,9 @@ TEST(ScaledDotProductAttention, EmptyKeySequenceGivesZeroOutput) {
 TEST(ScaledDotProductAttention, DropoutIsInactiveWhenNotTraining) {
   torch::manual_seed(9);
   const auto q = torch::randn({2, 8, 16});
-  const auto [out, w] = attn::scaled_dot_product_attention(q, q, q);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, q, q, sdpa_with_weights());
   const auto [out_eval, w_eval] = attn::scaled_dot_product_attention(
-      q, q, q, SDPAOptions().dropout_p(0.5).training(false));
+      q, q, q, sdpa_with_weights().dropout_p(0.5).training(false));
   EXPECT_TRUE(torch::equal(out, out_eval));
   EXPECT_TRUE(torch::equal(w, w_eval));
 }
@@ -243,9 +251,9 @@ TEST(ScaledDotProductAttention, DropoutZeroesAboutPOfTheWeightsAndRescalesTheRes
   constexpr double p = 0.3;
   const auto q = torch::randn({4, 64, 8});
   const auto v = torch::randn({4, 64, 8});
-  const auto [out, w] = attn::scaled_dot_product_attention(q, q, v);
+  const auto [out, w] = attn::scaled_dot_product_attention(q, q, v, sdpa_with_weights());
   const auto [out_drop, w_drop] = attn::scaled_dot_product_attention(
-      q, q, v, SDPAOptions().dropout_p(p).training(true));
+      q, q, v, sdpa_with_weights().dropout_p(p).training(true));
 
   const auto dropped = w_drop == 0;
   // 16384 Bernoulli(0.3) draws: standard deviation of the fraction ~0.0036.
@@ -274,7 +282,7 @@ TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMa
     SCOPED_TRACE(
         ::testing::Message() << "causal=" << c.causal << " window=" << c.window
                              << " offset=" << c.offset);
-    auto options = SDPAOptions().is_causal(c.causal).query_offset(c.offset);
+    auto options = sdpa_with_weights().is_causal(c.causal).query_offset(c.offset);
     if (c.window > 0) {
       options.window(c.window);
     }
@@ -287,7 +295,7 @@ TEST(ScaledDotProductAttention, SlidingWindowAndQueryOffsetEqualAnExplicitBandMa
     const auto [out_only, none] = attn::scaled_dot_product_attention(
         q, k, v, SDPAOptions(options).need_weights(false));
     const auto [out_mask, w_mask] = attn::scaled_dot_product_attention(
-        q, k, v, SDPAOptions().attn_mask(allowed));
+        q, k, v, sdpa_with_weights().attn_mask(allowed));
     EXPECT_CLOSE(out, ref_out, kFloat64Tolerance);
     EXPECT_CLOSE(w, ref_w, kFloat64Tolerance);
     EXPECT_CLOSE(out_only, ref_out, kFloat64Tolerance);
@@ -304,7 +312,7 @@ TEST(ScaledDotProductAttention, AWindowPastEveryDistanceIsNoWindow) {
   const auto k = torch::randn({2, 90, 8}, torch::kDouble);
   for (const int64_t offset : {int64_t{0}, int64_t{-50}, int64_t{1} << 60}) {
     for (const bool causal : {false, true}) {
-      const auto plain = SDPAOptions().is_causal(causal).query_offset(offset);
+      const auto plain = sdpa_with_weights().is_causal(causal).query_offset(offset);
       const auto [expected, expected_w] = attn::scaled_dot_product_attention(q, k, k, plain);
       // 200 exceeds every distance unless the queries stand 2^60 away.
       const auto windows = offset > 1000
@@ -338,8 +346,9 @@ TEST(ScaledDotProductAttention, SlidingWindowGradientsMatchTheBandMasksOnes) {
         q, k, v, SDPAOptions(options).need_weights(false));
     return torch::autograd::grad({out}, {q, k, v}, {upstream});
   };
-  const auto windowed = gradients(SDPAOptions().is_causal(true).window(100).query_offset(390));
-  const auto masked = gradients(SDPAOptions().attn_mask(band_mask(140, 530, 390, true, 100)));
+  const auto windowed = gradients(
+      sdpa_with_weights().is_causal(true).window(100).query_offset(390));
+  const auto masked = gradients(sdpa_with_weights().attn_mask(band_mask(140, 530, 390, true, 100)));
   for (int i = 0; i < 3; ++i) {
     EXPECT_CLOSE(windowed[i], masked[i], kFloat64Tolerance) << "input " << i;
   }
@@ -386,11 +395,13 @@ TEST(ScaledDotProductAttention, MultiQueryAttentionSharesOneKeyValueHeadWithoutC
   const auto q = torch::randn({4, 5, 8});
   const auto k = torch::randn({1, 7, 8});
   const auto v = torch::randn({1, 7, 3});
-  const auto [out, w] = attn::scaled_dot_product_attention(q, k, v, SDPAOptions().enable_gqa(true));
+  const auto [out, w] = attn::scaled_dot_product_attention(
+      q, k, v, sdpa_with_weights().enable_gqa(true));
   EXPECT_EQ(out.sizes(), torch::IntArrayRef({4, 5, 3}));
   EXPECT_EQ(w.sizes(), torch::IntArrayRef({4, 5, 7}));
   for (int64_t h = 0; h < 4; ++h) {
-    const auto [head_out, head_w] = attn::scaled_dot_product_attention(q[h], k[0], v[0]);
+    const auto [head_out, head_w] = attn::scaled_dot_product_attention(
+        q[h], k[0], v[0], sdpa_with_weights());
     EXPECT_CLOSE(out[h], head_out, kFloat32Tolerance) << "head " << h;
   }
 }

@@ -26,12 +26,17 @@ using attn::testing::band_mask;
 using attn::testing::kFloat64Tolerance;
 using attn::testing::Tolerance;
 
+// Most of these tests read the weights, which a call returns when asked.
+MultiHeadAttentionForwardOptions mha_with_weights() {
+  return MultiHeadAttentionForwardOptions().need_weights(true);
+}
+
 TEST(MultiHeadAttention, GivesTheShapesOfTheDemoConfiguration) {
   // batch 4, 20 tokens, d_model 512, 8 heads, self-attention.
   MultiHeadAttention mha(MultiHeadAttentionOptions(512, 8));
   torch::nn::MultiheadAttention builtin(torch::nn::MultiheadAttentionOptions(512, 8));
   const auto x = torch::randn({4, 20, 512});
-  const auto [out, w] = mha(x, x, x);
+  const auto [out, w] = mha(x, x, x, mha_with_weights());
   EXPECT_EQ(out.sizes(), torch::IntArrayRef({4, 20, 512}));
   EXPECT_EQ(w.sizes(), torch::IntArrayRef({4, 8, 20, 20}));
   const auto x_seq_first = x.transpose(0, 1);
@@ -55,7 +60,7 @@ TEST(MultiHeadAttention, MatchesAPlainFloat64CompositionWithDistinctKdimAndVdim)
   const auto q = torch::randn({B, L, E}, torch::kDouble);
   const auto k = torch::randn({B, S, kdim}, torch::kDouble);
   const auto v = torch::randn({B, S, vdim}, torch::kDouble);
-  const auto [out, w] = mha(q, k, v);
+  const auto [out, w] = mha(q, k, v, mha_with_weights());
 
   const auto project = [](const torch::Tensor& x, const torch::nn::Linear& p) {
     return torch::matmul(x, p->weight.t()) + p->bias;
@@ -83,8 +88,9 @@ TEST(MultiHeadAttention, SequenceFirstLayoutIsTheTransposeOfBatchFirst) {
   attn::testing::copy_parameters(*batch_first, *seq_first);
   const auto q = torch::randn({3, 5, 16});
   const auto kv = torch::randn({3, 7, 16});
-  const auto [out_bf, w_bf] = batch_first(q, kv, kv);
-  const auto [out_sf, w_sf] = seq_first(q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1));
+  const auto [out_bf, w_bf] = batch_first(q, kv, kv, mha_with_weights());
+  const auto [out_sf, w_sf] = seq_first(
+      q.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1), mha_with_weights());
   EXPECT_EQ(out_sf.sizes(), torch::IntArrayRef({5, 3, 16}));
   EXPECT_TRUE(out_sf.is_contiguous());
   EXPECT_CLOSE(out_sf.transpose(0, 1), out_bf, Tolerance{1e-6});
@@ -95,24 +101,23 @@ TEST(MultiHeadAttention, AveragedWeightsAreTheMeanOverHeads) {
   torch::manual_seed(22);
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4));
   const auto x = torch::randn({2, 5, 16});
-  const auto [out, per_head] = mha(x, x, x);
-  const auto [out_avg, averaged] = mha(
-      x, x, x, MultiHeadAttentionForwardOptions().average_attn_weights(true));
+  const auto [out, per_head] = mha(x, x, x, mha_with_weights());
+  const auto [out_avg, averaged] = mha(x, x, x, mha_with_weights().average_attn_weights(true));
   EXPECT_EQ(per_head.sizes(), torch::IntArrayRef({2, 4, 5, 5}));
   EXPECT_EQ(averaged.sizes(), torch::IntArrayRef({2, 5, 5}));
   EXPECT_TRUE(torch::equal(out, out_avg));
   EXPECT_CLOSE(averaged, per_head.mean(1), Tolerance{1e-7});
 }
 
-TEST(MultiHeadAttention, NeedWeightsFalseReturnsUndefinedWeightsAndSameOutput) {
+TEST(MultiHeadAttention, WeightsOnlyWhenAskedForAndTheSameOutputEitherWay) {
   torch::manual_seed(23);
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2));
   const auto x = torch::randn({2, 5, 16});
-  const auto [out, w] = mha(x, x, x);
-  const auto [out_only, no_w] = mha(
-      x, x, x, MultiHeadAttentionForwardOptions().need_weights(false));
-  EXPECT_FALSE(no_w.defined());
-  EXPECT_CLOSE(out, out_only, Tolerance{1e-6}); // fused vs materialised kernel
+  const auto [out, w] = mha(x, x, x, mha_with_weights());
+  const auto [out_default, none] = mha(x, x, x);
+  EXPECT_TRUE(w.defined());
+  EXPECT_FALSE(none.defined());
+  EXPECT_CLOSE(out, out_default, Tolerance{1e-6}); // fused vs materialised kernel
 }
 
 TEST(MultiHeadAttention, FullyMaskedQueriesGetZeroAttentionAndFiniteGradients) {
@@ -131,7 +136,7 @@ TEST(MultiHeadAttention, FullyMaskedQueriesGetZeroAttentionAndFiniteGradients) {
   allowed[2].fill_(false); // query 2 may attend to nothing
 
   const auto [out, w] = mha(
-      x, x, x, MultiHeadAttentionForwardOptions().key_padding_mask(padding).attn_mask(allowed));
+      x, x, x, mha_with_weights().key_padding_mask(padding).attn_mask(allowed));
   const auto bias = mha->out_proj->bias.expand({5, 16});
   EXPECT_CLOSE(out[1], bias, Tolerance{1e-7});
   EXPECT_CLOSE(out[0][2], mha->out_proj->bias, Tolerance{1e-7});
@@ -158,7 +163,7 @@ TEST(MultiHeadAttention, BoolAndFloatMasksAgree) {
   const auto allowed_float = additive_bias(allowed).to(torch::kFloat);
 
   const auto run = [&](const torch::Tensor& pad, const torch::Tensor& mask) {
-    return mha(q, kv, kv, MultiHeadAttentionForwardOptions().key_padding_mask(pad).attn_mask(mask));
+    return mha(q, kv, kv, mha_with_weights().key_padding_mask(pad).attn_mask(mask));
   };
   const auto [out, w] = run(padding, allowed);
   for (const auto& [pad, mask] :
@@ -181,7 +186,7 @@ TEST(MultiHeadAttention, AttnMaskShapesAreEquivalent) {
   const auto kv = torch::randn({B, S, 16});
   const auto mask = torch::randn({L, S});
   const auto run = [&](const torch::Tensor& m) {
-    return std::get<0>(mha(q, kv, kv, MultiHeadAttentionForwardOptions().attn_mask(m)));
+    return std::get<0>(mha(q, kv, kv, mha_with_weights().attn_mask(m)));
   };
   const auto expected = run(mask);
   EXPECT_CLOSE(run(mask.expand({B * H, L, S})), expected, Tolerance{1e-7});
@@ -192,8 +197,7 @@ TEST(MultiHeadAttention, AttnMaskShapesAreEquivalent) {
   auto per_head = torch::zeros({B, H, L, S}, torch::kBool).logical_not();
   per_head[1][2][0].fill_(false);
   per_head[1][2][0][4] = true; // batch 1, head 2, query 0 sees only key 4
-  const auto [out, w] = mha(
-      q, kv, kv, MultiHeadAttentionForwardOptions().attn_mask(per_head.view({B * H, L, S})));
+  const auto [out, w] = mha(q, kv, kv, mha_with_weights().attn_mask(per_head.view({B * H, L, S})));
   EXPECT_FLOAT_EQ(w[1][2][0][4].item<float>(), 1.0f);
   EXPECT_LT(w[0][2][0][4].item<float>(), 1.0f);
 }
@@ -202,10 +206,9 @@ TEST(MultiHeadAttention, CausalEqualsALowerTriangularMask) {
   torch::manual_seed(27);
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2));
   const auto x = torch::randn({2, 6, 16});
-  const auto [out_causal, w_causal] = mha(
-      x, x, x, MultiHeadAttentionForwardOptions().is_causal(true));
+  const auto [out_causal, w_causal] = mha(x, x, x, mha_with_weights().is_causal(true));
   const auto lower = torch::ones({6, 6}, torch::kBool).tril();
-  const auto [out_mask, w_mask] = mha(x, x, x, MultiHeadAttentionForwardOptions().attn_mask(lower));
+  const auto [out_mask, w_mask] = mha(x, x, x, mha_with_weights().attn_mask(lower));
   EXPECT_TRUE(torch::equal(out_causal, out_mask));
   EXPECT_TRUE(torch::equal(w_causal, w_mask));
 }
@@ -215,12 +218,12 @@ TEST(MultiHeadAttention, DropsWeightsOnlyInTrainingMode) {
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2).dropout(0.5));
   const auto x = torch::randn({2, 8, 16});
   mha->eval();
-  const auto [out_a, w_a] = mha(x, x, x);
-  const auto [out_b, w_b] = mha(x, x, x);
+  const auto [out_a, w_a] = mha(x, x, x, mha_with_weights());
+  const auto [out_b, w_b] = mha(x, x, x, mha_with_weights());
   EXPECT_TRUE(torch::equal(out_a, out_b));
   EXPECT_EQ((w_a == 0).sum().item<int64_t>(), 0);
   mha->train();
-  const auto [out_train, w_train] = mha(x, x, x);
+  const auto [out_train, w_train] = mha(x, x, x, mha_with_weights());
   EXPECT_GT((w_train == 0).sum().item<int64_t>(), 0);
 }
 
@@ -228,11 +231,11 @@ TEST(MultiHeadAttention, FollowsToDtypeAndRejectsInputsOfAnotherDtype) {
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2));
   mha->to(torch::kDouble);
   const auto x = torch::randn({2, 3, 16}, torch::kDouble);
-  const auto [out, w] = mha(x, x, x);
+  const auto [out, w] = mha(x, x, x, mha_with_weights());
   EXPECT_EQ(out.scalar_type(), torch::kDouble);
   const auto x32 = x.to(torch::kFloat);
   EXPECT_ATTN_ERROR(
-      mha(x32, x32, x32),
+      mha(x32, x32, x32, mha_with_weights()),
       "MultiHeadAttention: inputs must have the module's dtype Double, got query Float, key Float, value Float (convert one with .to())");
 }
 
@@ -241,7 +244,7 @@ TEST(MultiHeadAttention, RejectsInputsOnAnotherDevice) {
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 2));
   const auto x = torch::randn({2, 3, 16}, torch::kCUDA);
   EXPECT_ATTN_ERROR(
-      mha(x, x, x),
+      mha(x, x, x, mha_with_weights()),
       "MultiHeadAttention: inputs must be on the module's device cpu, got query on cuda:0");
 }
 
@@ -376,7 +379,7 @@ TEST(RotaryMultiHeadAttention, RotatesQueriesAndKeysOfEveryHeadBeforeAttention) 
   ASSERT_TRUE(mha->rotary);
   mha->to(torch::kDouble);
   const auto x = torch::randn({2, 7, 32}, torch::kDouble);
-  const auto [out, w] = mha(x, x, x, MultiHeadAttentionForwardOptions().is_causal(true));
+  const auto [out, w] = mha(x, x, x, mha_with_weights().is_causal(true));
 
   // The same computation written out: project, split heads, rotate, attend
   // (the float64 loop reference), merge, project.
@@ -444,36 +447,34 @@ TEST(MultiHeadAttentionErrors, CallsWithAKVCacheNameWhatWasExpectedAndWhatArrive
   MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4).num_kv_heads(2));
   const auto x = torch::randn({2, 3, 16});
   KVCache small(4);
-  mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&small));
+  mha(x, x, x, mha_with_weights().kv_cache(&small));
   EXPECT_ATTN_ERROR(
-      mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&small)),
+      mha(x, x, x, mha_with_weights().kv_cache(&small)),
       "KVCache: appending 3 tokens to the 3 cached would exceed max_length 4");
   KVCache cache;
-  mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache));
+  mha(x, x, x, mha_with_weights().kv_cache(&cache));
   const auto other_batch = torch::randn({5, 1, 16});
   EXPECT_ATTN_ERROR(
-      mha(other_batch, other_batch, other_batch,
-          MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+      mha(other_batch, other_batch, other_batch, mha_with_weights().kv_cache(&cache)),
       "KVCache: keys must be (B, H, T, D) = (2, 2, T, 4)");
   const auto as_double = x.to(torch::kDouble);
   mha->to(torch::kDouble);
   EXPECT_ATTN_ERROR(
-      mha(as_double, as_double, as_double, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+      mha(as_double, as_double, as_double, mha_with_weights().kv_cache(&cache)),
       "KVCache: keys and values must have the cached dtype Float");
   mha->to(torch::kFloat);
   EXPECT_ATTN_ERROR(
       mha(x, x, x,
-          MultiHeadAttentionForwardOptions().kv_cache(&cache).attn_mask(
-              torch::ones({3, 3}, torch::kBool))),
+          mha_with_weights().kv_cache(&cache).attn_mask(torch::ones({3, 3}, torch::kBool))),
       "attn_mask must be (L, S) = [3, 6], (B·H, L, S) = [8, 3, 6] or (B, H, L, S) = [2, 4, 3, 6] "
       "(B and H may be 1), S counting the cached keys, got [3, 3]");
   EXPECT_ATTN_ERROR(
-      mha(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache).window(0)),
+      mha(x, x, x, mha_with_weights().kv_cache(&cache).window(0)),
       "MultiHeadAttention: window must be a positive number of keys, got 0");
   EXPECT_EQ(cache.length(), 3); // a call that fails leaves the cache as it was
   MultiHeadAttention extra(MultiHeadAttentionOptions(16, 4).add_bias_kv(true));
   EXPECT_ATTN_ERROR(
-      extra(x, x, x, MultiHeadAttentionForwardOptions().kv_cache(&cache)),
+      extra(x, x, x, mha_with_weights().kv_cache(&cache)),
       "MultiHeadAttention: a kv_cache cannot be combined with add_bias_kv or add_zero_attn");
 }
 

@@ -268,7 +268,8 @@ TEST_P(DropoutParity, MatchesBuiltinInTrainingFromTheSameSeed) {
   const auto [out_theirs, w_theirs] = builtin(
       q, kv, kv, torch::Tensor(), true, torch::Tensor(), false);
   torch::manual_seed(7);
-  const auto [out_ours, w_ours] = ours(q, kv, kv);
+  const auto [out_ours, w_ours] = ours(
+      q, kv, kv, attn::MultiHeadAttentionForwardOptions().need_weights(true));
   EXPECT_GT((w_ours == 0).sum().item<int64_t>(), 0);
   EXPECT_CLOSE(out_ours, out_theirs, parity_tolerance(dtype));
   EXPECT_CLOSE(w_ours, w_theirs, parity_tolerance(dtype));

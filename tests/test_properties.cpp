@@ -235,7 +235,7 @@ void check_sdpa_case(const SdpaCase& c) {
     attn::ScaledDotProductAttention sdpa(
         attn::ScaledDotProductAttentionOptions().scale(c.scale).dropout(0.3));
     sdpa->eval(); // dropout off
-    std::tie(out, weights) = sdpa(q, k, v, mask, c.causal);
+    std::tie(out, weights) = sdpa(q, k, v, mask, c.causal, c.need_weights);
   } else {
     std::tie(out, weights) = attn::scaled_dot_product_attention(
         q, k, v,

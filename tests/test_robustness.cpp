@@ -135,7 +135,8 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
   attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(16, 2));
   mha->eval();
   const auto x = (100 * torch::randn({2, 9, 16})).requires_grad_();
-  const auto [out, weights] = mha(x, x, x);
+  const auto [out, weights] = mha(
+      x, x, x, attn::MultiHeadAttentionForwardOptions().need_weights(true));
   const auto ref = attn::testing::reference_multi_head_attention(*mha, x, x, x, {}, {});
   ASSERT_TRUE(all_finite(out));
   ASSERT_TRUE(all_finite(weights));
@@ -202,8 +203,10 @@ TEST(NumericalRobustness, BFloat16MultiHeadAttentionStaysNearItsFloat32Result) {
   mha->to(torch::kFloat);
   const auto x = torch::randn({2, 20, 32}).to(torch::kBFloat16);
   const auto padding = torch::rand({2, 20}) > 0.8;
-  const auto options = attn::MultiHeadAttentionForwardOptions().key_padding_mask(padding).is_causal(
-      true);
+  const auto options = attn::MultiHeadAttentionForwardOptions()
+                           .key_padding_mask(padding)
+                           .is_causal(true)
+                           .need_weights(true);
   const auto [out, weights] = low->forward(x, x, x, options);
   const auto x32 = x.to(torch::kFloat);
   const auto [out32, weights32] = mha(x32, x32, x32, options);
@@ -306,7 +309,9 @@ TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPa
   const auto x = torch::randn({2, 3, 8});
   const auto [no_queries, w0] = mha(torch::randn({2, 0, 8}), x, x);
   EXPECT_EQ(no_queries.sizes(), torch::IntArrayRef({2, 0, 8}));
-  const auto [no_keys, w1] = mha(x, torch::randn({2, 0, 8}), torch::randn({2, 0, 8}));
+  const auto [no_keys, w1] = mha(
+      x, torch::randn({2, 0, 8}), torch::randn({2, 0, 8}),
+      attn::MultiHeadAttentionForwardOptions().need_weights(true));
   EXPECT_EQ(w1.sizes(), torch::IntArrayRef({2, 2, 3, 0}));
   // No keys: zero attention, so the output is out_proj's bias.
   EXPECT_TRUE(torch::equal(no_keys, mha->out_proj->bias.expand({2, 3, 8})));
@@ -519,7 +524,9 @@ TEST(Determinism, SameSeedGivesBitwiseIdenticalResultsOnEveryPath) {
       }
     }
     torch::NoGradGuard no_grad;
-    results.push_back(std::get<1>(mha(x, x, x))); // fused inference with weights
+    results.push_back(std::get<1>(
+        mha(x, x, x,
+            attn::MultiHeadAttentionForwardOptions().need_weights(true)))); // fused, with weights
     return results;
   };
   const auto first = run();

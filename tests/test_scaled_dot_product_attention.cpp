@@ -19,14 +19,15 @@ TEST(ScaledDotProductAttentionModule, AppliesDropoutOnlyInTrainingMode) {
   torch::manual_seed(11);
   ScaledDotProductAttention sdpa(ScaledDotProductAttentionOptions().dropout(0.5));
   const auto q = torch::randn({2, 16, 8});
-  const auto [without_dropout, w_without_dropout] = attn::scaled_dot_product_attention(q, q, q);
+  const auto [without_dropout, w_without_dropout] = attn::scaled_dot_product_attention(
+      q, q, q, SDPAOptions().need_weights(true));
 
   sdpa->eval();
-  const auto [out_eval, w_eval] = sdpa(q, q, q);
+  const auto [out_eval, w_eval] = sdpa(q, q, q, torch::Tensor(), false, /*need_weights=*/true);
   EXPECT_TRUE(torch::equal(out_eval, without_dropout));
 
   sdpa->train();
-  const auto [out_train, w_train] = sdpa(q, q, q);
+  const auto [out_train, w_train] = sdpa(q, q, q, torch::Tensor(), false, /*need_weights=*/true);
   EXPECT_GT((w_train == 0).sum().item<int64_t>(), 0);
   EXPECT_FALSE(torch::equal(out_train, without_dropout));
 }
@@ -36,11 +37,17 @@ TEST(ScaledDotProductAttentionModule, ForwardsMaskCausalAndScale) {
   ScaledDotProductAttention sdpa(ScaledDotProductAttentionOptions().scale(0.5));
   const auto q = torch::randn({2, 5, 8});
   const auto allowed = torch::rand({5, 5}) > 0.2;
-  const auto [out, w] = sdpa(q, q, q, allowed, /*is_causal=*/true);
+  const auto [out, w] = sdpa(q, q, q, allowed, /*is_causal=*/true, /*need_weights=*/true);
   const auto [expected_out, expected_w] = attn::scaled_dot_product_attention(
-      q, q, q, SDPAOptions().attn_mask(allowed).is_causal(true).scale(0.5));
+      q, q, q, SDPAOptions().attn_mask(allowed).is_causal(true).scale(0.5).need_weights(true));
   EXPECT_TRUE(torch::equal(out, expected_out));
   EXPECT_TRUE(torch::equal(w, expected_w));
+  // Without need_weights, no weights and the function's default output.
+  const auto [out_only, none] = sdpa(q, q, q, allowed, /*is_causal=*/true);
+  const auto [expected_only, expected_none] = attn::scaled_dot_product_attention(
+      q, q, q, SDPAOptions().attn_mask(allowed).is_causal(true).scale(0.5));
+  EXPECT_FALSE(none.defined());
+  EXPECT_TRUE(torch::equal(out_only, expected_only));
 }
 
 TEST(ScaledDotProductAttentionModule, PrettyPrintsItsOptions) {

@@ -236,6 +236,18 @@ void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target)
   }
 }
 
+void expect_same_parameters_in_own_tensors(
+    const torch::nn::Module& copy,
+    const torch::nn::Module& original) {
+  const auto expected = original.named_parameters();
+  ASSERT_EQ(copy.named_parameters().size(), expected.size());
+  for (const auto& parameter : copy.named_parameters()) {
+    SCOPED_TRACE(parameter.key());
+    EXPECT_TRUE(torch::equal(parameter.value(), expected[parameter.key()]));
+    EXPECT_FALSE(parameter.value().is_same(expected[parameter.key()]));
+  }
+}
+
 std::vector<torch::Device> test_devices() {
   return {torch::kCPU, torch::kCUDA};
 }

@@ -141,6 +141,12 @@ class ThreadCount {
 // Copies every parameter of `source` into the same-named one of `target`.
 void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target);
 
+// Expects `copy` (a clone of `original`) to hold the same parameters, by
+// name and value, each in a tensor of its own.
+void expect_same_parameters_in_own_tensors(
+    const torch::nn::Module& copy,
+    const torch::nn::Module& original);
+
 // The devices a device-parameterised test runs on.
 std::vector<torch::Device> test_devices();
 

@@ -91,8 +91,10 @@ TEST_P(TensorParallelAttention, OutputAndGatheredGradientsMatchOneProcess) {
   dist::TensorParallelMultiHeadAttention parallel(full, group());
   const auto x = torch::randn({B, L, E}, dtype).requires_grad_();
   const auto x_parallel = x.detach().clone().requires_grad_();
-  auto forward_options =
-      MultiHeadAttentionForwardOptions().is_causal(test_case.is_causal).window(test_case.window);
+  auto forward_options = MultiHeadAttentionForwardOptions()
+                             .is_causal(test_case.is_causal)
+                             .window(test_case.window)
+                             .need_weights(true);
   if (test_case.mask_dims == 3) {
     forward_options.attn_mask(torch::rand({B * H, L, L}, dtype) > 0.3);
   } else if (test_case.mask_dims == 4) {
@@ -143,7 +145,7 @@ TEST(TensorParallelDecoding, KVCacheOfEachRanksHeadsDecodesAsOneProcess) {
   torch::NoGradGuard no_grad;
   KVCache full_cache, parallel_cache;
   const auto prompt = torch::randn({2, 4, 32}, torch::kFloat64);
-  const auto causal = MultiHeadAttentionForwardOptions().is_causal(true);
+  const auto causal = MultiHeadAttentionForwardOptions().is_causal(true).need_weights(true);
   full(prompt, prompt, prompt, MultiHeadAttentionForwardOptions(causal).kv_cache(&full_cache));
   parallel(
       prompt, prompt, prompt, MultiHeadAttentionForwardOptions(causal).kv_cache(&parallel_cache));
@@ -171,8 +173,9 @@ TEST(TensorParallelCheckpoints, PythonStateDictSplitsAndGathersBackExactly) {
   EXPECT_FALSE(parallel->is_training());
   torch::manual_seed(2);
   const auto x = torch::randn({2, 7, 16});
-  const auto [expected, expected_weights] = full(x, x, x);
-  const auto [actual, actual_weights] = parallel(x, x, x);
+  const auto weights = MultiHeadAttentionForwardOptions().need_weights(true);
+  const auto [expected, expected_weights] = full(x, x, x, weights);
+  const auto [actual, actual_weights] = parallel(x, x, x, weights);
   EXPECT_CLOSE(actual, expected, parallel_tolerance(torch::kFloat32));
   EXPECT_CLOSE(actual_weights, expected_weights, parallel_tolerance(torch::kFloat32));
   const auto loaded = full->named_parameters();
@@ -190,6 +193,27 @@ TEST(TensorParallelCheckpoints, SplittingLeavesTheRandomStateAsTheWholeLayerDoes
   torch::manual_seed(3);
   dist::TensorParallelMultiHeadAttention parallel(MultiHeadAttentionOptions(32, 4), group());
   EXPECT_TRUE(torch::equal(torch::rand({8}), after_whole));
+}
+
+// torch::nn::Cloneable's clone: the rank's part in storage of its own, the
+// same output, on the same group.
+TEST(TensorParallelCheckpoints, CloneIsAnIndependentCopyThatComputesTheSame) {
+  torch::manual_seed(5);
+  dist::TensorParallelMultiHeadAttention parallel(
+      MultiHeadAttentionOptions(32, 4 * group().size()).num_kv_heads(2).add_bias_kv(true), group());
+  const auto copy = std::dynamic_pointer_cast<dist::TensorParallelMultiHeadAttentionImpl>(
+      parallel->clone());
+  ASSERT_TRUE(copy);
+  attn::testing::expect_same_parameters_in_own_tensors(*copy, *parallel);
+  const auto x = torch::randn({2, 5, 32});
+  const auto weights = MultiHeadAttentionForwardOptions().is_causal(true).need_weights(true);
+  const auto [out, w] = copy->forward(x, x, x, weights);
+  const auto [expected, expected_w] = parallel(x, x, x, weights);
+  EXPECT_TRUE(torch::equal(out, expected));
+  EXPECT_TRUE(torch::equal(w, expected_w));
+  torch::NoGradGuard no_grad;
+  copy->q_proj->weight.add_(1);
+  EXPECT_FALSE(torch::equal(copy->q_proj->weight, parallel->q_proj->weight));
 }
 
 // shard() and gather() of a per-parameter tensor (an optimizer's moment)
@@ -264,7 +288,8 @@ TEST(TensorParallelCommunication, SelfAttentionContributesTheDocumentedBytes) {
   dist::TensorParallelMultiHeadAttention parallel(MultiHeadAttentionOptions(E, H), group());
   const auto x = torch::randn({B, L, E}).requires_grad_();
   dist::reset_communication_count();
-  const auto output = std::get<0>(parallel(x, x, x));
+  const auto output = std::get<0>(
+      parallel(x, x, x, MultiHeadAttentionForwardOptions().need_weights(true)));
   auto count = dist::communication_count();
   EXPECT_EQ(count.collectives, 3);
   EXPECT_EQ(count.bytes, 9 * 8 + B * L * E * element + B * local_heads * L * L * element);
@@ -274,7 +299,7 @@ TEST(TensorParallelCommunication, SelfAttentionContributesTheDocumentedBytes) {
   EXPECT_EQ(count.collectives, 1);
   EXPECT_EQ(count.bytes, B * L * E * element);
   dist::reset_communication_count();
-  parallel(x, x, x, MultiHeadAttentionForwardOptions().need_weights(false));
+  parallel(x, x, x); // no weights by default
   count = dist::communication_count();
   EXPECT_EQ(count.collectives, 2);
   EXPECT_EQ(count.bytes, 9 * 8 + B * L * E * element);

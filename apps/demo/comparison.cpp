@@ -100,7 +100,8 @@ Outputs run_attn(attn::MultiHeadAttentionImpl& module, const Inputs& inputs, boo
       inputs.query, inputs.key_value, inputs.key_value,
       attn::MultiHeadAttentionForwardOptions()
           .key_padding_mask(inputs.key_padding_mask)
-          .is_causal(causal));
+          .is_causal(causal)
+          .need_weights(true));
   return {output, weights};
 }
 

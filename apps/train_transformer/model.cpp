@@ -88,11 +88,10 @@ torch::Tensor DecoderBlockImpl::attend(const torch::Tensor& normed, attn::KVCach
 torch::Tensor DecoderBlockImpl::attend_with_attn(
     const torch::Tensor& normed,
     attn::KVCache* cache) {
-  // No weights asked for: the fused kernel never materialises (T, T).
+  // No weights (the default): the fused kernel never materialises (T, T).
   return std::get<0>(attention_.forward<std::tuple<torch::Tensor, torch::Tensor>>(
       normed, normed, normed,
-      attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(false).kv_cache(
-          cache)));
+      attn::MultiHeadAttentionForwardOptions().is_causal(true).kv_cache(cache)));
 }
 
 torch::Tensor DecoderBlockImpl::attend_with_builtin(

@@ -36,12 +36,16 @@ enum class AttentionBackend {
   batched_cpu,
   /// LibTorch's own `at::scaled_dot_product_attention` (LibTorch 2.0 and
   /// later; a custom `scale` needs 2.1 and must be positive): flash and
-  /// memory-efficient kernels on CUDA, a fused kernel on the CPU. Only for
-  /// requests whose result attn defines the same way: no weights, no
-  /// `attn_mask`, no `window`, causal only with `L == S` and no
-  /// `query_offset`, grouped queries only with as many key/value heads as
-  /// query heads. Half precision is computed as LibTorch computes it
-  /// (bfloat16 products, float32 sums), not in float32 throughout.
+  /// memory-efficient kernels on CUDA, a fused kernel on the CPU. No
+  /// weights, no gradient for `attn_mask`, grouped queries only with as many
+  /// key/value heads as query heads. An `attn_mask`, a `window` or a causal
+  /// band other than the square one (`L == S`, no `query_offset`) reaches
+  /// it as one explicit mask (bool, or additive with a floating
+  /// `attn_mask`), in which a query that sees no key is given every key and
+  /// its output then zeroed: such a query gets a zero output and zero
+  /// gradients, as on every backend. Half precision is computed as LibTorch
+  /// computes it (bfloat16 products, float32 sums), not in float32
+  /// throughout.
   libtorch,
   /// ATen operations written as the formula reads; any device and dtype,
   /// dropout, and gradients for everything, the mask included. Materialises

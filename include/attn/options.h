@@ -24,7 +24,7 @@ class KVCache;
 /// Example:
 /// ```
 /// auto [out, w] = attn::scaled_dot_product_attention(
-///     q, k, v, attn::SDPAOptions().is_causal(true));
+///     q, k, v, attn::SDPAOptions().is_causal(true).need_weights(true));
 /// ```
 struct SDPAOptions {
   /// Mask broadcastable to the scores' shape `(..., L, S)`. A bool mask marks
@@ -55,8 +55,10 @@ struct SDPAOptions {
   TORCH_ARG(double, dropout_p) = 0.0;
   /// Whether dropout is active, as in `torch::nn::functional::dropout`.
   TORCH_ARG(bool, training) = true;
-  /// When false the returned weights tensor is undefined.
-  TORCH_ARG(bool, need_weights) = true;
+  /// Whether to return the attention weights `(..., L, S)`. Off by default:
+  /// without weights a call runs on attn's fused kernels, which never hold
+  /// the `L×S` scores; the returned weights tensor is then undefined.
+  TORCH_ARG(bool, need_weights) = false;
   /// The implementation to run, or unset to let `attn::select_backend`
   /// choose. A backend that cannot run the request is an error naming why.
   TORCH_ARG(c10::optional<AttentionBackend>, backend) = c10::nullopt;
@@ -148,7 +150,7 @@ struct MultiHeadAttentionOptions {
 /// Example:
 /// ```
 /// auto [out, w] = mha(x, x, x,
-///     attn::MultiHeadAttentionForwardOptions().key_padding_mask(pad));
+///     attn::MultiHeadAttentionForwardOptions().key_padding_mask(pad).need_weights(true));
 /// ```
 struct MultiHeadAttentionForwardOptions {
   /// `(B, S)`. Bool: `true` marks a padding key that no query attends to
@@ -178,8 +180,11 @@ struct MultiHeadAttentionForwardOptions {
   }
   /// The cache set with `kv_cache(KVCache*)`, or null.
   KVCache* kv_cache() const { return kv_cache_; }
-  /// When false the returned weights tensor is undefined.
-  TORCH_ARG(bool, need_weights) = true;
+  /// Whether to return the attention weights. Off by default (unlike
+  /// `torch::nn::MultiheadAttention`, whose `need_weights` defaults to true):
+  /// without weights the call runs on attn's fused kernels; the returned
+  /// weights tensor is then undefined.
+  TORCH_ARG(bool, need_weights) = false;
   /// `false`: per-head weights `(B, H, L, S)`; `true`: their mean `(B, L, S)`.
   TORCH_ARG(bool, average_attn_weights) = false;
 

@@ -26,7 +26,7 @@ using torch::autograd::variable_list;
 void check_heads_divide(const ContextParallelInputs& inputs, int64_t world_size) {
   const int64_t H = inputs.query.size(1), H_kv = inputs.key.size(1);
   TORCH_CHECK(
-      H % world_size == 0 && H_kv % world_size == 0, kRingAttentionCaller,
+      H % world_size == 0 && H_kv % world_size == 0, kContextParallelAttentionCaller,
       ": the all_to_all strategy needs the group's ", world_size,
       " ranks to divide the query heads H and the key/value heads H_kv (the ring strategy takes "
       "any head count), got H = ",

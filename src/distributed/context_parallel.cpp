@@ -1,4 +1,4 @@
-// attn::distributed::ring_attention: the checks every strategy relies on,
+// attn::distributed::context_parallel_attention: the checks every strategy relies on,
 // then the strategy the options name.
 
 #include <attn/distributed/context_parallel.h>
@@ -17,7 +17,7 @@
 namespace attn::distributed {
 namespace {
 
-using detail::kRingAttentionCaller;
+using detail::kContextParallelAttentionCaller;
 
 void check_shapes(
     const torch::Tensor& query,
@@ -25,30 +25,31 @@ void check_shapes(
     const torch::Tensor& value,
     const SequenceSharding& sharding) {
   TORCH_CHECK(
-      query.defined() && key.defined() && value.defined(), kRingAttentionCaller,
+      query.defined() && key.defined() && value.defined(), kContextParallelAttentionCaller,
       ": query, key and value must be defined tensors");
   TORCH_CHECK(
-      query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kRingAttentionCaller,
+      query.dim() == 4 && key.dim() == 4 && value.dim() == 4, kContextParallelAttentionCaller,
       ": query, key and value must be (B, H, N, D), (B, H_kv, N, D) and (B, H_kv, N, Dv), got ",
       query.sizes(), ", ", key.sizes(), " and ", value.sizes());
   const int64_t N = sharding.local_length();
   TORCH_CHECK(
-      query.size(2) == N && key.size(2) == N && value.size(2) == N, kRingAttentionCaller,
+      query.size(2) == N && key.size(2) == N && value.size(2) == N, kContextParallelAttentionCaller,
       ": query, key and value must hold this rank's N = ", N, " rows of the ", sharding.length(),
       "-token sequence (SequenceSharding::local_length) in dimension 2, got ", query.sizes(), ", ",
       key.sizes(), " and ", value.sizes());
   TORCH_CHECK(
-      key.size(0) == query.size(0) && value.size(0) == query.size(0), kRingAttentionCaller,
+      key.size(0) == query.size(0) && value.size(0) == query.size(0),
+      kContextParallelAttentionCaller,
       ": query, key and value must have the same batch size B, got ", query.sizes(), ", ",
       key.sizes(), " and ", value.sizes());
   TORCH_CHECK(
       key.size(1) == value.size(1) && key.size(1) > 0 && query.size(1) % key.size(1) == 0,
-      kRingAttentionCaller,
+      kContextParallelAttentionCaller,
       ": key and value must have the same number of heads H_kv, dividing the query's H, got "
       "query ",
       query.sizes(), ", key ", key.sizes(), ", value ", value.sizes());
   TORCH_CHECK(
-      key.size(3) == query.size(3), kRingAttentionCaller,
+      key.size(3) == query.size(3), kContextParallelAttentionCaller,
       ": query and key must have the same head width D, got ", query.sizes(), " and ", key.sizes());
 }
 
@@ -59,28 +60,31 @@ void check_dtypes_and_devices(
   TORCH_CHECK(
       query.scalar_type() == key.scalar_type() && query.scalar_type() == value.scalar_type() &&
           torch::isFloatingType(query.scalar_type()),
-      kRingAttentionCaller, ": query, key and value must have the same floating dtype, got ",
-      query.scalar_type(), ", ", key.scalar_type(), " and ", value.scalar_type());
+      kContextParallelAttentionCaller,
+      ": query, key and value must have the same floating dtype, got ", query.scalar_type(), ", ",
+      key.scalar_type(), " and ", value.scalar_type());
   TORCH_CHECK(
       query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
-      kRingAttentionCaller, ": query, key and value must be CPU tensors (a Gloo group), got ",
-      query.device(), ", ", key.device(), " and ", value.device());
+      kContextParallelAttentionCaller,
+      ": query, key and value must be CPU tensors (a Gloo group), got ", query.device(), ", ",
+      key.device(), " and ", value.device());
 }
 
 void check_options(const ContextParallelOptions& options, const Group& group) {
   TORCH_CHECK(
-      options.sharding().world_size() == group.size(), kRingAttentionCaller,
+      options.sharding().world_size() == group.size(), kContextParallelAttentionCaller,
       ": the sharding is for ", options.sharding().world_size(), " ranks, the group has ",
       group.size());
   TORCH_CHECK(
-      !options.scale() || std::isfinite(*options.scale()), kRingAttentionCaller,
+      !options.scale() || std::isfinite(*options.scale()), kContextParallelAttentionCaller,
       ": scale must be a finite number, got ", *options.scale());
   TORCH_CHECK(
-      !options.window() || *options.window() > 0, kRingAttentionCaller,
+      !options.window() || *options.window() > 0, kContextParallelAttentionCaller,
       ": window must be a positive number of keys, got ", *options.window());
   TORCH_CHECK(
-      std::abs(options.query_offset()) <= attn::detail::kMaxQueryOffset, kRingAttentionCaller,
-      ": query_offset must be within ±2^60, got ", options.query_offset());
+      std::abs(options.query_offset()) <= attn::detail::kMaxQueryOffset,
+      kContextParallelAttentionCaller, ": query_offset must be within ±2^60, got ",
+      options.query_offset());
 }
 
 // The key padding mask as the keys that may be attended, in bytes (the form
@@ -93,11 +97,13 @@ torch::Tensor allowed_keys(const ContextParallelOptions& options, const torch::T
   }
   const int64_t B = query.size(0), N = query.size(2);
   TORCH_CHECK(
-      padding.scalar_type() == torch::kBool && padding.device().is_cpu(), kRingAttentionCaller,
+      padding.scalar_type() == torch::kBool && padding.device().is_cpu(),
+      kContextParallelAttentionCaller,
       ": key_padding_mask must be a bool CPU tensor (true = padding), got ", padding.scalar_type(),
       " on ", padding.device());
   TORCH_CHECK(
-      padding.dim() == 2 && padding.size(0) == B && padding.size(1) == N, kRingAttentionCaller,
+      padding.dim() == 2 && padding.size(0) == B && padding.size(1) == N,
+      kContextParallelAttentionCaller,
       ": key_padding_mask must be (B, N) = ", torch::IntArrayRef({B, N}),
       ", this rank's keys, got ", padding.sizes());
   return padding.logical_not().to(torch::kByte).contiguous();
@@ -158,7 +164,7 @@ std::vector<int64_t> agreement(const c10::optional<detail::ContextParallelInputs
 
 ContextParallelOptions::ContextParallelOptions(SequenceSharding sharding) : sharding_(sharding) {}
 
-torch::Tensor ring_attention(
+torch::Tensor context_parallel_attention(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,

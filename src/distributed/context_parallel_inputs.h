@@ -1,6 +1,6 @@
 #pragma once
 
-// What both context-parallel strategies receive once ring_attention has
+// What both context-parallel strategies receive once context_parallel_attention has
 // checked its arguments: the inputs in the dtype they are computed in, and
 // the options resolved to the numbers the kernels take.
 
@@ -10,8 +10,10 @@
 
 namespace attn::distributed::detail {
 
-// The name ring_attention's messages start with, whichever strategy runs.
-constexpr const char* kRingAttentionCaller = "attn::distributed::ring_attention";
+// The name context_parallel_attention's messages start with, whichever
+// strategy runs.
+constexpr const char* kContextParallelAttentionCaller =
+    "attn::distributed::context_parallel_attention";
 
 struct ContextParallelInputs {
   torch::Tensor query, key, value; // (B, H, N, D), (B, H_kv, N, D), (B, H_kv, N, Dv)

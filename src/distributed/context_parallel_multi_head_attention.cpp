@@ -1,6 +1,6 @@
 // Multi-head self-attention over a sequence split across the ranks: the
 // steps of attn::MultiHeadAttention's forward on this rank's tokens, with
-// ring_attention in place of attention over the whole sequence.
+// context_parallel_attention in place of attention over the whole sequence.
 
 #include <attn/distributed/context_parallel_multi_head_attention.h>
 
@@ -68,7 +68,7 @@ void check_input(
       " (convert one with .to())");
 }
 
-// ring_attention has no dropout: it would need a mask drawn for every
+// context_parallel_attention has no dropout: it would need a mask drawn for every
 // (query, key) pair of the whole sequence, agreed on by the blocks that
 // the ranks compute.
 void check_dropout(const MultiHeadAttentionOptions& options, bool training) {
@@ -105,7 +105,7 @@ void check_dropout(const MultiHeadAttentionOptions& options, bool training) {
 }
 
 // The output with its rows past the end of the sequence set to zero
-// (ring_attention's are, but out_proj adds its bias): then a loss over
+// (context_parallel_attention's are, but out_proj adds its bias): then a loss over
 // every local row gives out_proj.bias the whole sequence's gradient.
 torch::Tensor zero_padding_rows(
     const torch::Tensor& output,
@@ -127,7 +127,7 @@ torch::Tensor zero_padding_rows(
   return output.masked_fill(padding.to(output.device()).view(shape), 0);
 }
 
-// ring_attention's options for the module's call.
+// context_parallel_attention's options for the module's call.
 ContextParallelOptions context_parallel_options(const ContextParallelForwardOptions& options) {
   return ContextParallelOptions(options.sharding())
       .key_padding_mask(options.key_padding_mask())
@@ -175,11 +175,7 @@ ContextParallelMultiHeadAttentionImpl::ContextParallelMultiHeadAttentionImpl(
     const MultiHeadAttention& full,
     Group group)
     : options(checked(full->options)), group_(std::move(group)) {
-  const auto H = options.num_heads();
-  const auto D = options.embed_dim() / H;
-  // The layers draw initial values that `full`'s replace below.
-  detail::keeping_random_state(
-      [&] { register_layers(*this, options, H * D, options.num_kv_heads().value_or(H) * D); });
+  reset();
   torch::NoGradGuard no_grad;
   const auto whole = full->named_parameters();
   for (auto& parameter : named_parameters()) {
@@ -187,6 +183,21 @@ ContextParallelMultiHeadAttentionImpl::ContextParallelMultiHeadAttentionImpl(
   }
   stack_input_projections();
   train(full->is_training());
+}
+
+void ContextParallelMultiHeadAttentionImpl::reset() {
+  const auto H = options.num_heads();
+  const auto D = options.embed_dim() / H;
+  // The layers draw initial values that the whole module's replace.
+  detail::keeping_random_state(
+      [&] { register_layers(*this, options, H * D, options.num_kv_heads().value_or(H) * D); });
+}
+
+std::shared_ptr<torch::nn::Module> ContextParallelMultiHeadAttentionImpl::clone(
+    const c10::optional<torch::Device>& device) const {
+  auto copy = Cloneable::clone(device);
+  std::dynamic_pointer_cast<ContextParallelMultiHeadAttentionImpl>(copy)->stack_input_projections();
+  return copy;
 }
 
 ::attn::detail::MultiHeadParameters ContextParallelMultiHeadAttentionImpl::replicated_parameters() {
@@ -203,7 +214,7 @@ ContextParallelMultiHeadAttentionImpl::ContextParallelMultiHeadAttentionImpl(
   return parameters;
 }
 
-torch::Tensor ContextParallelMultiHeadAttentionImpl::forward(
+std::tuple<torch::Tensor, torch::Tensor> ContextParallelMultiHeadAttentionImpl::forward(
     const torch::Tensor& x_local,
     const ContextParallelForwardOptions& forward_options) {
   const auto& sharding = forward_options.sharding();
@@ -216,12 +227,12 @@ torch::Tensor ContextParallelMultiHeadAttentionImpl::forward(
   const auto x = batch_first ? x_local : x_local.transpose(0, 1);
   auto heads = ::attn::detail::project_heads(x, x, x, options, parameters);
   heads = rotate(std::move(heads), rotary, sharding, group_.rank());
-  const auto attended = ring_attention(
+  const auto attended = context_parallel_attention(
       heads.q, heads.k, heads.v, group_, context_parallel_options(forward_options));
   const auto output = torch::nn::functional::linear(
       ::attn::detail::merge_heads(attended, batch_first), parameters.out_weight,
       parameters.out_bias);
-  return zero_padding_rows(output, sharding, group_.rank(), batch_first ? 1 : 0);
+  return {zero_padding_rows(output, sharding, group_.rank(), batch_first ? 1 : 0), torch::Tensor()};
 }
 
 void ContextParallelMultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {

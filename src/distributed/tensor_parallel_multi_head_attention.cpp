@@ -93,11 +93,7 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
       H_kv % W == 0 || W % H_kv == 0, kTensorParallelCaller, ": num_kv_heads and the number of ",
       "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
 
-  const auto D = options.embed_dim() / H;
-  // The layers draw initial values that `full`'s replace below.
-  detail::keeping_random_state(
-      [&] { register_layers(*this, options, local_heads() * D, local_kv_heads() * D); });
-
+  reset();
   torch::NoGradGuard no_grad;
   const auto whole = full->named_parameters();
   for (auto& parameter : named_parameters()) {
@@ -105,6 +101,20 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
   }
   stack_input_projections();
   train(full->is_training());
+}
+
+void TensorParallelMultiHeadAttentionImpl::reset() {
+  const auto D = options.embed_dim() / options.num_heads();
+  // The layers draw initial values that the whole module's replace.
+  detail::keeping_random_state(
+      [&] { register_layers(*this, options, local_heads() * D, local_kv_heads() * D); });
+}
+
+std::shared_ptr<torch::nn::Module> TensorParallelMultiHeadAttentionImpl::clone(
+    const c10::optional<torch::Device>& device) const {
+  auto copy = Cloneable::clone(device);
+  std::dynamic_pointer_cast<TensorParallelMultiHeadAttentionImpl>(copy)->stack_input_projections();
+  return copy;
 }
 
 torch::Tensor TensorParallelMultiHeadAttentionImpl::shard(

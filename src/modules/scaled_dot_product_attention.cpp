@@ -25,12 +25,14 @@ std::tuple<torch::Tensor, torch::Tensor> ScaledDotProductAttentionImpl::forward(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const torch::Tensor& attn_mask,
-    bool is_causal) {
+    bool is_causal,
+    bool need_weights) {
   return scaled_dot_product_attention(
       query, key, value,
       SDPAOptions()
           .attn_mask(attn_mask)
           .is_causal(is_causal)
+          .need_weights(need_weights)
           .scale(options.scale())
           .dropout_p(options.dropout())
           .training(is_training()));

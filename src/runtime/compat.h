@@ -29,24 +29,29 @@ constexpr bool kNativeAttentionTakesScale = TORCH_VERSION_MAJOR > 2 ||
 constexpr bool kLibTorchCpuRuleMeasured = TORCH_VERSION_MAJOR > 2 ||
     (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 
-// at::scaled_dot_product_attention without a mask, on (B, H, L, E) inputs,
-// returning the (B, H, L, Ev) output. Callers check kHasNativeAttention
-// (and kNativeAttentionTakesScale for a set `scale`) first. `dropout_p`
-// applies unconditionally: the caller passes 0 outside training.
+// at::scaled_dot_product_attention on (B, H, L, E) inputs, returning the
+// (B, H, L, Ev) output; `attn_mask` as LibTorch takes it (bool: true may
+// attend; floating: added), undefined for none. Callers check
+// kHasNativeAttention (and kNativeAttentionTakesScale for a set `scale`)
+// first. `dropout_p` applies unconditionally: the caller passes 0 outside
+// training.
 inline torch::Tensor native_attention(
     [[maybe_unused]] const torch::Tensor& query,
     [[maybe_unused]] const torch::Tensor& key,
     [[maybe_unused]] const torch::Tensor& value,
     [[maybe_unused]] double dropout_p,
     [[maybe_unused]] bool is_causal,
-    [[maybe_unused]] c10::optional<double> scale) {
+    [[maybe_unused]] c10::optional<double> scale,
+    [[maybe_unused]] const torch::Tensor& attn_mask = {}) {
+#if TORCH_VERSION_MAJOR >= 2
+  // An undefined tensor is not "no mask" to LibTorch: an empty optional is.
+  const auto mask = attn_mask.defined() ? c10::optional<torch::Tensor>(attn_mask) : c10::nullopt;
+#endif
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-  return at::scaled_dot_product_attention(
-      query, key, value, /*attn_mask=*/{}, dropout_p, is_causal, scale);
+  return at::scaled_dot_product_attention(query, key, value, mask, dropout_p, is_causal, scale);
 #elif TORCH_VERSION_MAJOR == 2
   TORCH_CHECK(!scale, "at::scaled_dot_product_attention takes a scale from LibTorch 2.1 on");
-  return at::scaled_dot_product_attention(
-      query, key, value, /*attn_mask=*/{}, dropout_p, is_causal);
+  return at::scaled_dot_product_attention(query, key, value, mask, dropout_p, is_causal);
 #else
   TORCH_CHECK(false, "at::scaled_dot_product_attention needs LibTorch 2.0 or later");
   return {};

@@ -5,6 +5,7 @@
 #include "kernels/cpu/tile_product.h"
 
 #include "runtime/compat.h"
+#include "sdpa/masks.h"
 
 #include <torch/torch.h>
 
@@ -89,19 +90,12 @@ std::string libtorch_reason(
     reason << "takes only a positive scale, got " << *options.scale();
   } else if (options.need_weights()) {
     reason << "returns no weights: set need_weights(false)";
-  } else if (options.attn_mask().defined()) {
-    // A row with every key masked gives NaN there and zeros in attn.
-    reason << "takes no attn_mask (rows with every key masked would be NaN)";
+  } else if (
+      options.attn_mask().defined() && options.attn_mask().requires_grad() &&
+      torch::GradMode::is_enabled()) {
+    reason << "gives the attn_mask no gradient here, and it requires one";
   } else if (query.numel() == 0 || key.numel() == 0 || value.numel() == 0) {
     reason << "needs non-empty query, key and value";
-  } else if (
-      options.is_causal() && (query.size(-2) != key.size(-2) || options.query_offset() != 0)) {
-    // LibTorch's kernels have differed on where a non-square causal mask
-    // sits; attn puts it at the top left, or where query_offset says.
-    reason << "takes causal masks only with L == S and no query_offset, got L = " << query.size(-2)
-           << ", S = " << key.size(-2) << ", query_offset = " << options.query_offset();
-  } else if (options.window()) {
-    reason << "has no sliding window";
   } else if (options.enable_gqa() && query.size(-3) != key.size(-3)) {
     reason << "needs as many key/value heads as query heads, got " << query.size(-3) << " and "
            << key.size(-3);
@@ -142,7 +136,9 @@ bool libtorch_faster_on_cpu(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  if (!kLibTorchCpuRuleMeasured || !libtorch_fused_cpu_kernel_applies(query, key, value)) {
+  // Masks, windows and non-square causal bands were not measured: attn.
+  if (!kLibTorchCpuRuleMeasured || !libtorch_fused_cpu_kernel_applies(query, key, value) ||
+      needs_explicit_mask(options, query.size(-2), key.size(-2))) {
     return false;
   }
   const int64_t S = key.size(-2);
@@ -172,19 +168,28 @@ torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
 // per-head products are too small to pay for a loop each. Measured on 2
 // cores (docs/BENCHMARKS.md, "Short sequences"), forward and backward,
 // D = 16 and 64, 32 to 256 heads. With LibTorch 2.15 and MKL the batched
-// kernel is level to 1.3x as fast up to 64 queries and keys, and slower
-// from 96. With LibTorch 1.13, where the tiled kernel multiplies in attn's
-// loops (float, AVX-512), it is up to 1.2x as fast forward up to 32, and
-// the tiled kernel 1.15-1.25x as fast with backward from 48 (with AVX2's
-// loops, on a Zen 2: the batched one 1.0-1.3x as fast up to 32, level at
-// 64, slower from 96); where BLAS multiplies for the tiled kernel, the
-// batched one is as fast up to 64.
-// Other versions: as 1.13.
-bool batched_cpu_faster(const torch::Tensor& query, const torch::Tensor& key) {
+// kernel is level to 1.3x as fast up to 64 queries and keys. With LibTorch
+// 1.13, where the tiled kernel multiplies in attn's loops (float,
+// AVX-512), it is up to 1.2x as fast forward up to 32, and the tiled
+// kernel 1.15-1.25x as fast with backward from 48 (with AVX2's loops, on a
+// Zen 2: the batched one 1.0-1.3x as fast up to 32, level at 64, slower
+// from 96); where BLAS multiplies for the tiled kernel, the batched one is
+// as fast up to 64. From 96 to 128 queries and keys without a causal mask
+// at D = 64 it is the faster again (a Xeon with AVX-512,
+// attn_training_bench --kernels: on 2.15 forward 1.28x and with backward
+// 1.23x at 8 heads, 1.02x and 1.08x at 96; on 1.13 1.08x and 1.04x at 8
+// heads, 0.93x at 96), but not at D = 16 (0.88-0.93x at 96 heads) nor with
+// a causal mask. Other versions: as 1.13.
+bool batched_cpu_faster(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const SDPAOptions& options) {
+  const int64_t L = query.size(-2), S = key.size(-2);
   const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed_on_cpu(query))
       ? 64
       : 32;
-  return query.size(-2) <= longest && key.size(-2) <= longest;
+  return (L <= longest && S <= longest) ||
+      (!options.is_causal() && L <= 128 && S <= 128 && query.size(-1) >= 64);
 }
 
 // Where the fused kernel's short loops run (kernels/cpu/short_heads.h), they
@@ -238,7 +243,7 @@ AttentionBackend choose_backend(
     if (runs(AttentionBackend::fused_cpu) && short_heads_faster(query, key)) {
       return AttentionBackend::fused_cpu;
     }
-    if (runs(AttentionBackend::batched_cpu) && batched_cpu_faster(query, key)) {
+    if (runs(AttentionBackend::batched_cpu) && batched_cpu_faster(query, key, options)) {
       return AttentionBackend::batched_cpu;
     }
     if (runs(AttentionBackend::fused_cpu_weights) && options.need_weights()) {

@@ -192,16 +192,33 @@ std::tuple<torch::Tensor, torch::Tensor> run_batched_cpu(
       weights.defined() ? weights.reshape(with_last_dim(query, key.size(-2))) : weights};
 }
 
+// LibTorch's kernel on the request. Masks, windows and causal bands it
+// cannot express with its causal flag reach it as one explicit mask, with
+// rows that see no key let through and zeroed after, so that they are zero
+// (with zero gradients) as attn defines them on every version and device.
 torch::Tensor run_libtorch(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
   const double dropout_p = options.training() ? options.dropout_p() : 0.0;
-  return detail::native_attention(
-             as_4d(query), as_4d(key), as_4d(value), dropout_p, options.is_causal(),
-             options.scale())
-      .reshape(with_last_dim(query, value.size(-1)));
+  const auto output_shape = with_last_dim(query, value.size(-1));
+  const auto L = query.size(-2), S = key.size(-2);
+  if (!detail::needs_explicit_mask(options, L, S)) {
+    return detail::native_attention(
+               as_4d(query), as_4d(key), as_4d(value), dropout_p, options.is_causal(),
+               options.scale())
+        .reshape(output_shape);
+  }
+  const auto [mask, empty_rows] = detail::without_empty_rows(
+      detail::explicit_mask(options, L, S, query.scalar_type(), query.device()));
+  // The mask broadcasts against the 4-d view as against the query, unless
+  // that view merged leading dims.
+  const auto mask_4d = query.dim() > 4 ? as_4d(mask.expand(with_last_dim(query, S))) : mask;
+  const auto output = detail::native_attention(
+      as_4d(query), as_4d(key), as_4d(value), dropout_p, /*is_causal=*/false, options.scale(),
+      mask_4d);
+  return output.reshape(output_shape).masked_fill(empty_rows, 0.0);
 }
 
 // The request's dtype on a CPU that computes it in float32.

@@ -71,6 +71,36 @@ torch::Tensor intersect_masks(std::initializer_list<torch::Tensor> masks, torch:
   return result;
 }
 
+bool needs_explicit_mask(const SDPAOptions& options, int64_t L, int64_t S) {
+  return options.attn_mask().defined() || options.window() ||
+      (options.is_causal() && (L != S || options.query_offset() != 0));
+}
+
+torch::Tensor explicit_mask(
+    const SDPAOptions& options,
+    int64_t L,
+    int64_t S,
+    torch::ScalarType dtype,
+    torch::Device device) {
+  const bool banded = options.is_causal() || options.window();
+  return intersect_masks(
+      {options.attn_mask(),
+       banded ? visible_band(
+                    L, S, options.query_offset(), options.is_causal(), options.window(), device)
+              : torch::Tensor()},
+      dtype);
+}
+
+MaskWithoutEmptyRows without_empty_rows(const torch::Tensor& mask) {
+  if (mask.scalar_type() == torch::kBool) {
+    const auto empty_rows = mask.logical_not().all(-1, /*keepdim=*/true);
+    return {mask.logical_or(empty_rows), empty_rows};
+  }
+  const auto empty_rows =
+      mask.eq(-std::numeric_limits<double>::infinity()).all(-1, /*keepdim=*/true);
+  return {mask.masked_fill(empty_rows, 0.0), empty_rows};
+}
+
 torch::Tensor allow_extra_keys(const torch::Tensor& mask, int64_t extra) {
   auto sizes = mask.sizes().vec();
   sizes.back() = extra;

@@ -10,6 +10,8 @@
 
 #include "kernels/key_band.h"
 
+#include <attn/options.h>
+
 #include <torch/types.h>
 
 #include <cstdint>
@@ -42,6 +44,32 @@ torch::Tensor as_additive_mask(const torch::Tensor& mask, torch::ScalarType dtyp
 // and undefined ones are skipped (none defined: undefined). All bool: the
 // result is bool; otherwise the sum of their additive forms.
 torch::Tensor intersect_masks(std::initializer_list<torch::Tensor> masks, torch::ScalarType dtype);
+
+// Whether a request's `attn_mask`, `is_causal` and `window` say more than
+// LibTorch's own causal flag can (a causal band on a square, L == S, with
+// no query_offset): any mask or window, or a causal band elsewhere.
+bool needs_explicit_mask(const SDPAOptions& options, int64_t L, int64_t S);
+
+// The request's `attn_mask`, causal band and window as one mask
+// broadcastable to (..., L, S): bool when `attn_mask` is bool or undefined,
+// else additive in `dtype`.
+torch::Tensor explicit_mask(
+    const SDPAOptions& options,
+    int64_t L,
+    int64_t S,
+    torch::ScalarType dtype,
+    torch::Device device);
+
+// A mask in which no query row forbids every key, for a kernel that would
+// give such rows NaN: those rows let every key through instead, and
+// `empty_rows` (the mask's shape with last dim 1) marks them, for the
+// caller to zero their output. Zeroing them also zeroes every gradient they
+// pass back, which is what attn defines for a query that sees no key.
+struct MaskWithoutEmptyRows {
+  torch::Tensor mask;
+  torch::Tensor empty_rows;
+};
+MaskWithoutEmptyRows without_empty_rows(const torch::Tensor& mask);
 
 // `mask` (..., S) with `extra` more keys at the end that every query sees.
 torch::Tensor allow_extra_keys(const torch::Tensor& mask, int64_t extra);

@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(16, 4));
   const auto x = torch::randn({2, 5, 16}); // (B, T, E)
   const auto [out, weights] = mha(
-      x, x, x, attn::MultiHeadAttentionForwardOptions().is_causal(true));
+      x, x, x, attn::MultiHeadAttentionForwardOptions().is_causal(true).need_weights(true));
 
   // Each query's weights form a distribution over the keys up to itself.
   const auto row_sums = weights.sum(-1);

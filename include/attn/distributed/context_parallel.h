@@ -127,7 +127,7 @@ torch::Tensor gather_sequence(
     const SequenceSharding& sharding,
     const Group& group);
 
-/// Options of `ring_attention`: the sharding of the sequence, and the
+/// Options of `context_parallel_attention`: the sharding of the sequence, and the
 /// masks, with `SDPAOptions`' meaning in the whole sequence's positions.
 ///
 /// Example:
@@ -193,14 +193,26 @@ struct ContextParallelOptions {
 /// ```
 /// SequenceSharding sharding(T, group.size());
 /// auto q = sharding.shard(q_whole, 2, group.rank());  // and k, v
-/// auto out = attn::distributed::ring_attention(
+/// auto out = attn::distributed::context_parallel_attention(
 ///     q, k, v, group, ContextParallelOptions(sharding).is_causal(true));
 /// ```
-torch::Tensor ring_attention(
+torch::Tensor context_parallel_attention(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const Group& group,
     const ContextParallelOptions& options);
+
+/// The earlier name of `context_parallel_attention`, which runs the ring or
+/// the all-to-all strategy as `options.strategy()` says.
+[[deprecated("renamed attn::distributed::context_parallel_attention")]] inline torch::Tensor
+ring_attention(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const Group& group,
+    const ContextParallelOptions& options) {
+  return context_parallel_attention(query, key, value, group, options);
+}
 
 } // namespace attn::distributed

@@ -3,7 +3,7 @@
 /// \file
 /// Multi-head self-attention over a sequence split across the ranks of a
 /// group: each rank projects its own tokens and the ranks attend together
-/// through `ring_attention`.
+/// through `context_parallel_attention`.
 
 #include <attn/distributed/context_parallel.h>
 #include <attn/distributed/process_group.h>
@@ -12,12 +12,14 @@
 #include <attn/options.h>
 
 #include <torch/arg.h>
+#include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <iosfwd>
+#include <tuple>
 
 namespace attn::detail {
 struct MultiHeadParameters;
@@ -72,7 +74,7 @@ struct ContextParallelForwardOptions {
 /// `MultiHeadAttention`'s names, so that a state_dict loads into either):
 /// a rank projects its tokens with all the heads, turns their queries and
 /// keys by rotary embeddings at their positions in the whole sequence,
-/// attends with `ring_attention` (grouped-query heads are not copied) and
+/// attends with `context_parallel_attention` (grouped-query heads are not copied) and
 /// projects the merged heads by `out_proj`.
 ///
 /// Gradients: the gradient of a rank's input is that of its rows; the
@@ -102,10 +104,12 @@ struct ContextParallelForwardOptions {
 ///     group);
 /// attn::distributed::SequenceSharding sharding(T, group.size());
 /// auto x_local = sharding.shard(x, /*dim=*/1, group.rank());  // (B, N, 512)
-/// auto out_local = mha(x_local,
+/// auto [out_local, none] = mha(x_local,
 ///     attn::distributed::ContextParallelForwardOptions(sharding).is_causal(true));
 /// ```
-class ContextParallelMultiHeadAttentionImpl : public torch::nn::Module, public MultiHeadLayers {
+class ContextParallelMultiHeadAttentionImpl
+    : public torch::nn::Cloneable<ContextParallelMultiHeadAttentionImpl>,
+      public MultiHeadLayers {
  public:
   /// `MultiHeadAttention(options)`, made with the current random state
   /// (which must be the same on every rank), on every rank. Refuses the
@@ -118,11 +122,24 @@ class ContextParallelMultiHeadAttentionImpl : public torch::nn::Module, public M
 
   /// `x_local`: this rank's rows of the sequence, `(B, N, E)` (`(N, B, E)`
   /// when not `batch_first`), laid out as `options.sharding()` says, with
-  /// the module's dtype, on the CPU. Returns this rank's rows of
-  /// `MultiHeadAttention(x, x, x)`'s output for the whole sequence x,
-  /// shaped like `x_local`; rows past the end of the sequence (padding)
-  /// are zeros. A collective: every rank calls it with the same options.
-  torch::Tensor forward(const torch::Tensor& x_local, const ContextParallelForwardOptions& options);
+  /// the module's dtype, on the CPU. Returns, as `MultiHeadAttention`
+  /// does, `(output, weights)`: this rank's rows of `MultiHeadAttention(x,
+  /// x, x)`'s output for the whole sequence x, shaped like `x_local` (rows
+  /// past the end of the sequence, padding, are zeros), and an undefined
+  /// tensor, since no weights are computed. A collective: every rank calls
+  /// it with the same options.
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      const torch::Tensor& x_local,
+      const ContextParallelForwardOptions& options);
+
+  /// Registers the layers (their values drawn without touching the default
+  /// generator's state), as `clone()` needs; the constructors then copy
+  /// the whole module's parameters into them.
+  void reset() override;
+  /// A copy on the same group (every rank clones its own), its Q/K/V
+  /// weights stacked again as the constructors leave them.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override;
 
   /// Prints `attn::distributed::ContextParallelMultiHeadAttention(embed_dim=512,
   /// num_heads=8, rank=0, world_size=2)`, with `num_kv_heads` and

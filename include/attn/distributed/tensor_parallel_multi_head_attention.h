@@ -4,6 +4,7 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/multi_head_layers.h>
 
+#include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
@@ -27,7 +28,7 @@ namespace attn::distributed {
 /// held whole by every rank, is added once after the sum.
 ///
 /// On every rank: the inputs are whole (the same on every rank), and so
-/// are the output and the attention weights, gathered `(B, H, L, S)`. The
+/// are the output and, when asked for, the attention weights, gathered `(B, H, L, S)`. The
 /// parameters keep `MultiHeadAttention`'s names and hold the rank's part:
 /// `q_proj.weight` `(H/W·D, E)`, `k_proj`/`v_proj` `(H_kv/W·D, kdim)`
 /// (with fewer key/value heads than ranks, W divisible by H_kv: the one
@@ -49,7 +50,9 @@ namespace attn::distributed {
 /// attn::distributed::TensorParallelMultiHeadAttention mha(full, group);
 /// auto [out, w] = mha(x, x, x);  // as full(x, x, x), each rank 4 heads
 /// ```
-class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module, public MultiHeadLayers {
+class TensorParallelMultiHeadAttentionImpl
+    : public torch::nn::Cloneable<TensorParallelMultiHeadAttentionImpl>,
+      public MultiHeadLayers {
  public:
   /// The rank's part of `MultiHeadAttention(options)`: the full module is
   /// made (with the current random state, which must be the same on every
@@ -74,6 +77,15 @@ class TensorParallelMultiHeadAttentionImpl : public torch::nn::Module, public Mu
   /// checkpoint or compare with a single process. A collective: every rank
   /// calls it.
   MultiHeadAttention gather() const;
+
+  /// Registers the rank's layers (their values drawn without touching the
+  /// default generator's state), as `clone()` needs; the constructors then
+  /// copy the rank's part of the whole module into them.
+  void reset() override;
+  /// A copy of this rank's part on the same group (every rank clones its
+  /// own), its Q/K/V weights stacked again as the constructors leave them.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override;
 
   /// This rank's part of `whole`, a tensor shaped like the full module's
   /// parameter `name` (the parameter, or a per-parameter tensor such as an

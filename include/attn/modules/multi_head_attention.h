@@ -29,15 +29,17 @@ namespace attn {
 /// It computes what `torch::nn::MultiheadAttention` computes with the same
 /// weights (see `attn/interop.h` to copy them), with these differences:
 /// inputs are batch-first by default; a bool `attn_mask` marks allowed pairs
-/// with `true` (key_padding_mask keeps torch's `true` = padding); per-head
-/// weights are returned by default; and a query whose keys are all masked
-/// gets zero attention (output = `out_proj` bias) instead of NaN.
+/// with `true` (key_padding_mask keeps torch's `true` = padding); weights
+/// are returned only when asked for (`need_weights`), and then per head
+/// unless averaged; and a query whose keys are all masked gets zero
+/// attention (output = `out_proj` bias) instead of NaN.
 ///
 /// Example:
 /// ```
 /// attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(512, 8));
-/// auto [out, w] = mha(x, x, x);  // x: (B, T, 512) -> out (B, T, 512),
-///                                //                   w (B, 8, T, T)
+/// auto [out, none] = mha(x, x, x);  // x: (B, T, 512) -> out (B, T, 512)
+/// auto [out2, w] = mha(x, x, x, attn::MultiHeadAttentionForwardOptions().need_weights(true));
+///                                   // w (B, 8, T, T)
 /// ```
 /// Its layers (`q_proj`, `k_proj`, `v_proj`, `out_proj`, `bias_k`, `bias_v`,
 /// `rotary`) are the members of `MultiHeadLayers`, for all H heads.
@@ -56,7 +58,7 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
   /// query `(B, L, E)`, key `(B, S, kdim)`, value `(B, S, vdim)` (sequence
   /// first when `batch_first` is false). Returns the output, shaped like the
   /// query, and the weights `(B, H, L, S')`, or `(B, L, S')` when averaged,
-  /// or an undefined tensor when `need_weights` is false. S' counts every
+  /// or an undefined tensor unless `need_weights` is set. S' counts every
   /// key attended to: the cached ones, the call's S, and one more for each
   /// of `add_bias_kv` and `add_zero_attn`.
   std::tuple<torch::Tensor, torch::Tensor> forward(

@@ -20,20 +20,24 @@ namespace attn {
 /// ```
 /// attn::ScaledDotProductAttention sdpa(
 ///     attn::ScaledDotProductAttentionOptions().dropout(0.1));
-/// auto [out, w] = sdpa(q, k, v, /*attn_mask=*/{}, /*is_causal=*/true);
+/// auto [out, none] = sdpa(q, k, v, /*attn_mask=*/{}, /*is_causal=*/true);
+/// auto [out2, w] = sdpa(q, k, v, torch::Tensor(), false, /*need_weights=*/true);
 /// ```
 class ScaledDotProductAttentionImpl : public torch::nn::Cloneable<ScaledDotProductAttentionImpl> {
  public:
   /// A module with these options, checked by `reset()`.
   explicit ScaledDotProductAttentionImpl(const ScaledDotProductAttentionOptions& options = {});
 
-  /// Returns `(output (..., L, Ev), weights (..., L, S))`.
+  /// Returns `(output (..., L, Ev), weights (..., L, S))`; the weights only
+  /// with `need_weights` (else an undefined tensor), as
+  /// `SDPAOptions::need_weights` describes.
   std::tuple<torch::Tensor, torch::Tensor> forward(
       const torch::Tensor& query,
       const torch::Tensor& key,
       const torch::Tensor& value,
       const torch::Tensor& attn_mask = {},
-      bool is_causal = false);
+      bool is_causal = false,
+      bool need_weights = false);
 
   /// Checks the options (dropout in [0, 1)); the module has no parameters
   /// to register.
@@ -48,7 +52,8 @@ class ScaledDotProductAttentionImpl : public torch::nn::Cloneable<ScaledDotProdu
  protected:
   FORWARD_HAS_DEFAULT_ARGS(
       {3, torch::nn::AnyValue(torch::Tensor())},
-      {4, torch::nn::AnyValue(false)})
+      {4, torch::nn::AnyValue(false)},
+      {5, torch::nn::AnyValue(false)})
 };
 
 /// Holder of `ScaledDotProductAttentionImpl`, as `TORCH_MODULE` defines it.
