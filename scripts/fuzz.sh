@@ -20,6 +20,11 @@
 # it, and ATTN_FUZZ_VERBOSE=1 prints what it decodes to. Once fixed, it
 # goes to fuzz/<target>/regressions with its expected outcome in
 # tests/test_fuzz_regressions.cpp.
+#
+# It also builds attn_backend_choices with clang and compares what it
+# prints with the GCC build's in build/ (scripts/setup.sh test makes it,
+# against the same LibTorch): attn::select_backend must choose the same
+# backend for every request whichever compiler built attn.
 set -euo pipefail
 
 seconds="${1:-60}"
@@ -39,7 +44,7 @@ install_missing "${packages[@]}"
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=Release \
       "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -gline-tables-only" -DATTN_FUZZ=ON \
       -DATTN_BUILD_TESTS=OFF -DATTN_BUILD_APPS=OFF -DATTN_BUILD_BENCHMARKS=OFF -DATTN_INSTALL=OFF
-cmake --build build-fuzz --target attn_fuzz_state_dict attn_fuzz_entry_points
+cmake --build build-fuzz --target attn_fuzz_state_dict attn_fuzz_entry_points attn_backend_choices
 
 # allocator_may_return_null: an allocation too large for the machine makes
 # LibTorch throw its c10::Error, as without ASan. The smaller quarantine,
@@ -76,6 +81,21 @@ failed=()
 run_target state_dict tests/fixtures/python -- -dict=fuzz/state_dict.dict -max_len=8192 ||
   failed+=(state_dict)
 run_target entry_points -- || failed+=(entry_points)
+
+if [ -x build/attn_backend_choices ]; then
+  ./build/attn_backend_choices >build-fuzz/backend-choices-gcc.txt
+  ./build-fuzz/attn_backend_choices >build-fuzz/backend-choices-clang.txt
+  if diff build-fuzz/backend-choices-gcc.txt build-fuzz/backend-choices-clang.txt \
+      >build-fuzz/backend-choices.diff; then
+    echo "== backend choices: clang's and GCC's builds agree on $(wc -l <build-fuzz/backend-choices-gcc.txt) requests"
+  else
+    echo "clang's and GCC's builds choose different backends (build-fuzz/backend-choices.diff):" >&2
+    head -20 build-fuzz/backend-choices.diff >&2
+    failed+=(backend_choices)
+  fi
+else
+  echo "== backend choices: not compared, there is no GCC build in build/ (run scripts/setup.sh test first)"
+fi
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "fuzzing found a problem in: ${failed[*]}; the inputs are in build-fuzz/findings/" >&2
   exit 1

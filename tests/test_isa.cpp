@@ -3,31 +3,16 @@
 // table against what the probe found.
 
 #include "kernels/cpu/isa.h"
+#include "test_support.h"
 
 #include <gtest/gtest.h>
 
-#include <fstream>
-#include <iterator>
 #include <set>
-#include <sstream>
 #include <string>
 
 namespace {
 
-// The "flags" of the first processor in /proc/cpuinfo: Linux's reading of
-// CPUID, less what it cannot save across a context switch. Empty where
-// there is no such file.
-std::set<std::string> linux_cpu_flags() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("flags", 0) == 0) {
-      std::istringstream words(line.substr(line.find(':') + 1));
-      return {std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
-    }
-  }
-  return {};
-}
+using attn::testing::linux_cpu_flags;
 
 TEST(CpuFeatures, AgreeWithTheFlagsLinuxReads) {
   const auto flags = linux_cpu_flags();

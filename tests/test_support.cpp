@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <limits>
+#include <sstream>
 
 namespace attn::testing {
 namespace {
@@ -246,6 +249,18 @@ void expect_same_parameters_in_own_tensors(
     EXPECT_TRUE(torch::equal(parameter.value(), expected[parameter.key()]));
     EXPECT_FALSE(parameter.value().is_same(expected[parameter.key()]));
   }
+}
+
+std::set<std::string> linux_cpu_flags() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) == 0) {
+      std::istringstream words(line.substr(line.find(':') + 1));
+      return {std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+    }
+  }
+  return {};
 }
 
 std::vector<torch::Device> test_devices() {

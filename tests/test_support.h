@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <limits>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -146,6 +147,11 @@ void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target)
 void expect_same_parameters_in_own_tensors(
     const torch::nn::Module& copy,
     const torch::nn::Module& original);
+
+// The "flags" of the first processor in /proc/cpuinfo: Linux's reading of
+// CPUID, less what it cannot save across a context switch, whichever
+// compiler built the test. Empty where there is no such file.
+std::set<std::string> linux_cpu_flags();
 
 // The devices a device-parameterised test runs on.
 std::vector<torch::Device> test_devices();
