@@ -205,6 +205,14 @@ TEST(TensorParallelCheckpoints, CloneIsAnIndependentCopyThatComputesTheSame) {
       parallel->clone());
   ASSERT_TRUE(copy);
   attn::testing::expect_same_parameters_in_own_tensors(*copy, *parallel);
+  // 4 query heads per rank; the 2 key/value heads split, or each copied on
+  // W / 2 ranks.
+  const int64_t W = group().size();
+  for (const auto* module : {parallel.get(), copy.get()}) {
+    EXPECT_EQ(module->local_heads(), 4);
+    EXPECT_EQ(module->local_kv_heads(), W <= 2 ? 2 / W : 1);
+    EXPECT_EQ(module->kv_ranks_per_head(), W <= 2 ? 1 : W / 2);
+  }
   const auto x = torch::randn({2, 5, 32});
   const auto weights = MultiHeadAttentionForwardOptions().is_causal(true).need_weights(true);
   const auto [out, w] = copy->forward(x, x, x, weights);

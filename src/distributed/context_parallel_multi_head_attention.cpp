@@ -136,6 +136,24 @@ ContextParallelOptions context_parallel_options(const ContextParallelForwardOpti
       .strategy(options.strategy());
 }
 
+// The layers' tensors, each passed through copy_to_parallel so that its
+// gradient is summed over the ranks.
+::attn::detail::MultiHeadParameters replicated_parameters(
+    ContextParallelMultiHeadAttentionImpl& module) {
+  const auto& options = module.options;
+  const auto H = options.num_heads();
+  auto parameters = ::attn::detail::parameters_of(
+      module, H, options.num_kv_heads().value_or(H), options.embed_dim() / H);
+  for (auto* parameter :
+       {&parameters.q_weight, &parameters.q_bias, &parameters.k_weight, &parameters.k_bias,
+        &parameters.v_weight, &parameters.v_bias, &parameters.out_weight, &parameters.out_bias}) {
+    if (parameter->defined()) {
+      *parameter = copy_to_parallel(*parameter, module.group());
+    }
+  }
+  return parameters;
+}
+
 } // namespace
 
 ContextParallelForwardOptions::ContextParallelForwardOptions(SequenceSharding sharding)
@@ -200,20 +218,6 @@ std::shared_ptr<torch::nn::Module> ContextParallelMultiHeadAttentionImpl::clone(
   return copy;
 }
 
-::attn::detail::MultiHeadParameters ContextParallelMultiHeadAttentionImpl::replicated_parameters() {
-  const auto H = options.num_heads();
-  auto parameters = ::attn::detail::parameters_of(
-      *this, H, options.num_kv_heads().value_or(H), options.embed_dim() / H);
-  for (auto* parameter :
-       {&parameters.q_weight, &parameters.q_bias, &parameters.k_weight, &parameters.k_bias,
-        &parameters.v_weight, &parameters.v_bias, &parameters.out_weight, &parameters.out_bias}) {
-    if (parameter->defined()) {
-      *parameter = copy_to_parallel(*parameter, group_);
-    }
-  }
-  return parameters;
-}
-
 std::tuple<torch::Tensor, torch::Tensor> ContextParallelMultiHeadAttentionImpl::forward(
     const torch::Tensor& x_local,
     const ContextParallelForwardOptions& forward_options) {
@@ -222,7 +226,7 @@ std::tuple<torch::Tensor, torch::Tensor> ContextParallelMultiHeadAttentionImpl::
   check_input(x_local, options, sharding, q_proj->weight);
   check_dropout(options, is_training());
 
-  const auto parameters = replicated_parameters();
+  const auto parameters = replicated_parameters(*this);
   const bool batch_first = options.batch_first();
   const auto x = batch_first ? x_local : x_local.transpose(0, 1);
   auto heads = ::attn::detail::project_heads(x, x, x, options, parameters);

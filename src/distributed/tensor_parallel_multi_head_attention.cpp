@@ -72,6 +72,31 @@ torch::Tensor heads_of_mask(
   return mask;
 }
 
+// The rank's heads and parameters, for detail::multi_head_attention_forward.
+::attn::detail::MultiHeadParameters rank_parameters(TensorParallelMultiHeadAttentionImpl& module) {
+  const auto& options = module.options;
+  const auto& group = module.group();
+  const auto H = options.num_heads();
+  const auto H_kv = options.num_kv_heads().value_or(H);
+  // A key/value head copied on several ranks sums its copies' gradients.
+  const auto kv_ranks = module.kv_ranks_per_head();
+  const auto kv_slot = group.rank() / kv_ranks;
+  const auto kv = [&](const torch::Tensor& parameter) {
+    return kv_ranks == 1 || !parameter.defined()
+        ? parameter
+        : SumOverCopies::apply(parameter, kv_slot, H_kv, group);
+  };
+  auto parameters = ::attn::detail::parameters_of(
+      module, module.local_heads(), module.local_kv_heads(), options.embed_dim() / H);
+  for (auto* kv_parameter :
+       {&parameters.k_weight, &parameters.k_bias, &parameters.v_weight, &parameters.v_bias,
+        &parameters.bias_k, &parameters.bias_v}) {
+    *kv_parameter = kv(*kv_parameter);
+  }
+  parameters.out_bias = torch::Tensor(); // added once, after the sum over ranks
+  return parameters;
+}
+
 } // namespace
 
 TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
@@ -195,28 +220,6 @@ TensorParallelMultiHeadAttentionImpl::Split TensorParallelMultiHeadAttentionImpl
   return {0, group_.size()};
 }
 
-::attn::detail::MultiHeadParameters TensorParallelMultiHeadAttentionImpl::local_parameters() {
-  const auto H = options.num_heads();
-  const auto H_kv = options.num_kv_heads().value_or(H);
-  // A key/value head copied on several ranks sums its copies' gradients.
-  const auto kv_ranks = kv_ranks_per_head();
-  const auto kv_slot = group_.rank() / kv_ranks;
-  const auto kv = [&](const torch::Tensor& parameter) {
-    return kv_ranks == 1 || !parameter.defined()
-        ? parameter
-        : SumOverCopies::apply(parameter, kv_slot, H_kv, group_);
-  };
-  auto parameters = ::attn::detail::parameters_of(
-      *this, local_heads(), local_kv_heads(), options.embed_dim() / H);
-  for (auto* kv_parameter :
-       {&parameters.k_weight, &parameters.k_bias, &parameters.v_weight, &parameters.v_bias,
-        &parameters.bias_k, &parameters.bias_v}) {
-    *kv_parameter = kv(*kv_parameter);
-  }
-  parameters.out_bias = torch::Tensor(); // added once, after the sum over ranks
-  return parameters;
-}
-
 std::tuple<torch::Tensor, torch::Tensor> TensorParallelMultiHeadAttentionImpl::forward(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -238,7 +241,7 @@ std::tuple<torch::Tensor, torch::Tensor> TensorParallelMultiHeadAttentionImpl::f
   local_options.average_attn_weights(false).attn_mask(heads_of_mask(
       forward_options.attn_mask(), B, H, group_.rank() * local_heads(), local_heads()));
   auto [partial, weights] = ::attn::detail::multi_head_attention_forward(
-      q, k, v, options, local_parameters(), local_options, is_training());
+      q, k, v, options, rank_parameters(*this), local_options, is_training());
 
   auto output = reduce_from_parallel(partial, group_);
   if (out_proj->bias.defined()) {

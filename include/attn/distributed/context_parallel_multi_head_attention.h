@@ -21,10 +21,6 @@
 #include <iosfwd>
 #include <tuple>
 
-namespace attn::detail {
-struct MultiHeadParameters;
-} // namespace attn::detail
-
 namespace attn::distributed {
 
 /// Per-call options of `ContextParallelMultiHeadAttention::forward`: how
@@ -151,10 +147,6 @@ class ContextParallelMultiHeadAttentionImpl
   MultiHeadAttentionOptions options;
 
  private:
-  // The layers' tensors, each passed through copy_to_parallel so that its
-  // gradient is summed over the ranks.
-  ::attn::detail::MultiHeadParameters replicated_parameters();
-
   Group group_;
 };
 

@@ -13,10 +13,6 @@
 #include <string>
 #include <tuple>
 
-namespace attn::detail {
-struct MultiHeadParameters;
-} // namespace attn::detail
-
 namespace attn::distributed {
 
 /// `attn::MultiHeadAttention` split by heads over the W ranks of a group,
@@ -106,6 +102,14 @@ class TensorParallelMultiHeadAttentionImpl
   void pretty_print(std::ostream& stream) const override;
 
   const Group& group() const { return group_; }
+  /// The query heads this rank computes: H / W.
+  int64_t local_heads() const;
+  /// The key/value heads this rank holds: H_kv / W, or the one head its
+  /// queries read when there are fewer key/value heads than ranks.
+  int64_t local_kv_heads() const;
+  /// How many ranks hold a copy of each key/value head: W / H_kv when
+  /// there are fewer key/value heads than ranks, else 1.
+  int64_t kv_ranks_per_head() const;
   /// The options of the whole module.
   MultiHeadAttentionOptions options;
 
@@ -121,11 +125,6 @@ class TensorParallelMultiHeadAttentionImpl
     int64_t ranks_per_part;
   };
   Split split_of(const std::string& parameter_name) const;
-  // The rank's heads and parameters, for detail::multi_head_attention_forward.
-  ::attn::detail::MultiHeadParameters local_parameters();
-  int64_t local_heads() const;
-  int64_t local_kv_heads() const;
-  int64_t kv_ranks_per_head() const;
 
   Group group_;
 };
