@@ -213,9 +213,7 @@ void ContextParallelMultiHeadAttentionImpl::reset() {
 
 std::shared_ptr<torch::nn::Module> ContextParallelMultiHeadAttentionImpl::clone(
     const c10::optional<torch::Device>& device) const {
-  auto copy = Cloneable::clone(device);
-  std::dynamic_pointer_cast<ContextParallelMultiHeadAttentionImpl>(copy)->stack_input_projections();
-  return copy;
+  return with_stacked_input_projections(Cloneable::clone(device));
 }
 
 std::tuple<torch::Tensor, torch::Tensor> ContextParallelMultiHeadAttentionImpl::forward(

@@ -137,9 +137,7 @@ void TensorParallelMultiHeadAttentionImpl::reset() {
 
 std::shared_ptr<torch::nn::Module> TensorParallelMultiHeadAttentionImpl::clone(
     const c10::optional<torch::Device>& device) const {
-  auto copy = Cloneable::clone(device);
-  std::dynamic_pointer_cast<TensorParallelMultiHeadAttentionImpl>(copy)->stack_input_projections();
-  return copy;
+  return with_stacked_input_projections(Cloneable::clone(device));
 }
 
 torch::Tensor TensorParallelMultiHeadAttentionImpl::shard(

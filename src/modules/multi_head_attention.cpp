@@ -46,6 +46,12 @@ void MultiHeadLayers::stack_input_projections() {
   }
 }
 
+std::shared_ptr<torch::nn::Module> MultiHeadLayers::with_stacked_input_projections(
+    std::shared_ptr<torch::nn::Module> copy) {
+  std::dynamic_pointer_cast<MultiHeadLayers>(copy)->stack_input_projections();
+  return copy;
+}
+
 MultiHeadAttentionImpl::MultiHeadAttentionImpl(const MultiHeadAttentionOptions& options_)
     : options(options_) {
   reset();
@@ -143,9 +149,7 @@ void MultiHeadAttentionImpl::load(torch::serialize::InputArchive& archive) {
 
 std::shared_ptr<torch::nn::Module> MultiHeadAttentionImpl::clone(
     const c10::optional<torch::Device>& device) const {
-  auto copy = Cloneable::clone(device);
-  std::dynamic_pointer_cast<MultiHeadAttentionImpl>(copy)->stack_input_projections();
-  return copy;
+  return with_stacked_input_projections(Cloneable::clone(device));
 }
 
 void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {

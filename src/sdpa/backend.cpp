@@ -43,16 +43,20 @@ bool inputs_need_grad(
       (query.requires_grad() || key.requires_grad() || value.requires_grad());
 }
 
+bool mask_needs_grad(const SDPAOptions& options) {
+  const auto& mask = options.attn_mask();
+  return mask.defined() && mask.requires_grad() && torch::GradMode::is_enabled();
+}
+
 // What attn's CPU kernels have in common: the device, no dropout, no
 // gradient for the mask.
 std::string cpu_kernel_reason(const torch::Tensor& query, const SDPAOptions& options) {
-  const auto& mask = options.attn_mask();
   std::ostringstream reason;
   if (!query.device().is_cpu()) {
     reason << "runs on the CPU only, and the inputs are on " << query.device();
   } else if (dropout_active(options)) {
     reason << "has no dropout, and dropout_p is " << options.dropout_p() << " while training";
-  } else if (mask.defined() && mask.requires_grad() && torch::GradMode::is_enabled()) {
+  } else if (mask_needs_grad(options)) {
     reason << "gives the attn_mask no gradient, and it requires one";
   }
   return reason.str();
@@ -90,9 +94,7 @@ std::string libtorch_reason(
     reason << "takes only a positive scale, got " << *options.scale();
   } else if (options.need_weights()) {
     reason << "returns no weights: set need_weights(false)";
-  } else if (
-      options.attn_mask().defined() && options.attn_mask().requires_grad() &&
-      torch::GradMode::is_enabled()) {
+  } else if (mask_needs_grad(options)) {
     reason << "gives the attn_mask no gradient here, and it requires one";
   } else if (query.numel() == 0 || key.numel() == 0 || value.numel() == 0) {
     reason << "needs non-empty query, key and value";

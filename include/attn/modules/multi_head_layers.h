@@ -7,6 +7,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/types.h>
 
+#include <memory>
+
 namespace attn {
 
 /// The layers of a multi-head attention module, under the names of
@@ -50,6 +52,12 @@ struct MultiHeadLayers {
   /// replace their storage; replacing it otherwise (`set_data`) ends the
   /// stacking, though not the results.
   void stack_input_projections();
+
+  /// `copy`, the `Cloneable::clone` of a module deriving from this, with
+  /// its input projections stacked again: the clone of every multi-head
+  /// module.
+  static std::shared_ptr<torch::nn::Module> with_stacked_input_projections(
+      std::shared_ptr<torch::nn::Module> copy);
 };
 
 } // namespace attn
