@@ -691,6 +691,10 @@ struct ModuleCase {
   double mask_keep = 0.5;
   MultiHeadAttentionForwardOptions forward;
   uint8_t seed = 0;
+  // 0: the module's forward; 1: attn::multi_head_attention_forward with
+  // the module's parameters; 2: the same with a query projection one row
+  // short, which the function must refuse.
+  int call = 0;
 
   MultiHeadAttentionOptions options() const {
     auto o = MultiHeadAttentionOptions(E, H)
@@ -720,7 +724,8 @@ struct ModuleCase {
         << ", key_padding_mask kind " << padding_kind << ", attn_mask kind " << mask_kind
         << " (keep " << mask_keep << "), is_causal " << forward.is_causal() << ", window "
         << optional_text(forward.window()) << ", need_weights " << forward.need_weights()
-        << ", average_attn_weights " << forward.average_attn_weights() << ", seed " << int{seed};
+        << ", average_attn_weights " << forward.average_attn_weights() << ", seed " << int{seed}
+        << ", call " << call;
     return out.str();
   }
 };
@@ -940,6 +945,30 @@ void check_module_result(
   }
 }
 
+// The case's call (ModuleCase::call) of `module` or of the function with
+// its parameters.
+std::tuple<torch::Tensor, torch::Tensor> call_module(
+    const ModuleCase& c,
+    MultiHeadAttention& module,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value) {
+  if (c.call == 0) {
+    return module->forward(query, key, value, c.forward);
+  }
+  auto parameters = module->functional_parameters();
+  const auto call = [&] {
+    return attn::multi_head_attention_forward(
+        query, key, value, module->options, parameters, c.forward, c.training);
+  };
+  if (c.call == 1) {
+    return call();
+  }
+  parameters.q_weight = parameters.q_weight.narrow(0, 0, parameters.q_weight.size(0) - 1);
+  call(); // throws the c10::Error of a refused call
+  throw OracleViolation(c.describe() + ": a q_weight one row short was not refused");
+}
+
 MultiHeadAttention make_module(const ModuleCase& c, at::Generator& generator) {
   MultiHeadAttention module(c.options());
   module->to(c.dtype);
@@ -950,6 +979,7 @@ MultiHeadAttention make_module(const ModuleCase& c, at::Generator& generator) {
 
 void run_module(Bytes& bytes) {
   auto c = decode_module_case(bytes);
+  c.call = bytes.next() % 3;
   if (!within_bounds(c)) {
     return;
   }
@@ -961,7 +991,7 @@ void run_module(Bytes& bytes) {
   const auto value = c.self_attention ? query : make_module_input(c, c.S, c.vdim, generator);
   make_module_masks(c, generator);
   torch::NoGradGuard no_grad;
-  const auto [output, weights] = module->forward(query, key, value, c.forward);
+  const auto [output, weights] = call_module(c, module, query, key, value);
   check_module_result(c, module, query, key, value, output, weights);
 }
 

@@ -2,8 +2,9 @@
 
 // The public entry points' fuzz input: bytes decoded into one call of
 // attn::scaled_dot_product_attention, attn::MultiHeadAttention (with or
-// without a KV cache, decoding a sequence step by step) or
-// attn::RotaryEmbedding, with the call's shapes (zeros, odd sizes, and
+// without a KV cache, decoding a sequence step by step),
+// attn::multi_head_attention_forward (with a module's parameters, whole or
+// with one refused) or attn::RotaryEmbedding, with the call's shapes (zeros, odd sizes, and
 // leading dims up to 2^40 where every tensor is empty), strides
 // (transposed, expanded, overlapping, stepped), dtypes, masks and option
 // values, valid or not. Shared by the fuzz target

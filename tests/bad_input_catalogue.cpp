@@ -452,6 +452,79 @@ std::vector<BadInput> multi_head_attention_forward_cases() {
   return joined(cases, layout_cases(output, q, k, v, 0, 1));
 }
 
+// attn::multi_head_attention_forward with a module's parameters (E = 16,
+// H = 4, H_kv = 2, kdim 12, vdim 10), one of them changed per case;
+// q (2, 3, 16), k (2, 5, 12), v (2, 5, 10).
+std::vector<BadInput> multi_head_attention_function_cases() {
+  torch::manual_seed(37);
+  const auto options = MultiHeadAttentionOptions(16, 4).num_kv_heads(2).kdim(12).vdim(10);
+  MultiHeadAttention mha(options);
+  const auto parameters = mha->functional_parameters();
+  const auto q = torch::randn({2, 3, 16});
+  const auto k = torch::randn({2, 5, 12});
+  const auto v = torch::randn({2, 5, 10});
+  using Change = std::function<void(attn::MultiHeadAttentionParameters&)>;
+  const auto call_with = [=](const Change& change) {
+    auto changed = parameters;
+    change(changed);
+    return attn::multi_head_attention_forward(q, k, v, options, changed);
+  };
+  return {
+      {"the module's parameters: the module's output",
+       [=]() mutable {
+         torch::NoGradGuard no_grad;
+         EXPECT_TRUE(torch::equal(output_of(call_with([](auto&) {})), output_of(mha(q, k, v))));
+       },
+       ""},
+      {"num_kv_heads not dividing num_heads",
+       [=] { call_with([](auto& p) { p.num_kv_heads = 3; }); },
+       "multi_head_attention_forward: parameters must have num_heads H > 0, num_kv_heads H_kv > 0 dividing H and head_dim D > 0, got H=4, H_kv=3, D=4"},
+      {"head_dim 0", [=] { call_with([](auto& p) { p.head_dim = 0; }); }, "got H=4, H_kv=2, D=0"},
+      {"q_weight of a wrong shape",
+       [=] { call_with([](auto& p) {
+               p.q_weight = torch::zeros({16, 12});
+             }); },
+       "parameters.q_weight must be (H·D, embed_dim) = [16, 16], got [16, 12]"},
+      {"k_weight as wide as the queries, not kdim",
+       [=] { call_with([](auto& p) {
+               p.k_weight = torch::zeros({8, 16});
+             }); },
+       "parameters.k_weight must be (H_kv·D, kdim) = [8, 12], got [8, 16]"},
+      {"undefined out_weight", [=] { call_with([](auto& p) { p.out_weight = torch::Tensor(); }); },
+       "parameters.out_weight must be (embed_dim, H·D) = [16, 16], got an undefined tensor"},
+      {"v_bias of a wrong size", [=] { call_with([](auto& p) { p.v_bias = torch::zeros({16}); }); },
+       "parameters.v_bias must be undefined or (8), got [16]"},
+      {"bias_k without add_bias_kv",
+       [=] { call_with([](auto& p) {
+               p.bias_k = torch::zeros({1, 1, 8});
+             }); },
+       "parameters.bias_k is read only with add_bias_kv: set it in the options, or leave bias_k undefined (got [1, 1, 8])"},
+      {"add_bias_kv without bias_v",
+       [=] {
+         auto p = parameters;
+         p.bias_k = torch::zeros({1, 1, 8});
+         attn::multi_head_attention_forward(
+             q, k, v, MultiHeadAttentionOptions(options).add_bias_kv(true), p);
+       },
+       "parameters.bias_v must be (1, 1, H_kv·D) = [1, 1, 8] with add_bias_kv, got an undefined tensor"},
+      {"a parameter of another dtype",
+       [=] { call_with([](auto& p) { p.out_bias = p.out_bias.to(torch::kDouble); }); },
+       "parameters.out_bias must have q_weight's dtype Float and device cpu, got Double on cpu"},
+      {"integer q_weight",
+       [=] { call_with([](auto& p) { p.q_weight = p.q_weight.to(torch::kLong); }); },
+       "parameters.q_weight must have a floating-point dtype, got Long"},
+      {"inputs of another dtype than the parameters",
+       [=] { attn::multi_head_attention_forward(q.to(torch::kDouble), k, v, options, parameters); },
+       "multi_head_attention_forward: inputs must have the parameters' dtype Float, got query Double"},
+      {"dropout 1",
+       [=] {
+         attn::multi_head_attention_forward(
+             q, k, v, MultiHeadAttentionOptions(options).dropout(1.0), parameters);
+       },
+       "multi_head_attention_forward: options.dropout must be in [0, 1), got 1"},
+  };
+}
+
 std::vector<BadInput> unknown_device_cases() {
   std::vector<BadInput> cases;
   for (const std::string request :

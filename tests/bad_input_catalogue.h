@@ -30,6 +30,7 @@ std::vector<BadInput> scaled_dot_product_attention_cases();
 std::vector<BadInput> scaled_dot_product_attention_module_cases();
 std::vector<BadInput> multi_head_attention_construction_cases();
 std::vector<BadInput> multi_head_attention_forward_cases();
+std::vector<BadInput> multi_head_attention_function_cases();
 std::vector<BadInput> unknown_device_cases();
 // Requests for CUDA: errors only where CUDA is not available.
 std::vector<BadInput> unavailable_cuda_cases();

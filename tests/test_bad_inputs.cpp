@@ -26,6 +26,10 @@ TEST(BadInputs, MultiHeadAttentionForward) {
   expect_catalogued_outcomes(attn::testing::multi_head_attention_forward_cases());
 }
 
+TEST(BadInputs, MultiHeadAttentionFunction) {
+  expect_catalogued_outcomes(attn::testing::multi_head_attention_function_cases());
+}
+
 TEST(BadInputs, SelectDeviceAndCopyWeights) {
   expect_catalogued_outcomes(attn::testing::unknown_device_cases());
   if (!torch::cuda::is_available()) {

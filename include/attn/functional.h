@@ -1,8 +1,11 @@
 #pragma once
 
 /// \file
-/// Attention as plain functions on tensors.
+/// Attention as plain functions on tensors: scaled dot-product attention,
+/// and multi-head attention as a function of its parameters (as
+/// `torch::nn::functional` has both).
 
+#include <attn/modules/rotary_embedding.h>
 #include <attn/options.h>
 
 #include <torch/types.h>
@@ -39,27 +42,14 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
 /// The backend that `attn::scaled_dot_product_attention(query, key, value,
 /// options)` runs, under the current grad mode. Throws the `c10::Error` that
 /// call would throw for invalid arguments, including a requested
-/// `options.backend()` that cannot run the request. The rules, in order:
-///
-/// 1. `options.backend()` when set.
-/// 2. On the CPU, without dropout and without a mask that needs a gradient:
-///    without weights, `libtorch` where it applies and was measured faster
-///    (requests with no `attn_mask`, no `window` and at most the square
-///    causal band)
-///    than attn's kernels (float32 and bfloat16, from LibTorch 2.15 on, on
-///    CPUs like the one measured; see docs/BENCHMARKS.md, "Choosing the CPU
-///    backend"); else, without weights, `fused_cpu` for short heads (at
-///    most 128 queries and 64 keys, on x86 CPUs with AVX-512 or AVX2, where
-///    the fused kernel runs its short loops; docs/BENCHMARKS.md, "Short
-///    heads"); else `batched_cpu` for short sequences (at most 64 queries
-///    and 64 keys; 32 on LibTorch 1.13 where the tiled kernel multiplies in
-///    attn's own loops, on x86 CPUs with AVX-512 or AVX2; and up to 128
-///    without a causal mask at head width 64 or more; docs/BENCHMARKS.md,
-///    "Short sequences"); else, when weights are asked
-///    for, `fused_cpu_weights` if no gradient is needed and `batched_cpu`
-///    (whose weights are differentiable) if one is; else `fused_cpu`.
-/// 3. On CUDA: `libtorch` where it applies, masks and windows included.
-/// 4. `math` for everything else.
+/// `options.backend()` that cannot run the request. Unless one is
+/// requested, the first of these rules (docs/BACKENDS.md, the one table of
+/// their conditions and measurements) whose backend can compute the
+/// request chooses: `cpu-libtorch-faster` (`libtorch` on the CPU where it
+/// was measured faster), `cpu-short-heads` (`fused_cpu`),
+/// `cpu-short-sequences` (`batched_cpu`), `cpu-weights-for-inference`
+/// (`fused_cpu_weights`), `cpu-weights-with-gradients` (`batched_cpu`),
+/// `cpu-fused` (`fused_cpu`), `cuda-libtorch` (`libtorch`), `math`.
 ///
 /// Example:
 /// ```
@@ -70,5 +60,57 @@ AttentionBackend select_backend(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options = {});
+
+/// The tensors multi-head attention computes with, in `torch::nn::Linear`'s
+/// layout (weight `(out_features, in_features)`). A bias may be undefined:
+/// a projection without one. `MultiHeadAttentionImpl::functional_parameters`
+/// gives a module's.
+struct MultiHeadAttentionParameters {
+  /// H: the query heads.
+  int64_t num_heads = 0;
+  /// H_kv: the key/value heads, dividing H (H_kv = H unless grouped).
+  int64_t num_kv_heads = 0;
+  /// D: the width of a head.
+  int64_t head_dim = 0;
+  /// `(H·D, E)` and `(H·D)`: the query projection.
+  torch::Tensor q_weight, q_bias;
+  /// `(H_kv·D, kdim)` and `(H_kv·D)`: the key projection.
+  torch::Tensor k_weight, k_bias;
+  /// `(H_kv·D, vdim)` and `(H_kv·D)`: the value projection.
+  torch::Tensor v_weight, v_bias;
+  /// `(1, 1, H_kv·D)` each with `add_bias_kv`, else undefined: the extra
+  /// key and its value.
+  torch::Tensor bias_k, bias_v;
+  /// `(E, H·D)` and `(E)`: the projection of the merged heads.
+  torch::Tensor out_weight, out_bias;
+  /// Rotary positions for queries and keys; null: none.
+  RotaryEmbedding rotary = nullptr;
+};
+
+/// Multi-head attention as a function of its parameters: what
+/// `MultiHeadAttention::forward` computes, with `parameters` for its
+/// layers (`module->forward(q, k, v, f)` equals
+/// `multi_head_attention_forward(q, k, v, module->options,
+/// module->functional_parameters(), f, module->is_training())`), as
+/// `torch::nn::functional::multi_head_attention_forward` is to
+/// `torch::nn::MultiheadAttention`.
+///
+/// `options` gives the layout and the features: `embed_dim`, `kdim`,
+/// `vdim`, `batch_first`, `dropout`, `add_bias_kv` and `add_zero_attn`;
+/// the heads are `parameters`' (its `num_heads`, `num_kv_heads`, `bias`
+/// and `rotary` are not read). Shapes, masks, the KV cache and the
+/// returned `(output, weights)` are as `MultiHeadAttentionImpl::forward`
+/// documents; dropout applies while `training`. Throws a `c10::Error`
+/// naming the parameter when one does not have the shape, dtype or device
+/// it must have (the query projection's dtype and device, which the inputs
+/// must have too).
+std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadAttentionParameters& parameters,
+    const MultiHeadAttentionForwardOptions& forward_options = {},
+    bool training = true);
 
 } // namespace attn

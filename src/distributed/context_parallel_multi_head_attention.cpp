@@ -138,7 +138,7 @@ ContextParallelOptions context_parallel_options(const ContextParallelForwardOpti
 
 // The layers' tensors, each passed through copy_to_parallel so that its
 // gradient is summed over the ranks.
-::attn::detail::MultiHeadParameters replicated_parameters(
+::attn::MultiHeadAttentionParameters replicated_parameters(
     ContextParallelMultiHeadAttentionImpl& module) {
   const auto& options = module.options;
   const auto H = options.num_heads();

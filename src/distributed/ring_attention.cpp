@@ -8,7 +8,7 @@
 
 #include "distributed/collectives.h"
 #include "distributed/context_parallel_inputs.h"
-#include "kernels/cpu/cpu_attention.h"
+#include "sdpa/backend.h"
 #include "sdpa/masks.h"
 
 #include <torch/torch.h>
@@ -20,7 +20,7 @@
 namespace attn::distributed::detail {
 namespace {
 
-using attn::detail::CpuAttentionConfig;
+using attn::detail::AttentionParams;
 using attn::detail::KeyBand;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -121,30 +121,33 @@ std::vector<SegmentPair> visible_pairs(
   return pairs;
 }
 
-// The kernel's settings for `pair` of a block whose allowed keys are
-// `allowed` (B, N) bytes, or undefined.
-CpuAttentionConfig pair_config(
+// Rows [row, row + rows) of a (B, H, N, ·) or (B, H, N) tensor.
+torch::Tensor rows_of(const torch::Tensor& tensor, int64_t row, int64_t rows) {
+  return tensor.narrow(2, row, rows);
+}
+
+// The kernel's request for `pair` of `block`, whose allowed keys are its
+// `allowed()` (B, N) bytes, or undefined.
+AttentionParams pair_params(
     const ContextParallelInputs& inputs,
     const SegmentPair& pair,
-    const torch::Tensor& allowed) {
-  CpuAttentionConfig config;
-  config.scale = inputs.scale;
-  config.causal = inputs.causal;
-  config.window = inputs.window;
-  config.query_offset = pair.query_offset;
-  if (allowed.defined()) {
+    const Block& block) {
+  AttentionParams params;
+  params.q = rows_of(inputs.query, pair.q_row, pair.q_rows);
+  params.k = rows_of(block.key(), pair.k_row, pair.k_rows);
+  params.v = rows_of(block.value(), pair.k_row, pair.k_rows);
+  params.scale = inputs.scale;
+  params.causal = inputs.causal;
+  params.window = inputs.window;
+  params.query_offset = pair.query_offset;
+  if (const auto& allowed = block.allowed(); allowed.defined()) {
     const int64_t B = inputs.query.size(0), H = inputs.query.size(1);
-    config.mask = allowed.narrow(1, pair.k_row, pair.k_rows)
+    params.mask = allowed.narrow(1, pair.k_row, pair.k_rows)
                       .to(torch::kBool)
                       .view({B, 1, 1, pair.k_rows})
                       .expand({B, H, pair.q_rows, pair.k_rows});
   }
-  return config;
-}
-
-// Rows [row, row + rows) of a (B, H, N, ·) or (B, H, N) tensor.
-torch::Tensor rows_of(const torch::Tensor& tensor, int64_t row, int64_t rows) {
-  return tensor.narrow(2, row, rows);
+  return params;
 }
 
 // Folds a partial result (out_part, lse_part) over some keys into the
@@ -176,11 +179,8 @@ void attend_block(
     const torch::Tensor& out,
     const torch::Tensor& lse) {
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
-    const auto [out_part, lse_part] = attn::detail::cpu_flash_forward(
-        rows_of(inputs.query, pair.q_row, pair.q_rows),
-        rows_of(block.key(), pair.k_row, pair.k_rows),
-        rows_of(block.value(), pair.k_row, pair.k_rows),
-        pair_config(inputs, pair, block.allowed()));
+    const auto [out_part, lse_part] = attn::detail::fused_cpu_forward(
+        pair_params(inputs, pair, block));
     merge_partial(
         rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows), out_part,
         lse_part);
@@ -200,12 +200,10 @@ void backward_block(
     const torch::Tensor& dq,
     const Block& grads) {
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
-    const auto [dq_part, dk_part, dv_part] = attn::detail::cpu_flash_backward(
-        rows_of(inputs.query, pair.q_row, pair.q_rows),
-        rows_of(block.key(), pair.k_row, pair.k_rows),
-        rows_of(block.value(), pair.k_row, pair.k_rows), rows_of(out, pair.q_row, pair.q_rows),
-        rows_of(lse, pair.q_row, pair.q_rows), rows_of(grad_out, pair.q_row, pair.q_rows),
-        pair_config(inputs, pair, block.allowed()));
+    const auto [dq_part, dk_part, dv_part] = attn::detail::fused_cpu_backward(
+        pair_params(inputs, pair, block),
+        {rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows)},
+        rows_of(grad_out, pair.q_row, pair.q_rows));
     rows_of(dq, pair.q_row, pair.q_rows).add_(dq_part);
     rows_of(grads.tensors[0], pair.k_row, pair.k_rows).add_(dk_part);
     rows_of(grads.tensors[1], pair.k_row, pair.k_rows).add_(dv_part);

@@ -73,7 +73,7 @@ torch::Tensor heads_of_mask(
 }
 
 // The rank's heads and parameters, for detail::multi_head_attention_forward.
-::attn::detail::MultiHeadParameters rank_parameters(TensorParallelMultiHeadAttentionImpl& module) {
+::attn::MultiHeadAttentionParameters rank_parameters(TensorParallelMultiHeadAttentionImpl& module) {
   const auto& options = module.options;
   const auto& group = module.group();
   const auto H = options.num_heads();

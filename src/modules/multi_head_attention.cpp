@@ -120,11 +120,14 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const MultiHeadAttentionForwardOptions& forward_options) {
-  const auto H = options.num_heads();
-  const auto parameters = detail::parameters_of(
-      *this, H, options.num_kv_heads().value_or(H), options.embed_dim() / H);
   return detail::multi_head_attention_forward(
-      query, key, value, options, parameters, forward_options, is_training());
+      query, key, value, options, functional_parameters(), forward_options, is_training());
+}
+
+MultiHeadAttentionParameters MultiHeadAttentionImpl::functional_parameters() const {
+  const auto H = options.num_heads();
+  return detail::parameters_of(
+      *this, H, options.num_kv_heads().value_or(H), options.embed_dim() / H);
 }
 
 void MultiHeadAttentionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {

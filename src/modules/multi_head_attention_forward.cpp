@@ -22,21 +22,22 @@ BatchFirstInputs batch_first_inputs(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
-    const MultiHeadAttentionOptions& options) {
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadCaller& caller) {
   const bool batch_first = options.batch_first();
   TORCH_CHECK(
-      query.defined() && key.defined() && value.defined(), kMultiHeadCaller,
+      query.defined() && key.defined() && value.defined(), caller.name,
       ": query, key and value must be defined tensors");
   TORCH_CHECK(
-      query.dim() == 3 && query.size(2) == options.embed_dim(), kMultiHeadCaller,
-      ": query must be ", batch_first ? "(B, L, E)" : "(L, B, E)",
-      " with E == ", options.embed_dim(), ", got ", query.sizes());
+      query.dim() == 3 && query.size(2) == options.embed_dim(), caller.name, ": query must be ",
+      batch_first ? "(B, L, E)" : "(L, B, E)", " with E == ", options.embed_dim(), ", got ",
+      query.sizes());
   TORCH_CHECK(
-      key.dim() == 3 && key.size(2) == options.kdim(), kMultiHeadCaller, ": key must be ",
+      key.dim() == 3 && key.size(2) == options.kdim(), caller.name, ": key must be ",
       batch_first ? "(B, S, kdim)" : "(S, B, kdim)", " with kdim == ", options.kdim(), ", got ",
       key.sizes());
   TORCH_CHECK(
-      value.dim() == 3 && value.size(2) == options.vdim(), kMultiHeadCaller, ": value must be ",
+      value.dim() == 3 && value.size(2) == options.vdim(), caller.name, ": value must be ",
       batch_first ? "(B, S, vdim)" : "(S, B, vdim)", " with vdim == ", options.vdim(), ", got ",
       value.sizes());
 
@@ -46,11 +47,11 @@ BatchFirstInputs batch_first_inputs(
   inputs.B = inputs.query.size(0);
   inputs.L = inputs.query.size(1);
   TORCH_CHECK(
-      inputs.key.size(0) == inputs.B && inputs.value.size(0) == inputs.B, kMultiHeadCaller,
+      inputs.key.size(0) == inputs.B && inputs.value.size(0) == inputs.B, caller.name,
       ": query, key and value must have the same batch size B, got query ", query.sizes(), ", key ",
       key.sizes(), ", value ", value.sizes());
   TORCH_CHECK(
-      inputs.value.size(1) == inputs.key.size(1), kMultiHeadCaller,
+      inputs.value.size(1) == inputs.key.size(1), caller.name,
       ": key and value must have the same length S, got key ", key.sizes(), ", value ",
       value.sizes());
   return inputs;
@@ -61,18 +62,17 @@ void check_device_and_dtype(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
-    const torch::Tensor& weight) {
+    const torch::Tensor& weight,
+    const MultiHeadCaller& caller) {
   for (const auto* input : {&query, &key, &value}) {
     TORCH_CHECK(
-        input->device() == weight.device(), kMultiHeadCaller,
-        ": inputs must be on the module's device ", weight.device(), ", got query on ",
-        query.device(), ", key on ", key.device(), ", value on ", value.device(),
-        " (move one with .to())");
+        input->device() == weight.device(), caller.name, ": inputs must be on ", caller.owner,
+        " device ", weight.device(), ", got query on ", query.device(), ", key on ", key.device(),
+        ", value on ", value.device(), " (move one with .to())");
     TORCH_CHECK(
-        input->scalar_type() == weight.scalar_type(), kMultiHeadCaller,
-        ": inputs must have the module's dtype ", weight.scalar_type(), ", got query ",
-        query.scalar_type(), ", key ", key.scalar_type(), ", value ", value.scalar_type(),
-        " (convert one with .to())");
+        input->scalar_type() == weight.scalar_type(), caller.name, ": inputs must have ",
+        caller.owner, " dtype ", weight.scalar_type(), ", got query ", query.scalar_type(),
+        ", key ", key.scalar_type(), ", value ", value.scalar_type(), " (convert one with .to())");
   }
 }
 
@@ -83,13 +83,14 @@ int64_t extra_keys(const MultiHeadAttentionOptions& options) {
 
 void check_window_and_cache(
     const MultiHeadAttentionOptions& options,
-    const MultiHeadAttentionForwardOptions& forward_options) {
+    const MultiHeadAttentionForwardOptions& forward_options,
+    const MultiHeadCaller& caller) {
   const auto& window = forward_options.window();
   TORCH_CHECK(
-      !window || *window > 0, kMultiHeadCaller, ": window must be a positive number of keys, got ",
+      !window || *window > 0, caller.name, ": window must be a positive number of keys, got ",
       *window);
   TORCH_CHECK(
-      forward_options.kv_cache() == nullptr || extra_keys(options) == 0, kMultiHeadCaller,
+      forward_options.kv_cache() == nullptr || extra_keys(options) == 0, caller.name,
       ": a kv_cache cannot be combined with add_bias_kv or add_zero_attn ",
       "(their extra key would be cached at every step)");
 }
@@ -103,26 +104,27 @@ struct MaskShape {
 void check_masks(
     const MultiHeadAttentionForwardOptions& forward_options,
     const torch::Tensor& query,
-    const MaskShape& shape) {
+    const MaskShape& shape,
+    const MultiHeadCaller& caller) {
   const auto [B, H, L, S, past] = shape;
   const auto& padding = forward_options.key_padding_mask();
   if (padding.defined()) {
-    check_mask_dtype_and_device(kMultiHeadCaller, "key_padding_mask", padding, query);
+    check_mask_dtype_and_device(caller.name, "key_padding_mask", padding, query);
     TORCH_CHECK(
-        padding.dim() == 2 && padding.size(0) == B && padding.size(1) == S, kMultiHeadCaller,
+        padding.dim() == 2 && padding.size(0) == B && padding.size(1) == S, caller.name,
         ": key_padding_mask must be (B, S) = ", torch::IntArrayRef({B, S}),
         past > 0 ? " (S counting the cached keys)" : "", ", got ", padding.sizes());
   }
   const auto& attn_mask = forward_options.attn_mask();
   if (attn_mask.defined()) {
-    check_mask_dtype_and_device(kMultiHeadCaller, "attn_mask", attn_mask, query);
+    check_mask_dtype_and_device(caller.name, "attn_mask", attn_mask, query);
     const auto sizes = attn_mask.sizes();
     const bool valid = (sizes == torch::IntArrayRef({L, S})) ||
         (sizes == torch::IntArrayRef({B * H, L, S})) ||
         (attn_mask.dim() == 4 && (sizes[0] == B || sizes[0] == 1) &&
          (sizes[1] == H || sizes[1] == 1) && sizes[2] == L && sizes[3] == S);
     TORCH_CHECK(
-        valid, kMultiHeadCaller, ": attn_mask must be (L, S) = ", torch::IntArrayRef({L, S}),
+        valid, caller.name, ": attn_mask must be (L, S) = ", torch::IntArrayRef({L, S}),
         ", (B·H, L, S) = ", torch::IntArrayRef({B * H, L, S}),
         " or (B, H, L, S) = ", torch::IntArrayRef({B, H, L, S}), " (B and H may be 1)",
         past > 0 ? ", S counting the cached keys" : "", ", got ", sizes);
@@ -134,7 +136,7 @@ ProjectedHeads split_heads(
     const torch::Tensor& q,
     const torch::Tensor& k,
     const torch::Tensor& v,
-    const MultiHeadParameters& parameters) {
+    const MultiHeadAttentionParameters& parameters) {
   const int64_t H = parameters.num_heads, H_kv = parameters.num_kv_heads;
   const int64_t B = q.size(0), D = parameters.head_dim;
   return {
@@ -143,7 +145,10 @@ ProjectedHeads split_heads(
 }
 
 // Rotary positions start after the `past` cached tokens.
-ProjectedHeads rotate(ProjectedHeads heads, const MultiHeadParameters& parameters, int64_t past) {
+ProjectedHeads rotate(
+    ProjectedHeads heads,
+    const MultiHeadAttentionParameters& parameters,
+    int64_t past) {
   if (parameters.rotary) {
     auto rotary = parameters.rotary; // the module caches its tables: not const
     heads.q = rotary(heads.q, past);
@@ -158,7 +163,7 @@ ProjectedHeads append_keys(
     ProjectedHeads heads,
     KVCache* cache,
     const MultiHeadAttentionOptions& options,
-    const MultiHeadParameters& parameters) {
+    const MultiHeadAttentionParameters& parameters) {
   if (cache != nullptr) {
     std::tie(heads.k, heads.v) = cache->append(heads.k, heads.v);
   }
@@ -227,7 +232,7 @@ ProjectedHeads project_heads(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const MultiHeadAttentionOptions& options,
-    const MultiHeadParameters& p) {
+    const MultiHeadAttentionParameters& p) {
   namespace F = torch::nn::functional;
   const bool self_attention = query.is_same(key) && key.is_same(value) &&
       options.kdim() == options.embed_dim() && options.vdim() == options.embed_dim();
@@ -253,12 +258,12 @@ torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first) {
                      : heads.permute({2, 0, 1, 3}).reshape({L, B, features});
 }
 
-MultiHeadParameters parameters_of(
+MultiHeadAttentionParameters parameters_of(
     const MultiHeadLayers& layers,
     int64_t num_heads,
     int64_t num_kv_heads,
     int64_t head_dim) {
-  MultiHeadParameters parameters;
+  MultiHeadAttentionParameters parameters;
   parameters.num_heads = num_heads;
   parameters.num_kv_heads = num_kv_heads;
   parameters.head_dim = head_dim;
@@ -281,12 +286,13 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const MultiHeadAttentionOptions& options,
-    const MultiHeadParameters& parameters,
+    const MultiHeadAttentionParameters& parameters,
     const MultiHeadAttentionForwardOptions& forward_options,
-    bool training) {
-  const auto inputs = batch_first_inputs(query, key, value, options);
-  check_device_and_dtype(query, key, value, parameters.q_weight);
-  check_window_and_cache(options, forward_options);
+    bool training,
+    const MultiHeadCaller& caller) {
+  const auto inputs = batch_first_inputs(query, key, value, options, caller);
+  check_device_and_dtype(query, key, value, parameters.q_weight, caller);
+  check_window_and_cache(options, forward_options, caller);
   // Everything is checked before the cache changes. Cached tokens stand
   // before the call's: queries start at position `past`, and the masks
   // cover S keys, the cached ones and the call's.
@@ -294,7 +300,7 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
   const int64_t past = cache != nullptr ? cache->length() : 0;
   const MaskShape mask_shape{
       inputs.B, parameters.num_heads, inputs.L, past + inputs.key.size(1), past};
-  check_masks(forward_options, query, mask_shape);
+  check_masks(forward_options, query, mask_shape, caller);
 
   auto heads = project_heads(inputs.query, inputs.key, inputs.value, options, parameters);
   heads = append_keys(rotate(std::move(heads), parameters, past), cache, options, parameters);

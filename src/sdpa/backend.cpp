@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <iterator>
 #include <sstream>
 
 namespace attn {
@@ -229,39 +230,79 @@ std::string unsupported_reason(
   return "is not a backend";
 }
 
+namespace {
+
+bool on_cpu(const BackendRequest& r) {
+  return r.query.device().is_cpu();
+}
+
+bool can_run(AttentionBackend backend, const BackendRequest& r) {
+  return unsupported_reason(backend, r.query, r.key, r.value, r.options).empty();
+}
+
+// The rules of docs/BACKENDS.md, in its order: the first rule whose
+// backend can compute the request and whose condition holds chooses.
+// Each condition is named by the rule; the measurements behind it are
+// cited where it is defined above.
+constexpr BackendRule kBackendRules[] = {
+    {"cpu-libtorch-faster", AttentionBackend::libtorch,
+     [](const BackendRequest& r) {
+       return on_cpu(r) && can_run(AttentionBackend::fused_cpu, r) &&
+           libtorch_faster_on_cpu(r.query, r.key, r.value, r.options);
+     }},
+    {"cpu-short-heads", AttentionBackend::fused_cpu,
+     [](const BackendRequest& r) { return on_cpu(r) && short_heads_faster(r.query, r.key); }},
+    {"cpu-short-sequences", AttentionBackend::batched_cpu,
+     [](const BackendRequest& r) {
+       return on_cpu(r) && batched_cpu_faster(r.query, r.key, r.options);
+     }},
+    {"cpu-weights-for-inference", AttentionBackend::fused_cpu_weights,
+     [](const BackendRequest& r) { return on_cpu(r) && r.options.need_weights(); }},
+    {"cpu-weights-with-gradients", AttentionBackend::batched_cpu,
+     [](const BackendRequest& r) { return on_cpu(r) && r.options.need_weights(); }},
+    {"cpu-fused", AttentionBackend::fused_cpu, on_cpu},
+    {"cuda-libtorch", AttentionBackend::libtorch,
+     [](const BackendRequest& r) { return r.query.device().is_cuda(); }},
+    {"math", AttentionBackend::math, [](const BackendRequest&) { return true; }},
+};
+
+} // namespace
+
+c10::ArrayRef<BackendRule> backend_rules() {
+  return kBackendRules;
+}
+
+const BackendRule& deciding_rule(const BackendRequest& request) {
+  for (const auto& rule : kBackendRules) {
+    if (can_run(rule.backend, request) && rule.applies(request)) {
+      return rule;
+    }
+  }
+  return kBackendRules[std::size(kBackendRules) - 1]; // math runs everything
+}
+
 AttentionBackend choose_backend(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  const auto runs = [&](AttentionBackend backend) {
-    return unsupported_reason(backend, query, key, value, options).empty();
-  };
-  if (query.device().is_cpu()) {
-    if (runs(AttentionBackend::fused_cpu) && runs(AttentionBackend::libtorch) &&
-        libtorch_faster_on_cpu(query, key, value, options)) {
-      return AttentionBackend::libtorch;
-    }
-    if (runs(AttentionBackend::fused_cpu) && short_heads_faster(query, key)) {
-      return AttentionBackend::fused_cpu;
-    }
-    if (runs(AttentionBackend::batched_cpu) && batched_cpu_faster(query, key, options)) {
-      return AttentionBackend::batched_cpu;
-    }
-    if (runs(AttentionBackend::fused_cpu_weights) && options.need_weights()) {
-      return AttentionBackend::fused_cpu_weights;
-    }
-    // Weights with gradients: the one CPU kernel that differentiates them.
-    if (runs(AttentionBackend::batched_cpu) && options.need_weights()) {
-      return AttentionBackend::batched_cpu;
-    }
-    if (runs(AttentionBackend::fused_cpu)) {
-      return AttentionBackend::fused_cpu;
-    }
-  } else if (query.device().is_cuda() && runs(AttentionBackend::libtorch)) {
-    return AttentionBackend::libtorch;
-  }
-  return AttentionBackend::math;
+  return deciding_rule({query, key, value, options}).backend;
+}
+
+FusedLoops fused_cpu_loops(const AttentionParams& params) {
+  return short_heads_run(params.q.scalar_type(), params.L(), params.S()) ? FusedLoops::short_heads
+                                                                         : FusedLoops::tiled;
+}
+
+ForwardResult fused_cpu_forward(const AttentionParams& params) {
+  return fused_forward(fused_cpu_loops(params), params);
+}
+
+InputGradients fused_cpu_backward(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out) {
+  return fused_backward(fused_cpu_loops(params), params, forward, grad_out);
 }
 
 } // namespace detail

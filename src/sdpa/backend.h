@@ -1,8 +1,11 @@
 #pragma once
 
 // The rules behind attn::select_backend: which backends can compute a
-// request exactly as attn defines it, and which of those runs.
-// Inputs are already checked.
+// request exactly as attn defines it, which of those runs, and which loops
+// run the fused CPU kernel. Inputs are already checked.
+
+#include "kernels/attention_params.h"
+#include "kernels/cpu/fused_attention.h"
 
 #include <attn/options.h>
 
@@ -21,11 +24,50 @@ std::string unsupported_reason(
     const torch::Tensor& value,
     const SDPAOptions& options);
 
-// The backend an automatic selection (options.backend() unset) runs.
+// A request as the rules read it.
+struct BackendRequest {
+  const torch::Tensor& query;
+  const torch::Tensor& key;
+  const torch::Tensor& value;
+  const SDPAOptions& options;
+};
+
+// One rule of the automatic choice, as docs/BACKENDS.md names it: its
+// backend runs a request that it can compute and for which `applies`
+// holds, unless an earlier rule chose.
+struct BackendRule {
+  const char* name;
+  AttentionBackend backend;
+  bool (*applies)(const BackendRequest& request);
+};
+
+// The rules, in docs/BACKENDS.md's order; the last (math) applies to
+// everything.
+c10::ArrayRef<BackendRule> backend_rules();
+
+// The first rule that chooses a backend for `request`.
+const BackendRule& deciding_rule(const BackendRequest& request);
+
+// The backend an automatic selection (options.backend() unset) runs: that
+// of deciding_rule.
 AttentionBackend choose_backend(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options);
+
+// The loops that compute the fused CPU kernel for `params`: the short
+// heads' wherever they run, which are the faster there (backend.cpp,
+// short_heads_faster), else the tiled ones.
+FusedLoops fused_cpu_loops(const AttentionParams& params);
+
+// The fused CPU kernel's forward and backward on its chosen loops, for
+// callers that merge partial results (the context-parallel ring):
+// fused_attention.h's fused_forward and fused_backward.
+ForwardResult fused_cpu_forward(const AttentionParams& params);
+InputGradients fused_cpu_backward(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out);
 
 } // namespace attn::detail

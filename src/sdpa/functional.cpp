@@ -1,7 +1,9 @@
 #include <attn/functional.h>
 
+#include "kernels/attention_params.h"
 #include "kernels/cpu/batched_attention.h"
-#include "kernels/cpu/cpu_attention.h"
+#include "kernels/cpu/fused_attention.h"
+#include "kernels/cpu/tiled_attention.h"
 #include "runtime/compat.h"
 #include "sdpa/backend.h"
 #include "sdpa/masks.h"
@@ -145,51 +147,49 @@ std::vector<int64_t> with_last_dim(const torch::Tensor& query, int64_t last) {
   return shape;
 }
 
-// The CPU kernels' description of the request's masks and scale.
-detail::CpuAttentionConfig cpu_kernel_config(
+// The request as attn's backends read it (kernels/attention_params.h):
+// the inputs as (B, H, ·, ·), views whenever there are at most 4 dims, and
+// the mask expanded to the scores' shape.
+detail::AttentionParams attention_params(
     const torch::Tensor& query,
     const torch::Tensor& key,
-    const SDPAOptions& options,
-    double scale) {
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
   const auto& mask = options.attn_mask();
-  return {
-      mask.defined() ? as_4d(mask.expand(with_last_dim(query, key.size(-2)))) : torch::Tensor(),
-      scale, options.is_causal(), options.query_offset(),
-      std::min(options.window().value_or(0), detail::kUnboundedWindow)};
-}
-
-std::tuple<torch::Tensor, torch::Tensor> run_fused_cpu(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options,
-    double scale,
-    bool with_weights) {
-  const auto output_shape = with_last_dim(query, value.size(-1)); // (..., L, Ev)
-  const auto weights_shape = with_last_dim(query, key.size(-2));  // (..., L, S)
-  const auto config = cpu_kernel_config(query, key, options, scale);
-  const auto q = as_4d(query), k = as_4d(key), v = as_4d(value);
-  if (!with_weights) {
-    return {detail::cpu_flash_attention(q, k, v, config).reshape(output_shape), torch::Tensor()};
+  detail::AttentionParams params;
+  params.q = as_4d(query);
+  params.k = as_4d(key);
+  params.v = as_4d(value);
+  if (mask.defined()) {
+    params.mask = as_4d(mask.expand(with_last_dim(query, key.size(-2))));
   }
-  const auto [output, weights] = detail::cpu_attention_with_weights(q, k, v, config);
-  return {
-      output.reshape(output_shape),
-      options.need_weights() ? weights.reshape(weights_shape) : torch::Tensor()};
+  params.scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
+  params.causal = options.is_causal();
+  params.query_offset = options.query_offset();
+  params.window = std::min(options.window().value_or(0), detail::kUnboundedWindow);
+  params.dropout_p = options.training() ? options.dropout_p() : 0.0;
+  return params;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> run_batched_cpu(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options,
-    double scale) {
-  const auto [output, weights] = detail::cpu_batched_attention(
-      as_4d(query), as_4d(key), as_4d(value), cpu_kernel_config(query, key, options, scale),
-      options.need_weights());
-  return {
-      output.reshape(with_last_dim(query, value.size(-1))),
-      weights.defined() ? weights.reshape(with_last_dim(query, key.size(-2))) : weights};
+// attn's backend `backend` on `params`: the output (B, H, L, Dv) and, with
+// `need_weights`, the weights (B, H, L, S).
+std::tuple<torch::Tensor, torch::Tensor> run_attn_backend(
+    AttentionBackend backend,
+    const detail::AttentionParams& params,
+    bool need_weights) {
+  switch (backend) {
+    case AttentionBackend::fused_cpu:
+      return {detail::fused_attention(detail::fused_cpu_loops(params), params), torch::Tensor()};
+    case AttentionBackend::fused_cpu_weights: {
+      const auto [output, weights] = detail::tiled_attention_with_weights(params);
+      return {output, need_weights ? weights : torch::Tensor()};
+    }
+    case AttentionBackend::batched_cpu: return detail::batched_attention(params, need_weights);
+    case AttentionBackend::math:
+    case AttentionBackend::libtorch: break;
+  }
+  const auto [output, weights] = detail::math_attention(params);
+  return {output, need_weights ? weights : torch::Tensor()};
 }
 
 // LibTorch's kernel on the request. Masks, windows and causal bands it
@@ -243,30 +243,23 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
+  if (backend == AttentionBackend::libtorch) {
+    return {run_libtorch(query, key, value, options), torch::Tensor()};
+  }
   // Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
   // weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
   // attn's CPU backends compute in float32 and round the results once.
   // LibTorch's kernel computes half precision its own way.
-  if (backend != AttentionBackend::libtorch && computed_in_float32_on_cpu(query)) {
-    const auto [output, weights] = run_backend(
-        backend, query.to(torch::kFloat), key.to(torch::kFloat), value.to(torch::kFloat),
-        with_float32_mask(options));
-    const auto dtype = query.scalar_type();
-    return {output.to(dtype), weights.defined() ? weights.to(dtype) : weights};
-  }
-  const double scale = options.scale().value_or(
-      1.0 / std::sqrt(static_cast<double>(query.size(-1))));
-  switch (backend) {
-    case AttentionBackend::fused_cpu:
-    case AttentionBackend::fused_cpu_weights:
-      return run_fused_cpu(
-          query, key, value, options, scale, backend == AttentionBackend::fused_cpu_weights);
-    case AttentionBackend::batched_cpu: return run_batched_cpu(query, key, value, options, scale);
-    case AttentionBackend::libtorch:
-      return {run_libtorch(query, key, value, options), torch::Tensor()};
-    case AttentionBackend::math: break;
-  }
-  return detail::math_attention(query, key, value, options, scale);
+  const bool in_float32 = computed_in_float32_on_cpu(query);
+  const auto params = in_float32 ? attention_params(
+                                       query.to(torch::kFloat), key.to(torch::kFloat),
+                                       value.to(torch::kFloat), with_float32_mask(options))
+                                 : attention_params(query, key, value, options);
+  const auto [output, weights] = run_attn_backend(backend, params, options.need_weights());
+  const auto dtype = query.scalar_type();
+  return {
+      output.reshape(with_last_dim(query, value.size(-1))).to(dtype),
+      weights.defined() ? weights.reshape(with_last_dim(query, key.size(-2))).to(dtype) : weights};
 }
 
 } // namespace

@@ -14,7 +14,12 @@ torch::Tensor visible_band(
     bool causal,
     const c10::optional<int64_t>& window,
     torch::Device device) {
-  const KeyBand band{causal, query_offset, std::min(window.value_or(0), kUnboundedWindow), S};
+  return visible_band(
+      KeyBand{causal, query_offset, std::min(window.value_or(0), kUnboundedWindow), S}, L, device);
+}
+
+torch::Tensor visible_band(const KeyBand& band, int64_t L, torch::Device device) {
+  const int64_t S = band.S;
   // Each query's bounds (L, 1) against the key positions (1, S): the
   // comparisons broadcast straight to the (L, S) band.
   auto begin = torch::empty({L, 1}, torch::kLong);

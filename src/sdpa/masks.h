@@ -1,14 +1,14 @@
 #pragma once
 
 // Everything attn knows about mask tensors, in one place: the band of keys
-// that `is_causal` and `window` leave visible (kernels/key_band.h) as a
+// that `is_causal` and `window` leave visible (kernels/attention_params.h) as a
 // bool tensor for the math path and the module, the checks every mask
 // argument passes, and the combination of several masks into one.
 //
 // Conventions: a bool mask is true where a query *may attend*; a floating
 // mask is added to the scaled scores, -inf forbidding a pair.
 
-#include "kernels/key_band.h"
+#include "kernels/attention_params.h"
 
 #include <attn/options.h>
 
@@ -27,6 +27,7 @@ torch::Tensor visible_band(
     bool causal,
     const c10::optional<int64_t>& window,
     torch::Device device);
+torch::Tensor visible_band(const KeyBand& band, int64_t L, torch::Device device);
 
 // `mask` (named `name` in messages) must be bool or of `query`'s floating
 // dtype, and live on `query`'s device. `caller` prefixes the message.

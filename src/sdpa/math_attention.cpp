@@ -31,50 +31,37 @@ torch::Tensor repeat_heads(const torch::Tensor& t, int64_t group) {
 
 } // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> math_attention(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options,
-    double scale) {
-  const auto L = query.size(-2);
-  const auto S = key.size(-2);
-  auto k = key, v = value;
-  if (options.enable_gqa() && key.size(-3) != query.size(-3)) {
-    const auto group = query.size(-3) / key.size(-3);
-    k = repeat_heads(key, group);
-    v = repeat_heads(value, group);
+std::tuple<torch::Tensor, torch::Tensor> math_attention(const AttentionParams& params) {
+  auto k = params.k, v = params.v;
+  // With no query heads the group is 0, and so are the repeated heads.
+  if (params.Hkv() != params.H()) {
+    k = repeat_heads(params.k, params.group());
+    v = repeat_heads(params.v, params.group());
   }
   // Scaling the (L, E) query rather than the (L, S) scores is cheaper when
   // S > E and rounds as torch::nn::MultiheadAttention does.
-  auto scores = torch::matmul(query * scale, k.transpose(-2, -1)); // (..., L, S)
-  const auto& mask = options.attn_mask();
+  auto scores = torch::matmul(params.q * params.scale, k.transpose(-2, -1)); // (B, H, L, S)
+  const auto& mask = params.mask;
   if (mask.defined()) {
     scores = mask.scalar_type() == torch::kBool
         ? scores.masked_fill(mask.logical_not(), kNegativeInfinity<double>)
         : scores + mask;
   }
-  const auto& window = options.window();
-  if (options.is_causal() || window) {
+  if (params.causal || params.window > 0) {
     scores = scores.masked_fill(
-        visible_band(L, S, options.query_offset(), options.is_causal(), window, query.device())
-            .logical_not(),
+        visible_band(params.key_band(), params.L(), params.q.device()).logical_not(),
         kNegativeInfinity<double>);
   }
 
   // Causal masking alone with a non-negative offset always leaves key 0
   // visible; other masks can empty a row.
-  const bool rows_may_be_empty = mask.defined() || window || options.query_offset() < 0;
+  const bool rows_may_be_empty = mask.defined() || params.window > 0 || params.query_offset < 0;
   auto weights = rows_may_be_empty ? softmax_allowing_masked_rows(scores)
                                    : torch::softmax(scores, -1);
-  if (options.training() && options.dropout_p() > 0.0) {
-    weights = torch::dropout(weights, options.dropout_p(), /*train=*/true);
+  if (params.dropout_p > 0.0) {
+    weights = torch::dropout(weights, params.dropout_p, /*train=*/true);
   }
-  auto output = torch::matmul(weights, v); // (..., L, Ev)
-  if (!options.need_weights()) {
-    weights = torch::Tensor();
-  }
-  return {output, weights};
+  return {torch::matmul(weights, v), weights};
 }
 
 } // namespace attn::detail

@@ -8,7 +8,7 @@
 // is the specification the fused kernels are tested against. It
 // materialises the (..., L, S) scores.
 
-#include <attn/options.h>
+#include "kernels/attention_params.h"
 
 #include <torch/types.h>
 
@@ -16,12 +16,8 @@
 
 namespace attn::detail {
 
-// Inputs already checked; `scale` already resolved from the options.
-std::tuple<torch::Tensor, torch::Tensor> math_attention(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options,
-    double scale);
+// (output (B, H, L, Dv), weights (B, H, L, S)), both differentiable, for
+// `params` on any device and in any floating dtype.
+std::tuple<torch::Tensor, torch::Tensor> math_attention(const AttentionParams& params);
 
 } // namespace attn::detail

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <attn/functional.h>
 #include <attn/kv_cache.h>
 #include <attn/modules/multi_head_layers.h>
 #include <attn/modules/rotary_embedding.h>
@@ -66,6 +67,10 @@ class MultiHeadAttentionImpl : public torch::nn::Cloneable<MultiHeadAttentionImp
       const torch::Tensor& key,
       const torch::Tensor& value,
       const MultiHeadAttentionForwardOptions& options = {});
+
+  /// The module's layers as `attn::multi_head_attention_forward` takes
+  /// them: the tensors themselves (not copies), for all H heads.
+  MultiHeadAttentionParameters functional_parameters() const;
 
   /// Registers the projections (and `bias_k`, `bias_v`, `rotary` when
   /// asked for) and initialises them.

@@ -169,9 +169,9 @@ template <typename scalar_t>
 void softmax_rows(
     const torch::Tensor& scores,
     const BatchedShape& shape,
-    const CpuAttentionConfig& config) {
-  const MaskView<scalar_t> mask(config, shape.S);
-  const auto scale = static_cast<scalar_t>(config.scale);
+    const AttentionParams& params) {
+  const MaskView<scalar_t> mask(params);
+  const auto scale = static_cast<scalar_t>(params.scale);
   scalar_t* data = scores.data_ptr<scalar_t>();
   const int64_t S = shape.S;
   parallel_for(
@@ -226,22 +226,23 @@ void softmax_backward_rows(
 class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttentionFunction> {
  public:
   // Returns the output (B, H, L, Dv) and the probabilities (B, H, L, S).
+  // q, k and v are params' own, passed apart so that autograd sees them.
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx,
       const torch::Tensor& q,
       const torch::Tensor& k,
       const torch::Tensor& v,
-      const CpuAttentionConfig& config,
+      const AttentionParams& params,
       bool need_weights) {
     const BatchedShape shape(q, k);
     const auto q3 = shape.queries(q), k3 = shape.keys(k), v3 = shape.keys(v);
     auto probs = batched_product(q3, k3.transpose(1, 2)); // (B·Hkv, group·L, S)
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_batched_attention", [&] {
-      softmax_rows<scalar_t>(probs, shape, config);
+      softmax_rows<scalar_t>(probs, shape, params);
     });
     const auto out = batched_product(probs, v3).view({shape.B, shape.H, shape.L, v.size(3)});
     ctx->save_for_backward({q3, k3, v3, probs});
-    ctx->saved_data["scale"] = config.scale;
+    ctx->saved_data["scale"] = params.scale;
     ctx->saved_data["sizes"] = std::vector<int64_t>{shape.B, shape.H, shape.Hkv, shape.L};
     const auto weights = probs.view({shape.B, shape.H, shape.L, shape.S});
     if (!need_weights) {
@@ -282,13 +283,11 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
 
 } // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> cpu_batched_attention(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config,
+std::tuple<torch::Tensor, torch::Tensor> batched_attention(
+    const AttentionParams& params,
     bool need_weights) {
-  const auto results = BatchedAttentionFunction::apply(q, k, v, config, need_weights);
+  const auto results = BatchedAttentionFunction::apply(
+      params.q, params.k, params.v, params, need_weights);
   return {results[0], need_weights ? results[1] : torch::Tensor()};
 }
 

@@ -3,16 +3,15 @@
 // Attention on the CPU for short sequences: every head's scores in one
 // batched GEMM, masked and normalised row by row in one pass, then one
 // batched GEMM into V; the backward likewise, from the probabilities kept
-// by the forward. Where the tiled kernel (cpu_attention.h) issues a few
+// by the forward. Where the tiled kernel (tiled_attention.h) issues a few
 // small GEMMs per head, whose call overhead dominates when L·S is small,
 // this issues four batched ones per pass at the price of the
 // (B, H, L, S) probabilities in memory.
 //
-// Below the API boundary, with cpu_attention.h's conventions: q (B, H, L, D),
-// k (B, Hkv, S, D), v (B, Hkv, S, Dv), float or double, Hkv dividing H;
-// `config` as for the tiled kernel.
+// Below the API boundary: `params` (attention_params.h) in float or
+// double.
 
-#include "kernels/cpu/cpu_attention.h"
+#include "kernels/attention_params.h"
 
 #include <torch/types.h>
 
@@ -22,11 +21,8 @@ namespace attn::detail {
 
 // The output (B, H, L, Dv) and, with `need_weights`, the weights
 // (B, H, L, S), both differentiable (else an undefined tensor).
-std::tuple<torch::Tensor, torch::Tensor> cpu_batched_attention(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config,
+std::tuple<torch::Tensor, torch::Tensor> batched_attention(
+    const AttentionParams& params,
     bool need_weights);
 
 } // namespace attn::detail

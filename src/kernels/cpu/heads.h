@@ -8,7 +8,7 @@
 
 #include "kernels/cpu/tile_product.h"
 
-#include <torch/types.h>
+#include <torch/torch.h>
 
 #include <cstdint>
 
@@ -34,5 +34,16 @@ struct Heads {
   scalar_t* data;
   int64_t rows, cols, batch_stride, head_stride, row_stride, column_stride;
 };
+
+// A (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
+// writing head h of token t lands where merged heads expect it.
+inline torch::Tensor empty_heads_interleaved(
+    int64_t B,
+    int64_t H,
+    int64_t T,
+    int64_t F,
+    const torch::TensorOptions& options) {
+  return torch::empty({B, T, H, F}, options).permute({0, 2, 1, 3});
+}
 
 } // namespace attn::detail

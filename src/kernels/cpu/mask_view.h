@@ -4,7 +4,7 @@
 // through its (possibly zero, broadcast) strides, and the band of keys that
 // `causal` and `window` leave visible.
 
-#include "kernels/cpu/cpu_attention.h"
+#include "kernels/attention_params.h"
 
 #include <torch/torch.h>
 
@@ -24,8 +24,8 @@ struct MaskView {
   int64_t stride_b = 0, stride_h = 0, stride_l = 0, stride_s = 0;
   KeyBand band;
 
-  MaskView(const CpuAttentionConfig& config, int64_t S) : band(config.key_band(S)) {
-    const auto& mask = config.mask;
+  explicit MaskView(const AttentionParams& params) : band(params.key_band()) {
+    const auto& mask = params.mask;
     if (!mask.defined()) {
       return;
     }

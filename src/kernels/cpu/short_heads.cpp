@@ -46,26 +46,20 @@ void parallel_heads(
   parallel_for(0, B * call.H, grain, [&](int64_t begin, int64_t end) { run(call, begin, end); });
 }
 
-ShortHeadsCall call_of(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const torch::Tensor& out,
-    const CpuAttentionConfig& config) {
-  const int64_t H = q.size(1);
+ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) {
   return {
-      Heads<float>(q),
-      Heads<float>(k),
-      Heads<float>(v),
+      Heads<float>(params.q),
+      Heads<float>(params.k),
+      Heads<float>(params.v),
       Heads<float>(out),
-      MaskView<float>(config, k.size(2)),
-      static_cast<float>(config.scale),
-      H,
-      k.size(1) > 0 ? H / k.size(1) : 1,
-      q.size(2),
-      k.size(2),
-      q.size(3),
-      v.size(3)};
+      MaskView<float>(params),
+      static_cast<float>(params.scale),
+      params.H(),
+      params.group(),
+      params.L(),
+      params.S(),
+      params.D(),
+      params.Dv()};
 }
 
 } // namespace
@@ -75,43 +69,32 @@ bool short_heads_run(torch::ScalarType dtype, int64_t L, int64_t S) {
       active_loops() != nullptr;
 }
 
-void short_heads_forward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config,
-    const torch::Tensor& out,
-    const torch::Tensor& lse) {
-  if (lse.numel() == 0) { // no query: nothing to write, however many heads
+void short_heads_forward(const AttentionParams& params, const ForwardResult& result) {
+  if (result.lse.numel() == 0) { // no query: nothing to write, however many heads
     return;
   }
-  auto call = call_of(q, k, v, out, config);
-  call.lse_out = lse.data_ptr<float>();
+  auto call = call_of(params, result.out);
+  call.lse_out = result.lse.data_ptr<float>();
   parallel_heads(
-      call, q.size(0), 2.0 * call.L * call.S * (call.D + call.Dv), admitted_loops().forward);
+      call, params.B(), 2.0 * call.L * call.S * (call.D + call.Dv), admitted_loops().forward);
 }
 
 void short_heads_backward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const torch::Tensor& out,
+    const AttentionParams& params,
+    const ForwardResult& forward,
     const torch::Tensor& grad_out,
-    const torch::Tensor& lse,
-    const CpuAttentionConfig& config,
-    const torch::Tensor& dq,
-    const torch::Tensor& dk,
-    const torch::Tensor& dv) {
-  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) {
+    const InputGradients& grads) {
+  if (grads.dq.numel() == 0 && grads.dk.numel() == 0 && grads.dv.numel() == 0) {
     return;
   }
-  auto call = call_of(q, k, v, out, config);
-  call.lse = lse.data_ptr<float>();
+  auto call = call_of(params, forward.out);
+  call.lse = forward.lse.data_ptr<float>();
   const ShortHeadsGradients gradients{
-      Heads<float>(grad_out), Heads<float>(dq), Heads<float>(dk), Heads<float>(dv)};
+      Heads<float>(grad_out), Heads<float>(grads.dq), Heads<float>(grads.dk),
+      Heads<float>(grads.dv)};
   call.gradients = &gradients;
   parallel_heads(
-      call, q.size(0), 2.0 * call.L * call.S * (3 * call.D + 2 * call.Dv),
+      call, params.B(), 2.0 * call.L * call.S * (3 * call.D + 2 * call.Dv),
       admitted_loops().backward);
 }
 

@@ -6,20 +6,21 @@
 // Q·Kᵀ through the mask and the softmax, and the products are loops of
 // attn's own over the head's operands, copied into the task's buffers
 // (Kᵀ, Vᵀ, rows padded to whole vectors). The tiled loops
-// (cpu_attention.cpp) spend on such a head a product call per operand and
+// (tiled_attention.cpp) spend on such a head a product call per operand and
 // block and a pass over each row of scores in memory, for a few thousand
 // multiply-adds. On 2 cores these loops ran 1.3-2.6x as fast as the
 // batched kernel forward and 1.0-1.9x with backward, at 16-64 tokens
 // (docs/BENCHMARKS.md, "Short heads").
 //
-// The same results as the tiled loops up to rounding: the forward writes
-// the output and the row log-sum-exp, the backward recomputes the
-// probabilities from it and writes the gradients, one key/value gradient
-// per query head. Below the API boundary: q (B, H, L, D), k (B, Hkv, S,
-// D), v (B, Hkv, S, Dv), out and grad_out (B, H, L, Dv), rows of unit
-// stride.
+// The same results as the tiled loops up to rounding, with the same
+// shape (tiled_attention.h): the forward writes the output and the row
+// log-sum-exp, the backward recomputes the probabilities from it and
+// writes the gradients, one key/value gradient per query head. Called
+// through fused_attention.h, with its conventions: q (B, H, L, D), k
+// (B, Hkv, S, D), v (B, Hkv, S, Dv), out and grad_out (B, H, L, Dv), rows
+// of unit stride.
 
-#include "kernels/cpu/cpu_attention.h"
+#include "kernels/attention_params.h"
 
 #include <torch/types.h>
 
@@ -36,27 +37,15 @@ constexpr int64_t kMaxShortQueries = 128;
 // ScopedProductLoops chooses; none while the BLAS does).
 bool short_heads_run(torch::ScalarType dtype, int64_t L, int64_t S);
 
-// out (B, H, L, Dv) and lse (B, H, L, contiguous) of the heads.
-void short_heads_forward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config,
-    const torch::Tensor& out,
-    const torch::Tensor& lse);
+// Writes `result`'s out (B, H, L, Dv) and lse (B, H, L, contiguous).
+void short_heads_forward(const AttentionParams& params, const ForwardResult& result);
 
-// dq (B, H, L, D), dk (B, H, S, D) and dv (B, H, S, Dv), rows of unit
-// stride, for grad_out, given the forward's out and lse.
+// Writes `grads`: dq (B, H, L, D), dk (B, H, S, D) and dv (B, H, S, Dv),
+// rows of unit stride, for grad_out, given the forward's out and lse.
 void short_heads_backward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const torch::Tensor& out,
+    const AttentionParams& params,
+    const ForwardResult& forward,
     const torch::Tensor& grad_out,
-    const torch::Tensor& lse,
-    const CpuAttentionConfig& config,
-    const torch::Tensor& dq,
-    const torch::Tensor& dk,
-    const torch::Tensor& dv);
+    const InputGradients& grads);
 
 } // namespace attn::detail

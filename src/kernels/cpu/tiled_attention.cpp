@@ -1,10 +1,9 @@
-#include "kernels/cpu/cpu_attention.h"
+#include "kernels/cpu/tiled_attention.h"
 
 #include "kernels/cpu/heads.h"
 #include "kernels/cpu/mask_view.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/row_ops.h"
-#include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
 #include "kernels/cpu/workspace.h"
 #include "runtime/threads.h"
@@ -19,13 +18,6 @@
 
 namespace attn::detail {
 namespace {
-
-// A query tile's scores (128 × 512 floats = 256 KiB) stay in L2 while they
-// are masked, exponentiated and multiplied into V. Measured single-threaded
-// at T = 1024 and 4096 (D = 64): 128 × 512 ran at ~70 % of sgemm, ahead of
-// 64 × 512, 256 × 512, 128 × 256, 64 × 1024 and 256 × 1024.
-constexpr int64_t kQueryTile = 128;
-constexpr int64_t kKeyBlock = 512;
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
@@ -136,22 +128,6 @@ struct TileBands {
   }
 };
 
-// (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel
-// writing head h of token t lands where merged heads expect it.
-torch::Tensor empty_heads_interleaved(
-    int64_t B,
-    int64_t H,
-    int64_t T,
-    int64_t F,
-    const torch::TensorOptions& options) {
-  return torch::empty({B, T, H, F}, options).permute({0, 2, 1, 3});
-}
-
-// Query heads per key/value head (1 when there are no heads at all).
-int64_t kv_group(const torch::Tensor& q, const torch::Tensor& k) {
-  return k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
-}
-
 // Zeroes a matrix whose rows have unit stride.
 template <typename scalar_t>
 void zero_matrix(const MatrixRef<scalar_t>& m) {
@@ -203,95 +179,30 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
   return copy;
 }
 
-// Heads as the kernels read them: rows of unit stride, copied into
-// contiguous heads where each key and value row is read by more than
-// kMaxQueryTilesInPlace query tiles (`queries`: how many read them; 1 for
-// the queries themselves). Heads whose rows interleave with other heads'
-// (MultiHeadAttention's (B, L, H, D) projections seen as (B, H, L, D))
-// slowed every tile's GEMM by a third at T = 4096, where one copy costs far
-// less; read in place, GPT-2-small's layer at T = 128 ran 1-3 % faster
-// and at T = 512 2-3 % slower than with the copies.
-constexpr int64_t kMaxQueryTilesInPlace = 2;
-
-torch::Tensor heads_for_kernels(const torch::Tensor& t, int64_t queries) {
-  const bool rows_have_unit_stride = t.size(-1) <= 1 || t.stride(-1) == 1;
-  const bool read_by_few_tiles = ceil_div(queries, kQueryTile) <= kMaxQueryTilesInPlace;
-  return rows_have_unit_stride && read_by_few_tiles ? t : t.contiguous();
-}
-
-// Whether q, k and v (B, H, L, D) are the query, key and value parts of
-// one projection: (B, L, 3, H, D) or (L, B, 3, H, D) memory, as
-// MultiHeadAttention's one product for Q, K and V leaves them.
-bool parts_of_one_projection(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v) {
-  const int64_t width = q.size(1) * q.size(3); // H·D
-  const auto tokens_major = [&](int64_t outer, int64_t inner) {
-    return q.stride(inner) == 3 * width && q.stride(outer) == 3 * width * q.size(inner);
-  };
-  return q.sizes() == k.sizes() && q.sizes() == v.sizes() && q.strides() == k.strides() &&
-      q.strides() == v.strides() && q.has_storage() && k.has_storage() && v.has_storage() &&
-      k.storage().is_alias_of(q.storage()) && v.storage().is_alias_of(q.storage()) &&
-      k.storage_offset() == q.storage_offset() + width &&
-      v.storage_offset() == q.storage_offset() + 2 * width && q.stride(3) == 1 &&
-      q.stride(1) == q.size(3) && (tokens_major(0, 2) || tokens_major(2, 0));
-}
-
-// Uninitialised gradients for q, k and v (B, H, L, D), (B, H, S, ·): one
-// key/value gradient per query head. Where q, k and v are the parts of one
-// projection, and few query tiles accumulate into each row, their
-// gradients are the same parts of one buffer, which that projection's
-// backward reads as one matrix, with no concatenation: GPT-2-small's layer
-// at T = 128 trained 7 % faster. At T = 2048 (16 tiles) the strided rows
-// made it 4 % slower, and the gradients stay apart.
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> input_gradients(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v) {
-  if (parts_of_one_projection(q, k, v) &&
-      ceil_div(q.size(2), kQueryTile) <= kMaxQueryTilesInPlace) {
-    const auto buffer = torch::empty({3 * q.numel()}, q.options());
-    const auto part = [&](int64_t i) {
-      return buffer.as_strided(q.sizes(), q.strides(), i * q.size(1) * q.size(3));
-    };
-    return {part(0), part(1), part(2)};
-  }
-  const int64_t B = q.size(0), H = q.size(1), S = k.size(2);
-  return {
-      torch::empty(q.sizes(), q.options()), torch::empty({B, H, S, k.size(3)}, k.options()),
-      torch::empty({B, H, S, v.size(3)}, v.options())};
-}
-
-// What every kernel reads: the inputs (B, H, L, D), (B, Hkv, S, D),
-// (B, Hkv, S, Dv), their sizes, the masks and the scale.
+// What the tiled loops read: the request's inputs (B, H, L, D),
+// (B, Hkv, S, D), (B, Hkv, S, Dv), their sizes, the masks and the scale,
+// and Kᵀ for the products.
 template <typename scalar_t>
 struct KernelInputs {
-  KernelInputs(
-      const torch::Tensor& q,
-      const torch::Tensor& k,
-      const torch::Tensor& v,
-      const CpuAttentionConfig& config)
-      : q(q),
-        k(k),
-        v(v),
-        B(q.size(0)),
-        H(q.size(1)),
-        L(q.size(2)),
-        S(k.size(2)),
-        group(kv_group(q, k)),
+  explicit KernelInputs(const AttentionParams& params)
+      : q(params.q),
+        k(params.k),
+        v(params.v),
+        B(params.B()),
+        H(params.H()),
+        L(params.L()),
+        S(params.S()),
+        group(params.group()),
         key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
         k_t(transposed_for_products(k, L, WorkspaceSlot::keys_transposed)),
         q_heads(q),
         k_heads(k),
         v_heads(v),
         k_t_heads(k_t),
-        mask(config, S),
-        scale(static_cast<scalar_t>(config.scale)) {}
+        mask(params),
+        scale(static_cast<scalar_t>(params.scale)) {}
 
-  const torch::Tensor& q;
-  const torch::Tensor& k;
-  const torch::Tensor& v;
+  torch::Tensor q, k, v;
   int64_t B, H, L, S;
   int64_t group;     // query heads per key/value head
   int64_t key_block; // keys scored per GEMM
@@ -348,10 +259,9 @@ void online_softmax_row(
 // Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L),
 // contiguous.
 template <typename scalar_t>
-void flash_forward(
-    const KernelInputs<scalar_t>& in,
-    const torch::Tensor& out,
-    const torch::Tensor& lse) {
+void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result) {
+  const torch::Tensor& out = result.out;
+  const torch::Tensor& lse = result.lse;
   const int64_t Dv = in.v.size(3);
   const Heads<scalar_t> out_heads(out);
   scalar_t* const lse_data = lse.data_ptr<scalar_t>();
@@ -572,21 +482,18 @@ int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
 template <typename scalar_t>
 void flash_backward(
     const KernelInputs<scalar_t>& in,
-    const torch::Tensor& out,
+    const ForwardResult& forward,
     const torch::Tensor& grad_out,
-    const torch::Tensor& lse,
-    const torch::Tensor& dq,
-    const torch::Tensor& dk,
-    const torch::Tensor& dv) {
+    const InputGradients& grads) {
   const auto v_t = transposed_for_products(in.v, in.L, WorkspaceSlot::values_transposed);
-  const BackwardTensors<scalar_t> t{Heads<scalar_t>(out), Heads<scalar_t>(grad_out),
-                                    Heads<scalar_t>(v_t), lse.data_ptr<scalar_t>(),
-                                    Heads<scalar_t>(dk),  Heads<scalar_t>(dv)};
+  const BackwardTensors<scalar_t> t{Heads<scalar_t>(forward.out), Heads<scalar_t>(grad_out),
+                                    Heads<scalar_t>(v_t),         forward.lse.data_ptr<scalar_t>(),
+                                    Heads<scalar_t>(grads.dk),    Heads<scalar_t>(grads.dv)};
   const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
   const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
   const auto dq_parts = splits == 1
-      ? dq.unsqueeze(0)
-      : torch::empty({splits, in.B, in.H, in.L, in.q.size(3)}, dq.options());
+      ? grads.dq.unsqueeze(0)
+      : torch::empty({splits, in.B, in.H, in.L, in.q.size(3)}, grads.dq.options());
   std::vector<Heads<scalar_t>> dq_of_split;
   dq_of_split.reserve(splits);
   for (int64_t split = 0; split < splits; ++split) {
@@ -653,7 +560,7 @@ void flash_backward(
         }
       });
   if (splits > 1) {
-    dq.copy_(dq_parts.sum(0));
+    grads.dq.copy_(dq_parts.sum(0));
   }
 }
 
@@ -703,147 +610,35 @@ void forward_with_weights(
       });
 }
 
-// The forward kernel for any floating dtype, writing `out` (B, H, L, Dv)
-// and `lse` (B, H, L).
-void run_flash_forward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config,
-    const torch::Tensor& out,
-    const torch::Tensor& lse) {
-  const int64_t L = q.size(2);
-  if (short_heads_run(q.scalar_type(), L, k.size(2))) {
-    short_heads_forward(
-        heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config, out,
-        lse);
-    return;
-  }
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_forward", [&] {
-    flash_forward<scalar_t>(
-        {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config}, out,
-        lse);
+} // namespace
+
+void tiled_forward(const AttentionParams& params, const ForwardResult& result) {
+  AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_forward", [&] {
+    flash_forward<scalar_t>(KernelInputs<scalar_t>(params), result);
   });
 }
 
-class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFunction> {
- public:
-  // q, k, v (B, H, ·, ·); returns the output as (B, L, H, Dv).
-  static torch::Tensor forward(
-      torch::autograd::AutogradContext* ctx,
-      const torch::Tensor& q,
-      const torch::Tensor& k,
-      const torch::Tensor& v,
-      const CpuAttentionConfig& config) {
-    const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
-    // The kernel writes through a (B, H, L, Dv) view; the function returns
-    // the underlying (B, L, H, Dv) tensor itself, not a view of it.
-    auto out = torch::empty({B, L, H, v.size(3)}, q.options());
-    const auto lse = torch::empty({B, H, L}, q.options());
-    run_flash_forward(q, k, v, config, out.permute({0, 2, 1, 3}), lse);
-    ctx->save_for_backward({q, k, v, out, lse});
-    config.save_to(*ctx);
-    return out;
-  }
-
-  static torch::autograd::variable_list backward(
-      torch::autograd::AutogradContext* ctx,
-      torch::autograd::variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const auto out = saved[3].permute({0, 2, 1, 3}); // (B, H, L, Dv)
-    const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3});
-    auto [dq, dk, dv] = cpu_flash_backward(
-        saved[0], saved[1], saved[2], out, saved[4], grad_out,
-        CpuAttentionConfig::restore_from(*ctx));
-    return {dq, dk, dv, torch::Tensor()}; // nothing for the config
-  }
-};
-
-} // namespace
-
-void CpuAttentionConfig::save_to(torch::autograd::AutogradContext& ctx) const {
-  ctx.saved_data["mask"] = mask;
-  ctx.saved_data["scale"] = scale;
-  ctx.saved_data["causal"] = causal;
-  ctx.saved_data["query_offset"] = query_offset;
-  ctx.saved_data["window"] = window;
-}
-
-CpuAttentionConfig CpuAttentionConfig::restore_from(torch::autograd::AutogradContext& ctx) {
-  return {
-      ctx.saved_data.at("mask").toTensor(), ctx.saved_data.at("scale").toDouble(),
-      ctx.saved_data.at("causal").toBool(), ctx.saved_data.at("query_offset").toInt(),
-      ctx.saved_data.at("window").toInt()};
-}
-
-std::tuple<torch::Tensor, torch::Tensor> cpu_flash_forward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config) {
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
-  const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
-  const auto lse = torch::empty({B, H, L}, q.options());
-  run_flash_forward(q, k, v, config, out, lse);
-  return {out, lse};
-}
-
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> cpu_flash_backward(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const torch::Tensor& out,
-    const torch::Tensor& lse,
+void tiled_backward(
+    const AttentionParams& params,
+    const ForwardResult& forward,
     const torch::Tensor& grad_out,
-    const CpuAttentionConfig& config) {
-  // The inputs' gradients (input_gradients: every element written by the
-  // kernel); with grouped queries, one key/value gradient per query head,
-  // summed below.
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Hkv = k.size(1), S = k.size(2);
-  // Named tensors, not a structured binding: the dispatch lambda below
-  // captures them, which C++17 allows only for variables.
-  torch::Tensor dq, dk, dv;
-  std::tie(dq, dk, dv) = input_gradients(q, k, v);
-  if (short_heads_run(q.scalar_type(), L, S)) {
-    short_heads_backward(
-        heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L),
-        heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), config, dq, dk,
-        dv);
-  } else {
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_backward", [&] {
-      flash_backward<scalar_t>(
-          {heads_for_kernels(q, 1), heads_for_kernels(k, L), heads_for_kernels(v, L), config},
-          heads_for_kernels(out, 1), heads_for_kernels(grad_out, 1), lse.contiguous(), dq, dk, dv);
-    });
-  }
-  if (Hkv == H) {
-    return {dq, dk, dv};
-  }
-  const auto sum_groups = [&](const torch::Tensor& grad) {
-    return grad.view({B, Hkv, H / Hkv, S, grad.size(3)}).sum(2);
-  };
-  return {dq, sum_groups(dk), sum_groups(dv)};
+    const InputGradients& grads) {
+  AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_backward", [&] {
+    flash_backward<scalar_t>(KernelInputs<scalar_t>(params), forward, grad_out, grads);
+  });
 }
 
-torch::Tensor cpu_flash_attention(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config) {
-  return FlashAttentionFunction::apply(q, k, v, config).permute({0, 2, 1, 3});
-}
-
-std::tuple<torch::Tensor, torch::Tensor> cpu_attention_with_weights(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const CpuAttentionConfig& config) {
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const auto out = empty_heads_interleaved(B, H, L, v.size(3), q.options());
-  const auto weights = torch::empty({B, H, L, S}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_attention_with_weights", [&] {
-    forward_with_weights<scalar_t>(
-        {q.contiguous(), k.contiguous(), v.contiguous(), config}, out, weights);
+std::tuple<torch::Tensor, torch::Tensor> tiled_attention_with_weights(
+    const AttentionParams& params) {
+  auto contiguous = params;
+  contiguous.q = params.q.contiguous();
+  contiguous.k = params.k.contiguous();
+  contiguous.v = params.v.contiguous();
+  const int64_t B = params.B(), H = params.H(), L = params.L();
+  const auto out = empty_heads_interleaved(B, H, L, params.Dv(), params.q.options());
+  const auto weights = torch::empty({B, H, L, params.S()}, params.q.options());
+  AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_attention_with_weights", [&] {
+    forward_with_weights<scalar_t>(KernelInputs<scalar_t>(contiguous), out, weights);
   });
   return {out, weights};
 }

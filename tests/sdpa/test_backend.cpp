@@ -4,8 +4,10 @@
 
 #include "test_support.h"
 
+#include "kernels/cpu/fused_attention.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
+#include "sdpa/backend.h"
 
 #include <attn/attn.h>
 
@@ -13,7 +15,12 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -189,6 +196,99 @@ TEST(BackendSelection, ShortSequencesTakeTheShortLoopsOrTheBatchedKernel) {
   // Dropout while training is the math path's alone.
   const auto in = lengths(20, 20, true);
   EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().dropout_p(0.1)), AttentionBackend::math);
+}
+
+// The rules' one table, docs/BACKENDS.md: its rows name the rules of
+// sdpa/backend.cpp, with their backends, in the same order.
+TEST(BackendRules, TheDocsTableIsTheCodesRulesInOrder) {
+  std::ifstream docs(ATTN_DOCS_FOLDER "/BACKENDS.md");
+  ASSERT_TRUE(docs.good()) << "cannot read " << ATTN_DOCS_FOLDER "/BACKENDS.md";
+  const std::regex row("^\\| `([a-z0-9-]+)` \\| `([a-z_]+)` \\|.*");
+  std::vector<std::string> documented;
+  for (std::string line; std::getline(docs, line);) {
+    std::smatch match;
+    if (std::regex_match(line, match, row)) {
+      documented.push_back(match[1].str() + " -> " + match[2].str());
+    }
+  }
+  std::vector<std::string> coded;
+  for (const auto& rule : attn::detail::backend_rules()) {
+    coded.push_back(std::string(rule.name) + " -> " + attn::backend_name(rule.backend));
+  }
+  EXPECT_EQ(documented, coded);
+}
+
+// Every rule of the table decides some request of a grid that varies what
+// the rules read (device aside: the CUDA rule where CUDA is present), and
+// each choice is a backend that can compute the request.
+TEST(BackendRules, EveryRuleDecidesSomeRequest) {
+  std::map<std::string, int> decided;
+  const auto request = [&](int64_t L, int64_t S, int64_t D, int64_t heads, torch::ScalarType dtype,
+                           bool grad, const SDPAOptions& options) {
+    const auto make = [&](int64_t T) {
+      return torch::zeros({1, 1, T, D}, dtype).requires_grad_(grad).expand({heads, 1, T, D});
+    };
+    const auto q = make(L), k = make(S), v = make(S);
+    const auto& rule = attn::detail::deciding_rule({q, k, v, options});
+    decided[rule.name] += 1;
+    EXPECT_EQ(select_backend(q, k, v, options), rule.backend) << rule.name;
+    EXPECT_EQ(attn::detail::unsupported_reason(rule.backend, q, k, v, options), "") << rule.name;
+  };
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (const int64_t T : {16, 100, 200, 2048}) {
+      for (const int64_t heads : {2, 32}) {
+        for (const bool grad : {false, true}) {
+          for (const bool causal : {false, true}) {
+            for (const bool need_weights : {false, true}) {
+              const auto options = SDPAOptions().is_causal(causal).need_weights(need_weights);
+              request(T, T, 64, heads, dtype, grad, options);
+              request(T + 100, T, 16, heads, dtype, grad, options);
+              request(T, T, 64, heads, dtype, grad, SDPAOptions(options).dropout_p(0.1));
+            }
+          }
+        }
+      }
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> unreachable;
+  if (!kRuleMeasured || !(cpu_has("avx512f") || cpu_has("amx_bf16"))) {
+    unreachable.emplace_back("cpu-libtorch-faster", "LibTorch before 2.15 or a CPU not measured");
+  }
+  if (!short_loops()) {
+    unreachable.emplace_back("cpu-short-heads", "attn's vector loops do not run on this CPU");
+  }
+  unreachable.emplace_back("cuda-libtorch", "the grid is on the CPU");
+  for (const auto& rule : attn::detail::backend_rules()) {
+    const auto skipped = std::find_if(unreachable.begin(), unreachable.end(), [&](const auto& u) {
+      return u.first == rule.name;
+    });
+    if (skipped != unreachable.end()) {
+      std::cout << "[ NOTE     ] rule " << rule.name << " not expected here: " << skipped->second
+                << "\n";
+      continue;
+    }
+    EXPECT_GT(decided[rule.name], 0) << "no request of the grid was decided by " << rule.name;
+  }
+}
+
+// Which loops run the fused kernel (sdpa/backend.cpp alone decides): the
+// short heads' within their bounds (128 queries, 64 keys, float) where
+// they run, the tiled ones elsewhere.
+TEST(BackendSelection, TheFusedKernelTakesTheShortLoopsWithinTheirBounds) {
+  using attn::detail::FusedLoops;
+  const auto loops = [](int64_t L, int64_t S, torch::ScalarType dtype) {
+    attn::detail::AttentionParams params;
+    params.q = torch::zeros({1, 2, L, 8}, dtype);
+    params.k = torch::zeros({1, 2, S, 8}, dtype);
+    params.v = params.k;
+    return attn::detail::fused_cpu_loops(params);
+  };
+  const auto within = short_loops() ? FusedLoops::short_heads : FusedLoops::tiled;
+  EXPECT_EQ(loops(1, 1, torch::kFloat), within);
+  EXPECT_EQ(loops(128, 64, torch::kFloat), within);
+  EXPECT_EQ(loops(129, 64, torch::kFloat), FusedLoops::tiled);
+  EXPECT_EQ(loops(128, 65, torch::kFloat), FusedLoops::tiled);
+  EXPECT_EQ(loops(16, 16, torch::kDouble), FusedLoops::tiled);
 }
 
 // The measured rule of docs/BENCHMARKS.md: LibTorch's kernel where it was

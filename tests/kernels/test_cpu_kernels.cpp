@@ -7,11 +7,12 @@
 #include <attn/functional.h>
 
 #include "kernels/cpu/batched_attention.h"
-#include "kernels/cpu/cpu_attention.h"
+#include "kernels/cpu/fused_attention.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/row_ops.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
+#include "kernels/cpu/tiled_attention.h"
 #include "kernels/cpu/workspace.h"
 #include "sdpa/math_attention.h"
 
@@ -30,7 +31,25 @@ namespace {
 using attn::testing::ThreadCount;
 using attn::testing::Tolerance;
 
+using attn::detail::FusedLoops;
 using attn::testing::kInf;
+
+// The kernels' parameters for q (B, H, L, D), k and v (B, Hkv, S, ·),
+// without a mask.
+attn::detail::AttentionParams kernel_params(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    double scale,
+    bool causal) {
+  attn::detail::AttentionParams params;
+  params.q = q;
+  params.k = k;
+  params.v = v;
+  params.scale = scale;
+  params.causal = causal;
+  return params;
+}
 
 // One vectorised exp against libm in float64, every tail length, -inf and
 // 0 among the inputs; its sum against the portable version's.
@@ -447,10 +466,11 @@ torch::Tensor make_mask(const KernelCase& c) {
   return mask;
 }
 
-// A case's inputs, kernel config and the math path's results on them.
+// A case's inputs, the kernels' parameters and the math path's results on
+// them.
 struct KernelRun {
   torch::Tensor q, k, v;
-  attn::detail::CpuAttentionConfig config;
+  attn::detail::AttentionParams params;
   torch::Tensor math_out, math_weights;
   Tolerance tolerance, gradient_tolerance;
 
@@ -462,17 +482,11 @@ struct KernelRun {
     v = torch::randn({c.B, c.Hkv, c.S, c.Dv}, opts).requires_grad_();
     const auto mask = make_mask(c);
     const double scale = 1.0 / std::sqrt(c.D);
-    config = {mask, scale, c.causal, c.query_offset, c.window};
-    auto options = attn::SDPAOptions()
-                       .attn_mask(mask)
-                       .is_causal(c.causal)
-                       .query_offset(c.query_offset)
-                       .enable_gqa(true)
-                       .need_weights(true);
-    if (c.window > 0) {
-      options.window(c.window);
-    }
-    std::tie(math_out, math_weights) = attn::detail::math_attention(q, k, v, options, scale);
+    params = kernel_params(q, k, v, scale, c.causal);
+    params.mask = mask;
+    params.query_offset = c.query_offset;
+    params.window = c.window;
+    std::tie(math_out, math_weights) = attn::detail::math_attention(params);
     // float32: O(1) values after sums of up to 700 terms in another order.
     // Gradients sum once more, relative to their largest entry (at least 1).
     const bool single = c.dtype == torch::kFloat;
@@ -506,12 +520,11 @@ TEST_P(CpuKernels, TiledKernelsMatchTheMathPathInOutputWeightsAndGradients) {
   SCOPED_TRACE(c.describe());
   ThreadCount threads(c.threads);
   const KernelRun run(c);
-  const auto out = attn::detail::cpu_flash_attention(run.q, run.k, run.v, run.config);
+  const auto out = attn::detail::fused_attention(FusedLoops::tiled, run.params);
   torch::Tensor weights_out, weights;
   {
     torch::NoGradGuard no_grad;
-    std::tie(weights_out, weights) = attn::detail::cpu_attention_with_weights(
-        run.q, run.k, run.v, run.config);
+    std::tie(weights_out, weights) = attn::detail::tiled_attention_with_weights(run.params);
   }
   EXPECT_CLOSE(out, run.math_out, run.tolerance);
   EXPECT_CLOSE(weights_out, run.math_out, run.tolerance);
@@ -524,8 +537,7 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
   SCOPED_TRACE(c.describe());
   ThreadCount threads(c.threads);
   const KernelRun run(c);
-  const auto [out, weights] = attn::detail::cpu_batched_attention(
-      run.q, run.k, run.v, run.config, /*need_weights=*/true);
+  const auto [out, weights] = attn::detail::batched_attention(run.params, /*need_weights=*/true);
   EXPECT_CLOSE(out, run.math_out, run.tolerance);
   EXPECT_CLOSE(weights, run.math_weights, run.tolerance);
   // Through the output alone, and through the output and the weights.
@@ -534,8 +546,8 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
   run.expect_same_gradients(
       {out, weights}, {run.math_out, run.math_weights},
       {upstream, torch::randn(weights.sizes(), weights.options())});
-  const auto [alone, no_weights] = attn::detail::cpu_batched_attention(
-      run.q, run.k, run.v, run.config, /*need_weights=*/false);
+  const auto [alone, no_weights] = attn::detail::batched_attention(
+      run.params, /*need_weights=*/false);
   EXPECT_FALSE(no_weights.defined());
   EXPECT_TRUE(torch::equal(alone, out));
 }
@@ -580,7 +592,8 @@ TEST(ShortHeads, EveryInstructionSetMatchesTheMathPathInOutputAndGradients) {
       EXPECT_EQ(attn::detail::short_heads_run(c.dtype, c.L, c.S), short_loops);
       ThreadCount threads(c.threads);
       const KernelRun run(c);
-      const auto out = attn::detail::cpu_flash_attention(run.q, run.k, run.v, run.config);
+      const auto out = attn::detail::fused_attention(
+          short_loops ? FusedLoops::short_heads : FusedLoops::tiled, run.params);
       EXPECT_CLOSE(out, run.math_out, run.tolerance);
       run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes())});
       if (HasFailure()) {
@@ -628,7 +641,7 @@ TEST(FusedKernel, BackwardSplitAcrossKeyRangesMatchesTheMathPath) {
       SCOPED_TRACE(c.describe());
       ThreadCount thread_count(threads);
       const KernelRun run(c);
-      const auto out = attn::detail::cpu_flash_attention(run.q, run.k, run.v, run.config);
+      const auto out = attn::detail::fused_attention(FusedLoops::tiled, run.params);
       EXPECT_CLOSE(out, run.math_out, run.tolerance);
       run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes())});
     }
@@ -642,7 +655,9 @@ TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   auto v = torch::randn({1, 2, 600, 8}).requires_grad_();
   auto allowed = torch::ones({1, 2, 70, 600}, torch::kBool);
   allowed.select(2, 66).fill_(false); // a row in the second query tile
-  const auto out = attn::detail::cpu_flash_attention(q, k, v, {allowed, 0.3, false});
+  auto params = kernel_params(q, k, v, 0.3, /*causal=*/false);
+  params.mask = allowed;
+  const auto out = attn::detail::fused_attention(FusedLoops::tiled, params);
   EXPECT_EQ(out.select(2, 66).abs().max().item<float>(), 0.0f);
   const auto dq = torch::autograd::grad({out.sum()}, {q})[0];
   EXPECT_EQ(dq.select(2, 66).abs().max().item<float>(), 0.0f);
@@ -654,7 +669,6 @@ TEST(FusedKernel, GradientsOfOneProjectionsPartsAreThePartsOfOneBuffer) {
   // H, D) and (L, B, 3, H, D) memory seen as (B, H, L, D).
   torch::manual_seed(5);
   const int64_t B = 2, L = 40, H = 2, D = 8;
-  const attn::detail::CpuAttentionConfig config{{}, 0.3, true};
   for (const bool batch_first : {true, false}) {
     SCOPED_TRACE(batch_first ? "(B, L, 3, H, D)" : "(L, B, 3, H, D)");
     const auto memory = batch_first ? torch::randn({B, L, 3, H, D}, torch::kDouble)
@@ -664,14 +678,16 @@ TEST(FusedKernel, GradientsOfOneProjectionsPartsAreThePartsOfOneBuffer) {
       return batch_first ? heads.transpose(1, 2) : heads.permute({1, 2, 0, 3});
     };
     const auto q = part(0), k = part(1), v = part(2);
-    const auto [out, lse] = attn::detail::cpu_flash_forward(q, k, v, config);
-    const auto grad_out = torch::randn(out.sizes(), out.options());
-    const auto [dq, dk, dv] = attn::detail::cpu_flash_backward(q, k, v, out, lse, grad_out, config);
+    const auto params = kernel_params(q, k, v, 0.3, /*causal=*/true);
+    const auto forward = attn::detail::fused_forward(FusedLoops::tiled, params);
+    const auto grad_out = torch::randn(forward.out.sizes(), forward.out.options());
+    const auto [dq, dk, dv] = attn::detail::fused_backward(
+        FusedLoops::tiled, params, forward, grad_out);
 
     std::vector<torch::Tensor> leaves{
         q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()};
     const auto [math_out, w] = attn::detail::math_attention(
-        leaves[0], leaves[1], leaves[2], attn::SDPAOptions().is_causal(true), 0.3);
+        kernel_params(leaves[0], leaves[1], leaves[2], 0.3, /*causal=*/true));
     const auto expected = torch::autograd::grad({math_out}, leaves, {grad_out});
     EXPECT_CLOSE(dq, expected[0], Tolerance{1e-11});
     EXPECT_CLOSE(dk, expected[1], Tolerance{1e-11});
@@ -690,9 +706,10 @@ TEST(FusedKernel, ReadsStridedHeadsAndWritesInterleavedOutput) {
   torch::manual_seed(4);
   const auto x = torch::randn({2, 9, 3, 16});
   const auto q = x.transpose(1, 2);
-  const auto out = attn::detail::cpu_flash_attention(q, q, q, {{}, 0.25, true});
+  const auto out = attn::detail::fused_attention(
+      FusedLoops::tiled, kernel_params(q, q, q, 0.25, /*causal=*/true));
   const auto [math_out, w] = attn::detail::math_attention(
-      q.contiguous(), q.contiguous(), q.contiguous(), attn::SDPAOptions().is_causal(true), 0.25);
+      kernel_params(q.contiguous(), q.contiguous(), q.contiguous(), 0.25, /*causal=*/true));
   EXPECT_CLOSE(out, math_out, Tolerance{1e-6});
   EXPECT_TRUE(out.transpose(1, 2).is_contiguous());
 }

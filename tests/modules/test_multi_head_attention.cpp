@@ -8,6 +8,7 @@
 #include "bad_input_catalogue.h"
 #include "test_support.h"
 
+#include <attn/functional.h>
 #include <attn/kv_cache.h>
 #include <attn/modules/multi_head_attention.h>
 
@@ -476,6 +477,82 @@ TEST(MultiHeadAttentionErrors, CallsWithAKVCacheNameWhatWasExpectedAndWhatArrive
   EXPECT_ATTN_ERROR(
       extra(x, x, x, mha_with_weights().kv_cache(&cache)),
       "MultiHeadAttention: a kv_cache cannot be combined with add_bias_kv or add_zero_attn");
+}
+
+// attn::multi_head_attention_forward against LibTorch's own
+// torch::nn::functional::multi_head_attention_forward with the same
+// tensors, in float64: separate projections (kdim = vdim = 12, as
+// LibTorch's takes them), bias_k,
+// bias_v and a zero key, a float mask and key padding, sequence-first.
+TEST(FunctionalMultiHeadAttention, MatchesLibTorchsFunctionalWithTheSameTensors) {
+  namespace F = torch::nn::functional;
+  torch::manual_seed(41);
+  const int64_t E = 16, H = 4, L = 5, S = 7, B = 3;
+  const auto options = MultiHeadAttentionOptions(E, H)
+                           .kdim(12)
+                           .vdim(12)
+                           .batch_first(false)
+                           .add_bias_kv(true)
+                           .add_zero_attn(true);
+  MultiHeadAttention module(options);
+  module->to(torch::kDouble);
+  const auto p = module->functional_parameters();
+  for (auto* bias : {&p.q_bias, &p.k_bias, &p.v_bias, &p.out_bias}) {
+    torch::NoGradGuard no_grad;
+    bias->uniform_(-0.5, 0.5); // nonzero, unlike their initial values
+  }
+  const auto opts = torch::TensorOptions(torch::kDouble);
+  const auto q = torch::randn({L, B, E}, opts), k = torch::randn({S, B, 12}, opts);
+  const auto v = torch::randn({S, B, 12}, opts);
+  const auto mask = torch::randn({L, S}, opts);
+  auto padding = torch::zeros({B, S}, torch::kBool);
+  padding[1][S - 1] = true;
+  const auto [out, weights] = attn::multi_head_attention_forward(
+      q, k, v, options, p,
+      MultiHeadAttentionForwardOptions().attn_mask(mask).key_padding_mask(padding).need_weights(
+          true),
+      /*training=*/false);
+  const auto [expected, expected_weights] = F::multi_head_attention_forward(
+      q, k, v,
+      F::MultiheadAttentionForwardFuncOptions(
+          E, H, torch::Tensor(), torch::cat({p.q_bias, p.k_bias, p.v_bias}), p.bias_k, p.bias_v,
+          /*add_zero_attn=*/true, /*dropout_p=*/0.0, p.out_weight, p.out_bias)
+          .training(false)
+          .key_padding_mask(padding)
+          .attn_mask(mask)
+          .need_weights(true)
+          .average_attn_weights(false)
+          .use_separate_proj_weight(true)
+          .q_proj_weight(p.q_weight)
+          .k_proj_weight(p.k_weight)
+          .v_proj_weight(p.v_weight));
+  EXPECT_CLOSE(out, expected, kFloat64Tolerance);
+  EXPECT_CLOSE(weights, expected_weights, kFloat64Tolerance);
+}
+
+// The function with a module's parameters is the module: the same output,
+// weights and gradients, bit for bit (grouped heads, rotary positions,
+// causal self-attention).
+TEST(FunctionalMultiHeadAttention, WithAModulesParametersIsTheModule) {
+  torch::manual_seed(43);
+  const auto options = MultiHeadAttentionOptions(32, 4).num_kv_heads(2).rotary(
+      RotaryEmbeddingOptions(8));
+  MultiHeadAttention module(options);
+  const auto x = torch::randn({2, 9, 32}, torch::requires_grad());
+  const auto forward = MultiHeadAttentionForwardOptions().is_causal(true).need_weights(true);
+  const auto [out, weights] = module(x, x, x, forward);
+  const auto [f_out, f_weights] = attn::multi_head_attention_forward(
+      x, x, x, module->options, module->functional_parameters(), forward, module->is_training());
+  EXPECT_TRUE(torch::equal(out, f_out));
+  EXPECT_TRUE(torch::equal(weights, f_weights));
+  const auto upstream = torch::randn(out.sizes());
+  auto inputs = module->parameters();
+  inputs.push_back(x);
+  const auto grads = torch::autograd::grad({out}, inputs, {upstream});
+  const auto f_grads = torch::autograd::grad({f_out}, inputs, {upstream});
+  for (size_t i = 0; i < grads.size(); ++i) {
+    EXPECT_TRUE(torch::equal(grads[i], f_grads[i])) << "gradient " << i;
+  }
 }
 
 } // namespace

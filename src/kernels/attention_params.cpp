@@ -1,0 +1,27 @@
+#include "kernels/attention_params.h"
+
+#include <torch/torch.h>
+
+namespace attn::detail {
+
+void AttentionParams::save_settings_to(torch::autograd::AutogradContext& ctx) const {
+  ctx.saved_data["mask"] = mask;
+  ctx.saved_data["scale"] = scale;
+  ctx.saved_data["causal"] = causal;
+  ctx.saved_data["query_offset"] = query_offset;
+  ctx.saved_data["window"] = window;
+  ctx.saved_data["dropout_p"] = dropout_p;
+}
+
+AttentionParams AttentionParams::restore_settings_from(torch::autograd::AutogradContext& ctx) {
+  AttentionParams params;
+  params.mask = ctx.saved_data.at("mask").toTensor();
+  params.scale = ctx.saved_data.at("scale").toDouble();
+  params.causal = ctx.saved_data.at("causal").toBool();
+  params.query_offset = ctx.saved_data.at("query_offset").toInt();
+  params.window = ctx.saved_data.at("window").toInt();
+  params.dropout_p = ctx.saved_data.at("dropout_p").toDouble();
+  return params;
+}
+
+} // namespace attn::detail

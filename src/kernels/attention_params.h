@@ -1,0 +1,96 @@
+#pragma once
+
+// The one description of an attention request that every kernel reads:
+// the inputs, the mask, the scale and the band of keys each query sees.
+// Filled once where a request enters the kernels (sdpa/functional.cpp;
+// the context-parallel ring for each pair of its blocks) and passed down
+// unchanged. Below every other part of attn: it includes nothing of attn's.
+
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace torch::autograd {
+struct AutogradContext;
+} // namespace torch::autograd
+
+namespace attn::detail {
+
+// Query offsets are bounded by 2^60 (no tensor is that long), so every
+// query-key distance is below 2^61 and a window of 2^62 reaches every key:
+// with both bounds, positions and distances stay in int64.
+constexpr int64_t kMaxQueryOffset = int64_t{1} << 60;
+constexpr int64_t kUnboundedWindow = int64_t{1} << 62;
+
+// The keys [begin(i), end(i)) that query i sees under SDPAOptions' rules:
+// query i stands at key position i + query_offset; `causal` hides the keys
+// after it, a positive `window` the keys at a distance of `window` or more.
+// Both bounds are nondecreasing in i, so a tile of queries sees
+// [begin(first row), end(last row)). What every kernel skips blocks by.
+struct KeyBand {
+  bool causal = false;
+  int64_t query_offset = 0;
+  int64_t window = 0; // 0: none; at most kUnboundedWindow
+  int64_t S = 0;
+
+  int64_t begin(int64_t i) const {
+    return window > 0 ? std::clamp<int64_t>(i + query_offset - window + 1, 0, S) : 0;
+  }
+
+  int64_t end(int64_t i) const {
+    if (causal) {
+      return std::clamp<int64_t>(i + query_offset + 1, 0, S);
+    }
+    return window > 0 ? std::clamp<int64_t>(i + query_offset + window, 0, S) : S;
+  }
+};
+
+// An attention request as the kernels read it, its arguments already
+// checked: q (B, H, L, D), k (B, Hkv, S, D) and v (B, Hkv, S, Dv) with Hkv
+// dividing H (query head h reads key/value head h / (H / Hkv)), any
+// strides; `mask` undefined or expanded to (B, H, L, S), bool (true = may
+// attend) or of the inputs' dtype (added to the scaled scores).
+struct AttentionParams {
+  torch::Tensor q, k, v;
+  torch::Tensor mask;
+  double scale = 1.0;
+  // The band of keys each query sees (KeyBand).
+  bool causal = false;
+  int64_t query_offset = 0;
+  int64_t window = 0; // 0: none; at most kUnboundedWindow
+  // The probability of dropping a weight: 0 unless training. Only the math
+  // path drops weights.
+  double dropout_p = 0.0;
+
+  int64_t B() const { return q.size(0); }
+  int64_t H() const { return q.size(1); }
+  int64_t L() const { return q.size(2); }
+  int64_t D() const { return q.size(3); }
+  int64_t Hkv() const { return k.size(1); }
+  int64_t S() const { return k.size(2); }
+  int64_t Dv() const { return v.size(3); }
+  // Query heads per key/value head (1 when there are no heads at all).
+  int64_t group() const { return Hkv() > 0 ? H() / Hkv() : 1; }
+  KeyBand key_band() const { return {causal, query_offset, window, S()}; }
+
+  // Keeps everything but q, k and v (which autograd saves as variables)
+  // in an autograd context between forward and backward, and reads it
+  // back into params whose q, k and v the caller sets.
+  void save_settings_to(torch::autograd::AutogradContext& ctx) const;
+  static AttentionParams restore_settings_from(torch::autograd::AutogradContext& ctx);
+};
+
+// What the fused kernels' forward returns and their backward reads: the
+// output (B, H, L, Dv) and the row log-sum-exp (B, H, L) of the scaled,
+// masked scores (-inf for a row that sees no key).
+struct ForwardResult {
+  torch::Tensor out, lse;
+};
+
+// The gradients of q, k and v, shaped like them.
+struct InputGradients {
+  torch::Tensor dq, dk, dv;
+};
+
+} // namespace attn::detail

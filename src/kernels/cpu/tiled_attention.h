@@ -1,0 +1,45 @@
+#pragma once
+
+// The fused kernel's tiled loops, FlashAttention style: queries in tiles
+// of kQueryTile rows, keys in blocks of kKeyBlock, one matrix product per
+// operand of each (tile, block) pair (tile_product.h), a running max and
+// sum per query row (online softmax) and no L×S tensor. The backward
+// recomputes each block's probabilities from the row log-sum-exp saved by
+// the forward, split over key ranges when there are fewer heads than
+// threads. Called through fused_attention.h, with its conventions.
+
+#include "kernels/attention_params.h"
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace attn::detail {
+
+// A query tile's scores (128 × 512 floats = 256 KiB) stay in L2 while they
+// are masked, exponentiated and multiplied into V. Measured single-threaded
+// at T = 1024 and 4096 (D = 64): 128 × 512 ran at ~70 % of sgemm, ahead of
+// 64 × 512, 256 × 512, 128 × 256, 64 × 1024 and 256 × 1024.
+constexpr int64_t kQueryTile = 128;
+constexpr int64_t kKeyBlock = 512;
+
+// Writes `result`'s out (B, H, L, Dv) and lse (B, H, L, contiguous).
+void tiled_forward(const AttentionParams& params, const ForwardResult& result);
+
+// Writes `grads` (B, H, ·, ·), rows of unit stride: one key/value gradient
+// per query head, for grad_out (B, H, L, Dv), given the forward's out and
+// lse (contiguous).
+void tiled_backward(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const InputGradients& grads);
+
+// Inference with the weights materialised: (output (B, H, L, Dv), a view of
+// (B, L, H, Dv) memory, weights (B, H, L, S)). Not differentiable;
+// callers use it when no gradient is needed.
+std::tuple<torch::Tensor, torch::Tensor> tiled_attention_with_weights(
+    const AttentionParams& params);
+
+} // namespace attn::detail
