@@ -179,11 +179,10 @@ void attend_block(
     const torch::Tensor& out,
     const torch::Tensor& lse) {
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
-    const auto [out_part, lse_part] = attn::detail::fused_cpu_forward(
-        pair_params(inputs, pair, block));
+    const auto part = attn::detail::fused_cpu_forward(pair_params(inputs, pair, block));
     merge_partial(
-        rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows), out_part,
-        lse_part);
+        rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows), part.out,
+        part.lse);
   }
 }
 

@@ -4,6 +4,11 @@
 
 namespace attn::detail {
 
+QkvHeads heads_of_projection(const torch::Tensor& qkv) {
+  const auto parts = qkv.unbind(2); // differentiable: its backward stacks the three gradients
+  return {parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2)};
+}
+
 void AttentionParams::save_settings_to(torch::autograd::AutogradContext& ctx) const {
   ctx.saved_data["mask"] = mask;
   ctx.saved_data["scale"] = scale;

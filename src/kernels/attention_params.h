@@ -46,6 +46,16 @@ struct KeyBand {
   }
 };
 
+// Queries, keys and values as heads (B, H, ·, ·).
+struct QkvHeads {
+  torch::Tensor q, k, v;
+};
+
+// The query, key and value heads (B, H, L, D) of `qkv` (B, L, 3, H, D),
+// the heads of one projection for Q, K and V (MultiHeadAttention's
+// self-attention computes them with one product): views of it.
+QkvHeads heads_of_projection(const torch::Tensor& qkv);
+
 // An attention request as the kernels read it, its arguments already
 // checked: q (B, H, L, D), k (B, Hkv, S, D) and v (B, Hkv, S, Dv) with Hkv
 // dividing H (query head h reads key/value head h / (H / Hkv)), any
@@ -53,6 +63,10 @@ struct KeyBand {
 // attend) or of the inputs' dtype (added to the scaled scores).
 struct AttentionParams {
   torch::Tensor q, k, v;
+  // Defined when q, k and v are heads_of_projection(qkv): the fused kernel
+  // then takes qkv as its one input and returns its gradient as one tensor
+  // of qkv's layout, which the projection's backward reads with no copy.
+  torch::Tensor qkv;
   torch::Tensor mask;
   double scale = 1.0;
   // The band of keys each query sees (KeyBand).
@@ -81,11 +95,14 @@ struct AttentionParams {
   static AttentionParams restore_settings_from(torch::autograd::AutogradContext& ctx);
 };
 
-// What the fused kernels' forward returns and their backward reads: the
-// output (B, H, L, Dv) and the row log-sum-exp (B, H, L) of the scaled,
-// masked scores (-inf for a row that sees no key).
+// What every kernel's forward returns and its backward reads: the output
+// (B, H, L, Dv), the row log-sum-exp (B, H, L) of the scaled, masked
+// scores (-inf for a row that sees no key), and the weights (B, H, L, S)
+// where the kernel materialises them (the kernels that return weights;
+// undefined in the fused kernels, whose backward recomputes them from lse).
 struct ForwardResult {
   torch::Tensor out, lse;
+  torch::Tensor weights = {};
 };
 
 // The gradients of q, k and v, shaped like them.

@@ -5,6 +5,7 @@
 
 #include "modules/stacked_projection.h"
 #include "sdpa/masks.h"
+#include "sdpa/projection_attention.h"
 
 #include <torch/torch.h>
 
@@ -153,6 +154,7 @@ ProjectedHeads rotate(
     auto rotary = parameters.rotary; // the module caches its tables: not const
     heads.q = rotary(heads.q, past);
     heads.k = rotary(heads.k, past);
+    heads.qkv = torch::Tensor();
   }
   return heads;
 }
@@ -164,6 +166,9 @@ ProjectedHeads append_keys(
     KVCache* cache,
     const MultiHeadAttentionOptions& options,
     const MultiHeadAttentionParameters& parameters) {
+  if (cache != nullptr || extra_keys(options) > 0) {
+    heads.qkv = torch::Tensor();
+  }
   if (cache != nullptr) {
     std::tie(heads.k, heads.v) = cache->append(heads.k, heads.v);
   }
@@ -247,8 +252,15 @@ ProjectedHeads project_heads(
         F::linear(query, p.q_weight, p.q_bias), F::linear(key, p.k_weight, p.k_bias),
         F::linear(value, p.v_weight, p.v_bias), p);
   }
-  const auto qkv = stacked_linear(query, weights, {p.q_bias, p.k_bias, p.v_bias});
-  return split_heads(qkv[0], qkv[1], qkv[2], p);
+  const auto whole = stacked_linear(query, weights, {p.q_bias, p.k_bias, p.v_bias});
+  const int64_t H = p.num_heads, H_kv = p.num_kv_heads, D = p.head_dim;
+  if (H == H_kv) {
+    const auto qkv = whole.view({query.size(0), query.size(1), 3, H, D});
+    const auto heads = heads_of_projection(qkv);
+    return {heads.q, heads.k, heads.v, qkv};
+  }
+  const auto parts = whole.split_with_sizes({H * D, H_kv * D, H_kv * D}, -1);
+  return split_heads(parts[0], parts[1], parts[2], p);
 }
 
 torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first) {
@@ -304,9 +316,11 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
 
   auto heads = project_heads(inputs.query, inputs.key, inputs.value, options, parameters);
   heads = append_keys(rotate(std::move(heads), parameters, past), cache, options, parameters);
-  auto [attended, weights] = scaled_dot_product_attention(
-      heads.q, heads.k, heads.v,
-      attention_options(options, forward_options, query, mask_shape, training));
+  const auto sdpa_options = attention_options(
+      options, forward_options, query, mask_shape, training);
+  auto [attended, weights] = heads.qkv.defined()
+      ? attention_over_projection(heads.qkv, sdpa_options)
+      : scaled_dot_product_attention(heads.q, heads.k, heads.v, sdpa_options);
 
   auto output = torch::nn::functional::linear(
       merge_heads(attended, options.batch_first()), parameters.out_weight, parameters.out_bias);

@@ -41,13 +41,17 @@ MultiHeadAttentionParameters parameters_of(
     int64_t head_dim);
 
 // Queries, keys and values split into heads: (B, H, L, D), (B, H_kv, S, D).
+// `qkv` is defined while they are the heads of one projection
+// (B, L, 3, H, D): heads_of_projection(qkv) (sdpa/projection_attention.h).
 struct ProjectedHeads {
   torch::Tensor q, k, v;
+  torch::Tensor qkv = {};
 };
 
 // The projections of batch-first `query` (B, L, E), `key` (B, S, kdim) and
 // `value` (B, S, vdim) into heads, views of the projections (no copy).
-// Self-attention (the same tensor thrice) projects with one GEMM.
+// Self-attention (the same tensor thrice) projects with one GEMM, whose
+// product is `qkv` where there are as many key/value heads as query heads.
 ProjectedHeads project_heads(
     const torch::Tensor& query,
     const torch::Tensor& key,

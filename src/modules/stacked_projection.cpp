@@ -27,37 +27,12 @@ torch::Tensor stacked(const std::vector<torch::Tensor>& parts) {
   return view.defined() ? view : torch::cat(parts);
 }
 
-// The matrix whose column blocks `parts` (..., n_i) are, without a copy
-// where they are consecutive column blocks of one tensor (as the kernels'
-// gradients of Q, K and V are, written into one buffer); concatenated
-// otherwise, and always when grad mode is on (a backward that builds a
-// graph), whose cat records how the whole depends on each part.
-torch::Tensor joined_columns(const torch::autograd::variable_list& parts) {
-  const auto& first = parts.at(0);
-  bool adjacent = !torch::GradMode::is_enabled() && first.dim() > 0 && first.has_storage();
-  int64_t columns = 0;
-  for (const auto& part : parts) {
-    adjacent = adjacent && part.has_storage() && part.dim() == first.dim() &&
-        part.sizes().slice(0, part.dim() - 1) == first.sizes().slice(0, first.dim() - 1) &&
-        part.strides() == first.strides() && part.stride(-1) == 1 &&
-        part.storage().is_alias_of(first.storage()) &&
-        part.storage_offset() == first.storage_offset() + columns;
-    columns += part.size(-1);
-  }
-  if (!adjacent) {
-    return torch::cat(parts, -1);
-  }
-  auto sizes = first.sizes().vec();
-  sizes.back() = columns;
-  return first.as_strided(sizes, first.strides(), first.storage_offset());
-}
-
 // Inputs: input, the three weights, the three biases (none without: an
-// optional, which autograd counts as no input at all). Outputs: the three
-// projections, column blocks of one product.
+// optional, which autograd counts as no input at all). Output: the three
+// projections as one product.
 class StackedLinearFunction : public torch::autograd::Function<StackedLinearFunction> {
  public:
-  static torch::autograd::variable_list forward(
+  static torch::Tensor forward(
       torch::autograd::AutogradContext* ctx,
       const torch::Tensor& input,
       const torch::Tensor& w0,
@@ -69,8 +44,7 @@ class StackedLinearFunction : public torch::autograd::Function<StackedLinearFunc
     ctx->save_for_backward({input, w0, w1, w2});
     ctx->saved_data["bias"] = b0.has_value();
     const auto bias = b0 ? stacked({*b0, *b1, *b2}) : torch::Tensor();
-    const auto whole = torch::nn::functional::linear(input, stacked({w0, w1, w2}), bias);
-    return whole.split_with_sizes({w0.size(0), w1.size(0), w2.size(0)}, -1);
+    return torch::nn::functional::linear(input, stacked({w0, w1, w2}), bias);
   }
 
   static torch::autograd::variable_list backward(
@@ -79,7 +53,7 @@ class StackedLinearFunction : public torch::autograd::Function<StackedLinearFunc
     const auto saved = ctx->get_saved_variables();
     const auto& input = saved[0];
     const std::vector<torch::Tensor> weights(saved.begin() + 1, saved.end());
-    const auto grad = joined_columns(grad_outputs);           // (..., Σ out_i)
+    const auto& grad = grad_outputs[0];                       // (..., Σ out_i)
     const auto grad_rows = grad.reshape({-1, grad.size(-1)}); // (N, Σ out_i)
     const std::vector<int64_t> rows{weights[0].size(0), weights[1].size(0), weights[2].size(0)};
     const auto needs = [&](size_t first) {
@@ -156,7 +130,7 @@ torch::Tensor stacked_rows(const std::vector<torch::Tensor>& parts) {
       .set_(first.storage(), first.storage_offset(), sizes, strides);
 }
 
-std::vector<torch::Tensor> stacked_linear(
+torch::Tensor stacked_linear(
     const torch::Tensor& input,
     const std::vector<torch::Tensor>& weights,
     const std::vector<torch::Tensor>& biases) {

@@ -29,12 +29,10 @@ torch::Tensor stacked_rows(const std::vector<torch::Tensor>& parts);
 
 // `input` (..., in) projected by the three weights (out_i, in) stacked by
 // rows, with the three biases (all defined or all undefined): one product
-// (..., Σ out_i), returned as its three column blocks (..., out_i),
+// (..., Σ out_i), whose column blocks are the three projections,
 // differentiable in the input, the weights and the biases. Stacks copies
-// of the weights when `stacked_rows` finds no view. The backward reads the
-// three gradients as one matrix without a copy where they are consecutive
-// column blocks of one tensor.
-std::vector<torch::Tensor> stacked_linear(
+// of the weights when `stacked_rows` finds no view.
+torch::Tensor stacked_linear(
     const torch::Tensor& input,
     const std::vector<torch::Tensor>& weights,
     const std::vector<torch::Tensor>& biases);

@@ -8,6 +8,7 @@
 #include "sdpa/backend.h"
 #include "sdpa/masks.h"
 #include "sdpa/math_attention.h"
+#include "sdpa/projection_attention.h"
 
 #include <torch/torch.h>
 
@@ -181,8 +182,8 @@ std::tuple<torch::Tensor, torch::Tensor> run_attn_backend(
     case AttentionBackend::fused_cpu:
       return {detail::fused_attention(detail::fused_cpu_loops(params), params), torch::Tensor()};
     case AttentionBackend::fused_cpu_weights: {
-      const auto [output, weights] = detail::tiled_attention_with_weights(params);
-      return {output, need_weights ? weights : torch::Tensor()};
+      const auto result = detail::tiled_forward_with_weights(params);
+      return {result.out, need_weights ? result.weights : torch::Tensor()};
     }
     case AttentionBackend::batched_cpu: return detail::batched_attention(params, need_weights);
     case AttentionBackend::math:
@@ -236,13 +237,16 @@ SDPAOptions with_float32_mask(SDPAOptions options) {
   return options;
 }
 
-// Runs `backend`, already chosen for this checked request.
+// Runs `backend`, already chosen for this checked request; `qkv` is
+// undefined, or the tensor whose heads_of_projection are query, key and
+// value.
 std::tuple<torch::Tensor, torch::Tensor> run_backend(
     AttentionBackend backend,
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
-    const SDPAOptions& options) {
+    const SDPAOptions& options,
+    const torch::Tensor& qkv = {}) {
   if (backend == AttentionBackend::libtorch) {
     return {run_libtorch(query, key, value, options), torch::Tensor()};
   }
@@ -251,10 +255,13 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
   // attn's CPU backends compute in float32 and round the results once.
   // LibTorch's kernel computes half precision its own way.
   const bool in_float32 = computed_in_float32_on_cpu(query);
-  const auto params = in_float32 ? attention_params(
-                                       query.to(torch::kFloat), key.to(torch::kFloat),
-                                       value.to(torch::kFloat), with_float32_mask(options))
-                                 : attention_params(query, key, value, options);
+  auto params = in_float32 ? attention_params(
+                                 query.to(torch::kFloat), key.to(torch::kFloat),
+                                 value.to(torch::kFloat), with_float32_mask(options))
+                           : attention_params(query, key, value, options);
+  if (!in_float32) {
+    params.qkv = qkv;
+  }
   const auto [output, weights] = run_attn_backend(backend, params, options.need_weights());
   const auto dtype = query.scalar_type();
   return {
@@ -291,5 +298,20 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const SDPAOptions& options) {
   return run_backend(select_backend(query, key, value, options), query, key, value, options);
 }
+
+namespace detail {
+
+std::tuple<torch::Tensor, torch::Tensor> attention_over_projection(
+    const torch::Tensor& qkv,
+    const SDPAOptions& options) {
+  TORCH_INTERNAL_ASSERT(
+      qkv.dim() == 5 && qkv.size(2) == 3, "the heads of one projection are (B, L, 3, H, D), got ",
+      qkv.sizes());
+  const auto heads = heads_of_projection(qkv);
+  const auto backend = select_backend(heads.q, heads.k, heads.v, options);
+  return run_backend(backend, heads.q, heads.k, heads.v, options, qkv);
+}
+
+} // namespace detail
 
 } // namespace attn

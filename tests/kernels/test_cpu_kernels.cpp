@@ -30,6 +30,7 @@ namespace {
 
 using attn::testing::ThreadCount;
 using attn::testing::Tolerance;
+using attn::testing::tolerance_for;
 
 using attn::detail::FusedLoops;
 using attn::testing::kInf;
@@ -521,14 +522,14 @@ TEST_P(CpuKernels, TiledKernelsMatchTheMathPathInOutputWeightsAndGradients) {
   ThreadCount threads(c.threads);
   const KernelRun run(c);
   const auto out = attn::detail::fused_attention(FusedLoops::tiled, run.params);
-  torch::Tensor weights_out, weights;
+  attn::detail::ForwardResult with_weights;
   {
     torch::NoGradGuard no_grad;
-    std::tie(weights_out, weights) = attn::detail::tiled_attention_with_weights(run.params);
+    with_weights = attn::detail::tiled_forward_with_weights(run.params);
   }
   EXPECT_CLOSE(out, run.math_out, run.tolerance);
-  EXPECT_CLOSE(weights_out, run.math_out, run.tolerance);
-  EXPECT_CLOSE(weights, run.math_weights, run.tolerance);
+  EXPECT_CLOSE(with_weights.out, run.math_out, run.tolerance);
+  EXPECT_CLOSE(with_weights.weights, run.math_weights, run.tolerance);
   run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes(), out.options())});
 }
 
@@ -550,6 +551,39 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
       run.params, /*need_weights=*/false);
   EXPECT_FALSE(no_weights.defined());
   EXPECT_TRUE(torch::equal(alone, out));
+}
+
+// Every kernel's forward has one shape: (out, lse, weights where the
+// kernel keeps them). The row log-sum-exp against float64's logsumexp of
+// the scaled scores plus the case's mask and band as an additive bias
+// (-inf for a row that sees no key).
+TEST_P(CpuKernels, EveryKernelsForwardReturnsTheRowLogSumExp) {
+  const auto& c = GetParam();
+  SCOPED_TRACE(c.describe());
+  ThreadCount threads(c.threads);
+  const KernelRun run(c);
+  const torch::NoGradGuard no_grad;
+  const auto q = run.q.to(torch::kDouble);
+  const auto k = run.k.to(torch::kDouble).repeat_interleave(c.H / c.Hkv, 1);
+  auto scores = q.matmul(k.transpose(-2, -1)) * run.params.scale +
+      attn::testing::additive_bias(
+                    attn::testing::band_mask(c.L, c.S, c.query_offset, c.causal, c.window));
+  if (run.params.mask.defined()) {
+    scores = scores + attn::testing::additive_bias(run.params.mask);
+  }
+  const auto expected = scores.logsumexp(-1);
+  const auto unseen = torch::isinf(expected); // -inf - -inf is no difference to compare
+  const std::pair<const char*, attn::detail::ForwardResult> results[] = {
+      {"tiled", attn::detail::fused_forward(FusedLoops::tiled, run.params)},
+      {"tiled with weights", attn::detail::tiled_forward_with_weights(run.params)},
+      {"batched", attn::detail::batched_forward(run.params)}};
+  for (const auto& [kernel, result] : results) {
+    const auto lse = result.lse.to(torch::kDouble);
+    EXPECT_TRUE(torch::equal(lse == -kInf, unseen)) << kernel;
+    EXPECT_CLOSE(lse.masked_fill(unseen, 0), expected.masked_fill(unseen, 0), run.tolerance)
+        << kernel;
+    EXPECT_EQ(result.weights.defined(), std::string(kernel) != "tiled") << kernel;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(RandomSweep, CpuKernels, ::testing::ValuesIn(random_cases(64)));
@@ -664,40 +698,48 @@ TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   EXPECT_TRUE(torch::isfinite(dq).all().item<bool>());
 }
 
-TEST(FusedKernel, GradientsOfOneProjectionsPartsAreThePartsOfOneBuffer) {
-  // Q, K and V as MultiHeadAttention's one product leaves them: (B, L, 3,
-  // H, D) and (L, B, 3, H, D) memory seen as (B, H, L, D).
+TEST(FusedKernel, TheGradientOfOneProjectionIsOneTensorOfItsLayout) {
+  // Q, K and V handed over as the heads of one projection qkv (B, L, 3,
+  // H, D), as MultiHeadAttention's one product leaves them, in (B, L) and
+  // (L, B) memory: the gradient is qkv's, the three heads' gradients of
+  // the float64 math path stacked; where few query tiles accumulate (L =
+  // 40, both sets of loops), it has qkv's strides, written in place.
   torch::manual_seed(5);
-  const int64_t B = 2, L = 40, H = 2, D = 8;
-  for (const bool batch_first : {true, false}) {
-    SCOPED_TRACE(batch_first ? "(B, L, 3, H, D)" : "(L, B, 3, H, D)");
-    const auto memory = batch_first ? torch::randn({B, L, 3, H, D}, torch::kDouble)
-                                    : torch::randn({L, B, 3, H, D}, torch::kDouble);
-    const auto part = [&](int64_t i) {
-      const auto heads = memory.select(2, i); // (B, L, H, D) or (L, B, H, D)
-      return batch_first ? heads.transpose(1, 2) : heads.permute({1, 2, 0, 3});
-    };
-    const auto q = part(0), k = part(1), v = part(2);
-    const auto params = kernel_params(q, k, v, 0.3, /*causal=*/true);
-    const auto forward = attn::detail::fused_forward(FusedLoops::tiled, params);
-    const auto grad_out = torch::randn(forward.out.sizes(), forward.out.options());
-    const auto [dq, dk, dv] = attn::detail::fused_backward(
-        FusedLoops::tiled, params, forward, grad_out);
+  const int64_t B = 2, H = 2, D = 8;
+  for (const int64_t L : {int64_t{40}, 3 * attn::detail::kQueryTile}) {
+    for (const bool batch_first : {true, false}) {
+      for (const auto loops : {FusedLoops::tiled, FusedLoops::short_heads}) {
+        if (loops == FusedLoops::short_heads && L > 64) {
+          continue; // beyond the short heads' bounds
+        }
+        SCOPED_TRACE(
+            ::testing::Message() << "L " << L
+                                 << (batch_first ? ", (B, L) memory" : ", (L, B) memory")
+                                 << (loops == FusedLoops::tiled ? ", tiled" : ", short heads"));
+        const auto dtype = loops == FusedLoops::tiled ? torch::kDouble : torch::kFloat;
+        const auto qkv = batch_first
+            ? torch::randn({B, L, 3, H, D}, dtype).requires_grad_()
+            : torch::randn({L, B, 3, H, D}, dtype).transpose(0, 1).detach().requires_grad_();
+        const auto heads = attn::detail::heads_of_projection(qkv);
+        auto params = kernel_params(heads.q, heads.k, heads.v, 0.3, /*causal=*/true);
+        params.qkv = qkv;
+        const auto out = attn::detail::fused_attention(loops, params);
+        const auto grad_out = torch::randn(out.sizes(), out.options());
+        const auto grad = torch::autograd::grad({out}, {qkv}, {grad_out})[0];
 
-    std::vector<torch::Tensor> leaves{
-        q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()};
-    const auto [math_out, w] = attn::detail::math_attention(
-        kernel_params(leaves[0], leaves[1], leaves[2], 0.3, /*causal=*/true));
-    const auto expected = torch::autograd::grad({math_out}, leaves, {grad_out});
-    EXPECT_CLOSE(dq, expected[0], Tolerance{1e-11});
-    EXPECT_CLOSE(dk, expected[1], Tolerance{1e-11});
-    EXPECT_CLOSE(dv, expected[2], Tolerance{1e-11});
-    for (const auto& grad : {dk, dv}) {
-      EXPECT_TRUE(grad.storage().is_alias_of(dq.storage()));
-      EXPECT_EQ(grad.strides(), q.strides());
+        const auto leaves = qkv.detach().to(torch::kDouble).requires_grad_();
+        const auto exact = attn::detail::heads_of_projection(leaves);
+        const auto [math_out, w] = attn::detail::math_attention(
+            kernel_params(exact.q, exact.k, exact.v, 0.3, /*causal=*/true));
+        const auto expected = torch::autograd::grad(
+            {math_out}, {leaves}, {grad_out.to(torch::kDouble)})[0];
+        EXPECT_CLOSE(out.to(torch::kDouble), math_out, tolerance_for(dtype));
+        EXPECT_CLOSE(grad.to(torch::kDouble), expected, tolerance_for(dtype));
+        if (L <= 2 * attn::detail::kQueryTile) {
+          EXPECT_EQ(grad.strides(), qkv.strides());
+        }
+      }
     }
-    EXPECT_EQ(dk.storage_offset() - dq.storage_offset(), H * D);
-    EXPECT_EQ(dv.storage_offset() - dq.storage_offset(), 2 * H * D);
   }
 }
 

@@ -165,7 +165,7 @@ void expect_matches_a_concatenated_linear(
     const auto bias = biases[0].defined() ? torch::cat(biases) : torch::Tensor();
     return torch::nn::functional::linear(input, torch::cat(weights), bias);
   };
-  const auto ours = torch::cat(stacked_linear(input, weights, biases), -1);
+  const auto ours = stacked_linear(input, weights, biases);
   const auto expected = reference();
   EXPECT_CLOSE(ours, expected, kFloat64Tolerance);
 
@@ -214,9 +214,9 @@ TEST(StackedProjection, EqualsALinearOverTheConcatenatedWeights) {
   }
 }
 
-TEST(StackedProjection, BackwardReadsTheThreeGradientsInAnyLayout) {
-  // The output gradients as consecutive column blocks of one tensor (read
-  // in place), as blocks of one tensor out of order, and as three tensors.
+TEST(StackedProjection, BackwardReadsTheOutputGradientInAnyLayout) {
+  // The output gradient contiguous, in (L, B) memory (as the fused kernel
+  // writes it for a sequence-first module), and with strided columns.
   torch::manual_seed(2);
   const auto options = torch::TensorOptions(torch::kDouble).requires_grad(true);
   const std::vector<torch::Tensor> weights{
@@ -228,19 +228,18 @@ TEST(StackedProjection, BackwardReadsTheThreeGradientsInAnyLayout) {
   leaves.insert(leaves.end(), weights.begin(), weights.end());
   leaves.insert(leaves.end(), biases.begin(), biases.end());
 
-  const auto buffer = torch::randn({2, 5, 12}, torch::kDouble);
-  const auto block = [&](int64_t i) { return buffer.narrow(2, 4 * i, 4); };
-  const std::vector<std::vector<torch::Tensor>> layouts{
-      {block(0), block(1), block(2)},
-      {block(2), block(0), block(1)},
-      {block(0).contiguous(), block(1).contiguous(), block(2).contiguous()}};
+  const std::vector<torch::Tensor> layouts{
+      torch::randn({2, 5, 12}, torch::kDouble),
+      torch::randn({5, 2, 12}, torch::kDouble).transpose(0, 1),
+      torch::randn({2, 5, 24}, torch::kDouble).slice(2, 0, 24, 2)};
   for (size_t layout = 0; layout < layouts.size(); ++layout) {
     SCOPED_TRACE("layout " + std::to_string(layout));
-    const auto& grads = layouts[layout];
-    const auto ours = torch::autograd::grad(stacked_linear(input, weights, biases), leaves, grads);
+    const auto& grad = layouts[layout];
+    const auto ours = torch::autograd::grad(
+        {stacked_linear(input, weights, biases)}, leaves, {grad});
     const auto reference = torch::nn::functional::linear(
         input, torch::cat(weights), torch::cat(biases));
-    const auto expected = torch::autograd::grad({reference}, leaves, {torch::cat(grads, -1)});
+    const auto expected = torch::autograd::grad({reference}, leaves, {grad});
     for (size_t i = 0; i < leaves.size(); ++i) {
       EXPECT_CLOSE(ours[i], expected[i], kFloat64Tolerance) << "leaf " << i;
     }

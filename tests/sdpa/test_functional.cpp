@@ -2,6 +2,7 @@
 // plain float64 reference in test_support.
 
 #include "bad_input_catalogue.h"
+#include "sdpa/projection_attention.h"
 #include "test_support.h"
 
 #include <attn/functional.h>
@@ -225,6 +226,36 @@ TEST(ScaledDotProductAttention, WeightsOnlyWhenAskedForAndTheSameOutputEitherWay
   // so the two agree to float32 rounding rather than bitwise.
   EXPECT_CLOSE(out, out_default, Tolerance{1e-6});
   EXPECT_TRUE(torch::equal(out_default, out_only));
+}
+
+// The internal entry MultiHeadAttention calls with its one product for Q,
+// K and V (sdpa/projection_attention.h) is the function over that
+// product's heads: outputs, weights and the projection's gradient, in
+// float32 (attn's kernels, qkv's gradient written in place) and bfloat16
+// (computed in float32 from converted copies), with and without weights.
+TEST(ScaledDotProductAttention, OverTheHeadsOfOneProjectionIsTheFunctionOverThoseHeads) {
+  torch::manual_seed(9);
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (const bool need_weights : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << dtype << (need_weights ? ", weights" : ""));
+      const auto options = SDPAOptions().is_causal(true).need_weights(need_weights);
+      const auto qkv = torch::randn({2, 24, 3, 3, 8}, dtype).requires_grad_();
+      const auto [out, w] = attn::detail::attention_over_projection(qkv, options);
+      const auto apart = qkv.detach().clone().requires_grad_();
+      const auto heads = attn::detail::heads_of_projection(apart);
+      const auto [expected, expected_w] = attn::scaled_dot_product_attention(
+          heads.q, heads.k, heads.v, options);
+      EXPECT_TRUE(torch::equal(out, expected));
+      EXPECT_EQ(w.defined(), need_weights);
+      if (need_weights) {
+        EXPECT_TRUE(torch::equal(w, expected_w));
+      }
+      const auto grad_out = torch::randn(out.sizes(), dtype);
+      const auto grad = torch::autograd::grad({out}, {qkv}, {grad_out})[0];
+      const auto expected_grad = torch::autograd::grad({expected}, {apart}, {grad_out})[0];
+      EXPECT_CLOSE(grad.to(torch::kFloat), expected_grad.to(torch::kFloat), tolerance_for(dtype));
+    }
+  }
 }
 
 TEST(ScaledDotProductAttention, EmptyKeySequenceGivesZeroOutput) {

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace attn::detail {
 namespace {
@@ -164,15 +165,18 @@ torch::Tensor batched_product(const torch::Tensor& a, const torch::Tensor& b) {
 }
 
 // scores (B·Hkv, group·L, S) → probabilities, in place: scaled, masked and
-// normalised; a row that sees no key becomes zeros.
+// normalised; a row that sees no key becomes zeros. Writes each row's
+// log-sum-exp into `lse` (one per row, in the same order: (B, H, L)).
 template <typename scalar_t>
 void softmax_rows(
     const torch::Tensor& scores,
+    const torch::Tensor& lse,
     const BatchedShape& shape,
     const AttentionParams& params) {
   const MaskView<scalar_t> mask(params);
   const auto scale = static_cast<scalar_t>(params.scale);
   scalar_t* data = scores.data_ptr<scalar_t>();
+  scalar_t* lse_data = lse.data_ptr<scalar_t>();
   const int64_t S = shape.S;
   parallel_for(
       0, scores.numel() / std::max<int64_t>(S, 1), parallel_grain(S, kMinRowPassScores),
@@ -184,11 +188,14 @@ void softmax_rows(
           scale_row(x, S, scale);
           mask.apply(x, S, b, h, i, 0);
           const scalar_t largest = row_max(x, S);
+          lse_data[row] = largest;
           if (largest == kNegativeInfinity<scalar_t>) {
             std::fill(x, x + S, scalar_t(0));
             continue;
           }
-          scale_row(x, S, scalar_t(1) / exp_shifted_sum(x, S, largest));
+          const scalar_t sum = exp_shifted_sum(x, S, largest);
+          lse_data[row] += std::log(sum);
+          scale_row(x, S, scalar_t(1) / sum);
         }
       });
 }
@@ -223,10 +230,23 @@ void softmax_backward_rows(
       });
 }
 
+// The inputs as the batched products read them.
+struct BatchedInputs {
+  BatchedShape shape;
+  torch::Tensor q, k, v; // (B·Hkv, group·L, D), (B·Hkv, S, D), (B·Hkv, S, Dv)
+
+  explicit BatchedInputs(const AttentionParams& params)
+      : shape(params.q, params.k),
+        q(shape.queries(params.q)),
+        k(shape.keys(params.k)),
+        v(shape.keys(params.v)) {}
+};
+
+// Inputs: q, k, v (params' own, passed apart so that autograd sees them).
+// Outputs: the output (B, H, L, Dv) and the weights (B, H, L, S),
+// differentiable only when asked for.
 class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttentionFunction> {
  public:
-  // Returns the output (B, H, L, Dv) and the probabilities (B, H, L, S).
-  // q, k and v are params' own, passed apart so that autograd sees them.
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx,
       const torch::Tensor& q,
@@ -234,54 +254,77 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
       const torch::Tensor& v,
       const AttentionParams& params,
       bool need_weights) {
-    const BatchedShape shape(q, k);
-    const auto q3 = shape.queries(q), k3 = shape.keys(k), v3 = shape.keys(v);
-    auto probs = batched_product(q3, k3.transpose(1, 2)); // (B·Hkv, group·L, S)
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_batched_attention", [&] {
-      softmax_rows<scalar_t>(probs, shape, params);
-    });
-    const auto out = batched_product(probs, v3).view({shape.B, shape.H, shape.L, v.size(3)});
-    ctx->save_for_backward({q3, k3, v3, probs});
-    ctx->saved_data["scale"] = params.scale;
-    ctx->saved_data["sizes"] = std::vector<int64_t>{shape.B, shape.H, shape.Hkv, shape.L};
-    const auto weights = probs.view({shape.B, shape.H, shape.L, shape.S});
+    // Contiguous once: the products read them so, forward and backward.
+    auto contiguous = params;
+    contiguous.q = q.contiguous();
+    contiguous.k = k.contiguous();
+    contiguous.v = v.contiguous();
+    const auto result = batched_forward(contiguous);
+    ctx->save_for_backward({contiguous.q, contiguous.k, contiguous.v, result.weights});
+    params.save_settings_to(*ctx);
     if (!need_weights) {
-      ctx->mark_non_differentiable({weights});
+      ctx->mark_non_differentiable({result.weights});
     }
-    return {out, weights};
+    return {result.out, result.weights};
   }
 
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    const auto &q3 = saved[0], &k3 = saved[1], &v3 = saved[2], &probs = saved[3];
-    const auto sizes = ctx->saved_data["sizes"].toIntVector();
-    const int64_t B = sizes[0], H = sizes[1], Hkv = sizes[2], L = sizes[3];
-    const auto& grad_out = grad_outputs[0];
-    const auto& grad_weights = grad_outputs[1];
-    // (B·Hkv, group·L, ·) like the forward's products; an output that the
-    // loss did not use has no gradient.
-    const auto grad_out3 = grad_out.defined()
-        ? grad_out.contiguous().view({probs.size(0), probs.size(1), v3.size(2)})
-        : torch::zeros({probs.size(0), probs.size(1), v3.size(2)}, probs.options());
-    const auto grad_v = batched_product(probs.transpose(1, 2), grad_out3);
-    auto grad_probs = batched_product(grad_out3, v3.transpose(1, 2));
-    if (grad_weights.defined()) {
-      grad_probs += grad_weights.reshape(probs.sizes());
-    }
-    AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "cpu_batched_attention_backward", [&] {
-      softmax_backward_rows<scalar_t>(probs, grad_probs, ctx->saved_data["scale"].toDouble());
-    });
-    const auto grad_q = batched_product(grad_probs, k3);
-    const auto grad_k = batched_product(grad_probs.transpose(1, 2), q3);
-    return {
-        grad_q.view({B, H, L, q3.size(2)}), grad_k.view({B, Hkv, k3.size(1), k3.size(2)}),
-        grad_v.view({B, Hkv, v3.size(1), v3.size(2)}), torch::Tensor(), torch::Tensor()};
+    auto params = AttentionParams::restore_settings_from(*ctx);
+    params.q = saved[0];
+    params.k = saved[1];
+    params.v = saved[2];
+    ForwardResult forward;
+    forward.weights = saved[3];
+    // An output that the loss did not use has no gradient.
+    const auto grad_out = grad_outputs[0].defined()
+        ? grad_outputs[0]
+        : torch::zeros({params.B(), params.H(), params.L(), params.Dv()}, params.q.options());
+    const auto [dq, dk, dv] = batched_backward(params, forward, grad_out, grad_outputs[1]);
+    return {dq, dk, dv, torch::Tensor(), torch::Tensor()}; // nothing for params, need_weights
   }
 };
 
 } // namespace
+
+ForwardResult batched_forward(const AttentionParams& params) {
+  const BatchedInputs in(params);
+  const auto& shape = in.shape;
+  auto probs = batched_product(in.q, in.k.transpose(1, 2)); // (B·Hkv, group·L, S)
+  auto lse = torch::empty({shape.B, shape.H, shape.L}, probs.options());
+  AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "batched_forward", [&] {
+    softmax_rows<scalar_t>(probs, lse, shape, params);
+  });
+  const auto out = batched_product(probs, in.v).view({shape.B, shape.H, shape.L, params.Dv()});
+  return {out, lse, probs.view({shape.B, shape.H, shape.L, shape.S})};
+}
+
+InputGradients batched_backward(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights) {
+  const BatchedInputs in(params);
+  const auto& shape = in.shape;
+  const auto probs = forward.weights.view({shape.B * shape.Hkv, shape.group * shape.L, shape.S});
+  const auto grad_out3 = grad_out.contiguous().view({probs.size(0), probs.size(1), params.Dv()});
+  const auto grad_v = batched_product(probs.transpose(1, 2), grad_out3);
+  auto grad_probs = batched_product(grad_out3, in.v.transpose(1, 2));
+  if (grad_weights.defined()) {
+    grad_probs += grad_weights.reshape(probs.sizes());
+  }
+  AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "batched_backward", [&] {
+    softmax_backward_rows<scalar_t>(probs, grad_probs, params.scale);
+  });
+  const auto grad_q = batched_product(grad_probs, in.k);
+  const auto grad_k = batched_product(grad_probs.transpose(1, 2), in.q);
+  const int64_t B = shape.B, Hkv = shape.Hkv, S = shape.S;
+  return {
+      grad_q.view(params.q.sizes()), grad_k.view({B, Hkv, S, params.D()}),
+      grad_v.view({B, Hkv, S, params.Dv()})};
+}
 
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(
     const AttentionParams& params,

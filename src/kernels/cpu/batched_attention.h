@@ -19,8 +19,21 @@
 
 namespace attn::detail {
 
+// The output, lse and the weights (B, H, L, S), which the backward reads.
+ForwardResult batched_forward(const AttentionParams& params);
+
+// The gradients of q, k and v (shaped like them) from `forward`'s weights,
+// for grad_out (B, H, L, Dv) and grad_weights (B, H, L, S), the gradient
+// of the weights where they were returned (undefined otherwise).
+InputGradients batched_backward(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights);
+
 // The output (B, H, L, Dv) and, with `need_weights`, the weights
-// (B, H, L, S), both differentiable (else an undefined tensor).
+// (B, H, L, S), both differentiable through batched_backward (else an
+// undefined tensor).
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(
     const AttentionParams& params,
     bool need_weights);

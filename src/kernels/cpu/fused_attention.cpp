@@ -41,45 +41,14 @@ AttentionParams with_heads_for_kernels(const AttentionParams& params) {
   return prepared;
 }
 
-// Whether q, k and v (B, H, L, D) are the query, key and value parts of
-// one projection: (B, L, 3, H, D) or (L, B, 3, H, D) memory, as
-// MultiHeadAttention's one product for Q, K and V leaves them.
-bool parts_of_one_projection(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v) {
-  const int64_t width = q.size(1) * q.size(3); // H·D
-  const auto tokens_major = [&](int64_t outer, int64_t inner) {
-    return q.stride(inner) == 3 * width && q.stride(outer) == 3 * width * q.size(inner);
-  };
-  return q.sizes() == k.sizes() && q.sizes() == v.sizes() && q.strides() == k.strides() &&
-      q.strides() == v.strides() && q.has_storage() && k.has_storage() && v.has_storage() &&
-      k.storage().is_alias_of(q.storage()) && v.storage().is_alias_of(q.storage()) &&
-      k.storage_offset() == q.storage_offset() + width &&
-      v.storage_offset() == q.storage_offset() + 2 * width && q.stride(3) == 1 &&
-      q.stride(1) == q.size(3) && (tokens_major(0, 2) || tokens_major(2, 0));
-}
-
 // Uninitialised gradients for q, k and v (B, H, L, D), (B, H, S, ·): one
-// key/value gradient per query head. Where q, k and v are the parts of one
-// projection, and few query tiles accumulate into each row, their
-// gradients are the same parts of one buffer, which that projection's
-// backward reads as one matrix, with no concatenation: GPT-2-small's layer
-// at T = 128 trained 7 % faster. At T = 2048 (16 tiles) the strided rows
-// made it 4 % slower, and the gradients stay apart.
+// key/value gradient per query head.
 InputGradients input_gradients(const AttentionParams& params) {
-  const auto &q = params.q, &k = params.k, &v = params.v;
-  if (parts_of_one_projection(q, k, v) && query_tiles(params.L()) <= kMaxQueryTilesInPlace) {
-    const auto buffer = torch::empty({3 * q.numel()}, q.options());
-    const auto part = [&](int64_t i) {
-      return buffer.as_strided(q.sizes(), q.strides(), i * params.H() * params.D());
-    };
-    return {part(0), part(1), part(2)};
-  }
   const int64_t B = params.B(), H = params.H(), S = params.S();
   return {
-      torch::empty(q.sizes(), q.options()), torch::empty({B, H, S, params.D()}, k.options()),
-      torch::empty({B, H, S, params.Dv()}, v.options())};
+      torch::empty(params.q.sizes(), params.q.options()),
+      torch::empty({B, H, S, params.D()}, params.k.options()),
+      torch::empty({B, H, S, params.Dv()}, params.v.options())};
 }
 
 // The key/value gradients per key/value head: with grouped queries, the
@@ -102,24 +71,70 @@ void run_forward(FusedLoops loops, const AttentionParams& params, const ForwardR
   }
 }
 
+// The loops' backward into `grads`, every element of which they write.
+void run_backward(
+    FusedLoops loops,
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const InputGradients& grads) {
+  const auto prepared = with_heads_for_kernels(params);
+  const ForwardResult prepared_forward{heads_for_kernels(forward.out, 1), forward.lse.contiguous()};
+  const auto prepared_grad_out = heads_for_kernels(grad_out, 1);
+  switch (loops) {
+    case FusedLoops::tiled:
+      tiled_backward(prepared, prepared_forward, prepared_grad_out, grads);
+      return;
+    case FusedLoops::short_heads:
+      short_heads_backward(prepared, prepared_forward, prepared_grad_out, grads);
+      return;
+  }
+}
+
+// The gradient of params.qkv (B, L, 3, H, D), in qkv's layout. Where few
+// query tiles accumulate into each key row, the loops write the three
+// gradients straight into it: GPT-2-small's layer at T = 128 trained 7 %
+// faster than with a concatenation after. At T = 2048 (16 tiles) the
+// strided rows made the loops 4 % slower, and the gradients are computed
+// apart and stacked.
+torch::Tensor projection_gradient(
+    FusedLoops loops,
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out) {
+  TORCH_INTERNAL_ASSERT(params.group() == 1, "the heads of one projection are as many for Q, K, V");
+  if (query_tiles(params.L()) <= kMaxQueryTilesInPlace) {
+    auto grad = torch::empty_like(params.qkv);
+    const auto [dq, dk, dv] = heads_of_projection(grad);
+    run_backward(loops, params, forward, grad_out, {dq, dk, dv});
+    return grad;
+  }
+  const auto grads = input_gradients(params);
+  run_backward(loops, params, forward, grad_out, grads);
+  return torch::stack(
+      {grads.dq.transpose(1, 2), grads.dk.transpose(1, 2), grads.dv.transpose(1, 2)}, 2);
+}
+
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
  public:
-  // q, k and v are params' own, passed apart so that autograd sees them.
-  // Returns the output as (B, L, H, Dv).
+  // The inputs that autograd sees: params' q, k and v, or, where they are
+  // the heads of one projection, params.qkv alone (undefined tensors are
+  // no inputs to autograd). Returns the output as (B, L, H, Dv).
   static torch::Tensor forward(
       torch::autograd::AutogradContext* ctx,
-      const torch::Tensor& q,
-      const torch::Tensor& k,
-      const torch::Tensor& v,
+      const c10::optional<torch::Tensor>& q,
+      const c10::optional<torch::Tensor>& k,
+      const c10::optional<torch::Tensor>& v,
+      const c10::optional<torch::Tensor>& qkv,
       const AttentionParams& params,
       FusedLoops loops) {
     const int64_t B = params.B(), H = params.H(), L = params.L();
     // The loops write through a (B, H, L, Dv) view; the function returns
     // the underlying (B, L, H, Dv) tensor itself, not a view of it.
-    auto out = torch::empty({B, L, H, params.Dv()}, q.options());
-    const auto lse = torch::empty({B, H, L}, q.options());
+    auto out = torch::empty({B, L, H, params.Dv()}, params.q.options());
+    const auto lse = torch::empty({B, H, L}, params.q.options());
     run_forward(loops, with_heads_for_kernels(params), {out.permute({0, 2, 1, 3}), lse});
-    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->save_for_backward({*q, *k, *v, *qkv, out, lse}); // each holds a tensor, maybe undefined
     params.save_settings_to(*ctx);
     ctx->saved_data["loops"] = static_cast<int64_t>(loops);
     return out;
@@ -130,14 +145,21 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
       torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     auto params = AttentionParams::restore_settings_from(*ctx);
-    params.q = saved[0];
-    params.k = saved[1];
-    params.v = saved[2];
+    params.qkv = saved[3];
+    const auto heads = params.qkv.defined() ? heads_of_projection(params.qkv)
+                                            : QkvHeads{saved[0], saved[1], saved[2]};
+    params.q = heads.q;
+    params.k = heads.k;
+    params.v = heads.v;
     const auto loops = static_cast<FusedLoops>(ctx->saved_data.at("loops").toInt());
-    const auto out = saved[3].permute({0, 2, 1, 3}); // (B, H, L, Dv)
+    const ForwardResult forward{saved[4].permute({0, 2, 1, 3}), saved[5]}; // out (B, H, L, Dv)
     const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3});
-    auto [dq, dk, dv] = fused_backward(loops, params, {out, saved[4]}, grad_out);
-    return {dq, dk, dv, torch::Tensor(), torch::Tensor()}; // nothing for params, loops
+    const torch::Tensor none;
+    if (params.qkv.defined()) {
+      return {none, none, none, projection_gradient(loops, params, forward, grad_out), none, none};
+    }
+    auto [dq, dk, dv] = fused_backward(loops, params, forward, grad_out);
+    return {dq, dk, dv, none, none, none}; // nothing for qkv, params, loops
   }
 };
 
@@ -156,25 +178,19 @@ InputGradients fused_backward(
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out) {
-  // Every element of the gradients is written by the loops.
   const auto grads = input_gradients(params);
-  const auto prepared = with_heads_for_kernels(params);
-  const ForwardResult prepared_forward{heads_for_kernels(forward.out, 1), forward.lse.contiguous()};
-  const auto prepared_grad_out = heads_for_kernels(grad_out, 1);
-  switch (loops) {
-    case FusedLoops::tiled:
-      tiled_backward(prepared, prepared_forward, prepared_grad_out, grads);
-      break;
-    case FusedLoops::short_heads:
-      short_heads_backward(prepared, prepared_forward, prepared_grad_out, grads);
-      break;
-  }
+  run_backward(loops, params, forward, grad_out, grads);
   return summed_over_groups(params, grads);
 }
 
 torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params) {
-  return FusedAttentionFunction::apply(params.q, params.k, params.v, params, loops)
-      .permute({0, 2, 1, 3});
+  using Input = c10::optional<torch::Tensor>; // an undefined one is no input to autograd
+  const bool projection = params.qkv.defined();
+  const torch::Tensor none;
+  const auto out = FusedAttentionFunction::apply(
+      Input(projection ? none : params.q), Input(projection ? none : params.k),
+      Input(projection ? none : params.v), Input(params.qkv), params, loops);
+  return out.permute({0, 2, 1, 3});
 }
 
 } // namespace attn::detail

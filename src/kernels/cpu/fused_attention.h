@@ -34,7 +34,9 @@ InputGradients fused_backward(
     const torch::Tensor& grad_out);
 
 // The output (B, H, L, Dv), a view of (B, L, H, Dv) memory, differentiable
-// through fused_backward with the same loops.
+// through fused_backward with the same loops: in q, k and v, or, where
+// params.qkv is defined, in qkv alone, whose gradient is one tensor of its
+// layout.
 torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params);
 
 } // namespace attn::detail

@@ -567,11 +567,9 @@ void flash_backward(
 // Weights materialised in (B, H, L, S): each query tile's rows are scored
 // straight into the output, normalised in place and multiplied into V.
 template <typename scalar_t>
-void forward_with_weights(
-    const KernelInputs<scalar_t>& in,
-    const torch::Tensor& out,
-    const torch::Tensor& weights) {
-  const Heads<scalar_t> out_heads(out), weight_heads(weights);
+void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult& result) {
+  const Heads<scalar_t> out_heads(result.out), weight_heads(result.weights);
+  scalar_t* lse = result.lse.data_ptr<scalar_t>(); // (B, H, L), contiguous
   const auto no_scratch = [] { return 0; };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S *
       (in.q.size(3) + in.v.size(3));
@@ -581,6 +579,7 @@ void forward_with_weights(
         const auto [b, h, i0, rows] = tile;
         const auto out_tile = out_heads.head(b, h).row_block(i0, rows);
         const auto w_tile = weight_heads.head(b, h).row_block(i0, rows); // (rows, S)
+        scalar_t* tile_lse = lse + (b * in.H + h) * in.L + i0;
         // Keys outside [key_begin, key_end) are invisible to every row.
         const int64_t key_begin = in.mask.tile_key_begin(tile.i0);
         const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
@@ -589,6 +588,7 @@ void forward_with_weights(
         zero_matrix(w_tile.column_block(key_end, in.S - key_end));
         if (cols == 0) {
           zero_matrix(out_tile);
+          std::fill(tile_lse, tile_lse + rows, kNegativeInfinity<scalar_t>);
           return;
         }
         const auto visible = w_tile.column_block(key_begin, cols);
@@ -599,11 +599,14 @@ void forward_with_weights(
           scalar_t* row = visible.row(r);
           in.mask.apply(row, cols, b, h, i0 + r, key_begin);
           const scalar_t largest = row_max(row, cols);
+          tile_lse[r] = largest;
           if (largest == kNegativeInfinity<scalar_t>) {
             std::fill(row, row + cols, scalar_t(0));
             continue;
           }
-          scale_row(row, cols, scalar_t(1) / exp_shifted_sum(row, cols, largest));
+          const scalar_t sum = exp_shifted_sum(row, cols, largest);
+          tile_lse[r] += std::log(sum);
+          scale_row(row, cols, scalar_t(1) / sum);
         }
         tile_addmm(
             out_tile, visible, in.v_heads.head(b, h / in.group).row_block(key_begin, cols), 0, 1);
@@ -628,19 +631,20 @@ void tiled_backward(
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> tiled_attention_with_weights(
-    const AttentionParams& params) {
+ForwardResult tiled_forward_with_weights(const AttentionParams& params) {
   auto contiguous = params;
   contiguous.q = params.q.contiguous();
   contiguous.k = params.k.contiguous();
   contiguous.v = params.v.contiguous();
   const int64_t B = params.B(), H = params.H(), L = params.L();
-  const auto out = empty_heads_interleaved(B, H, L, params.Dv(), params.q.options());
-  const auto weights = torch::empty({B, H, L, params.S()}, params.q.options());
-  AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_attention_with_weights", [&] {
-    forward_with_weights<scalar_t>(KernelInputs<scalar_t>(contiguous), out, weights);
+  const ForwardResult result{
+      empty_heads_interleaved(B, H, L, params.Dv(), params.q.options()),
+      torch::empty({B, H, L}, params.q.options()),
+      torch::empty({B, H, L, params.S()}, params.q.options())};
+  AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_forward_with_weights", [&] {
+    forward_with_weights<scalar_t>(KernelInputs<scalar_t>(contiguous), result);
   });
-  return {out, weights};
+  return result;
 }
 
 } // namespace attn::detail

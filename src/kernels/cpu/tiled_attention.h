@@ -13,7 +13,6 @@
 #include <torch/types.h>
 
 #include <cstdint>
-#include <tuple>
 
 namespace attn::detail {
 
@@ -36,10 +35,9 @@ void tiled_backward(
     const torch::Tensor& grad_out,
     const InputGradients& grads);
 
-// Inference with the weights materialised: (output (B, H, L, Dv), a view of
-// (B, L, H, Dv) memory, weights (B, H, L, S)). Not differentiable;
-// callers use it when no gradient is needed.
-std::tuple<torch::Tensor, torch::Tensor> tiled_attention_with_weights(
-    const AttentionParams& params);
+// Inference with the weights materialised: the output (B, H, L, Dv), a
+// view of (B, L, H, Dv) memory, lse and the weights (B, H, L, S). No
+// backward: callers use it when no gradient is needed.
+ForwardResult tiled_forward_with_weights(const AttentionParams& params);
 
 } // namespace attn::detail
