@@ -11,6 +11,8 @@
 //   build/bench/attn_training_bench --products  # the tiled kernel's products:
 //                                               # attn's loops per instruction
 //                                               # set against BLAS
+//   build/bench/attn_training_bench --dropout   # training with dropout: time
+//                                               # and peak tensor memory
 //
 // Each case builds both modules with the same weights and times them
 // interleaved, in rounds that alternate which goes first; a round times
@@ -26,6 +28,7 @@
 
 #include "kernels/cpu/tile_product.h" // the tiled kernel's products, attn's loops or BLAS's
 #include "naive_attention.h"
+#include "peak_memory.h"
 #include "runtime/compat.h" // whether LibTorch has its own attention
 
 #include <ATen/Parallel.h>
@@ -297,6 +300,71 @@ void compare_products(double budget, double sgemm) {
   }
 }
 
+// Training with dropout 0.1 on GPT-2 small's causal layer (E = 768, H =
+// 12), forward+backward: attn's module, whose fused kernel drops the
+// weights, against the built-in with the same dropout; and the attention
+// core on the fused kernel against attn's math path, which held the
+// (B, H, T, T) scores, probabilities and mask (the only backend that took
+// dropout before), and against the fused kernel without dropout: what
+// dropping costs. Times interleaved; the peak of tensor memory of one call
+// of each, over what was held before it (PeakTensorMemory).
+void compare_dropout(double budget) {
+  static auto* const meter = new attn::bench::PeakTensorMemory(); // outlives every tensor
+  const auto peak_mib = [&](const Step& step) {
+    const int64_t before = meter->live_bytes();
+    meter->reset_peak();
+    step();
+    return static_cast<double>(meter->peak_bytes() - before) / (1 << 20);
+  };
+  std::printf(
+      "| what | B | T | attn ms | other ms | other ÷ attn | attn peak MiB | other peak MiB |\n"
+      "|---|---|---|---|---|---|---|---|\n");
+  const std::pair<int64_t, int64_t> shapes[] = {{2, 1024}, {1, 2048}, {1, 4096}};
+  for (const auto& [B, T] : shapes) {
+    const Case c{"gpt2_small", 768, 12, B, T, /*causal=*/true, /*backward=*/true};
+    torch::manual_seed(0);
+    attn::MultiHeadAttention ours(attn::MultiHeadAttentionOptions(c.E, c.H).dropout(0.1));
+    torch::nn::MultiheadAttention builtin(
+        torch::nn::MultiheadAttentionOptions(c.E, c.H).dropout(0.1));
+    attn::copy_weights(*ours, *builtin);
+    const auto x = torch::randn({B, T, c.E}).requires_grad_();
+    const auto x_seq_first = x.detach().transpose(0, 1).contiguous().requires_grad_();
+    const auto causal_bias = torch::full({T, T}, -std::numeric_limits<float>::infinity()).triu(1);
+    const auto causal = attn::MultiHeadAttentionForwardOptions().is_causal(true);
+    const std::vector<Step> modules{
+        make_step(c, [ours, x, causal]() mutable { return std::get<0>(ours(x, x, x, causal)); }),
+        make_step(c, [builtin, x_seq_first, causal_bias]() mutable {
+          return std::get<0>(
+              builtin(x_seq_first, x_seq_first, x_seq_first, torch::Tensor(), false, causal_bias));
+        })};
+    const auto heads = [&] { return torch::randn({B, c.H, T, c.E / c.H}).requires_grad_(); };
+    const auto q = heads(), k = heads(), v = heads();
+    const auto core = [&](const attn::SDPAOptions& options) {
+      return make_step(c, [q, k, v, options] {
+        return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+      });
+    };
+    const auto fused = attn::SDPAOptions().is_causal(true).backend(
+        attn::AttentionBackend::fused_cpu);
+    const auto dropout = attn::SDPAOptions(fused).dropout_p(0.1).training(true);
+    const std::vector<Step> against_math{
+        core(dropout), core(attn::SDPAOptions(dropout).backend(attn::AttentionBackend::math))};
+    const std::vector<Step> against_none{core(dropout), core(fused)};
+    for (const auto& [what, steps] :
+         {std::pair<const char*, std::vector<Step>>{"module ÷ built-in", modules},
+          std::pair<const char*, std::vector<Step>>{"core: fused_cpu ÷ math", against_math},
+          std::pair<const char*, std::vector<Step>>{
+              "core: with ÷ without dropout (fused_cpu)", against_none}}) {
+      const auto seconds = time_interleaved(steps, budget);
+      std::printf(
+          "| %s | %lld | %lld | %.1f | %.1f | %.2f× | %.0f | %.0f |\n", what,
+          static_cast<long long>(B), static_cast<long long>(T), seconds[0] * 1e3, seconds[1] * 1e3,
+          seconds[1] / seconds[0], peak_mib(steps[0]), peak_mib(steps[1]));
+      std::fflush(stdout);
+    }
+  }
+}
+
 double sgemm_gflops() {
   const torch::NoGradGuard no_grad;
   const auto a = torch::randn({1024, 1024}), b = torch::randn({1024, 1024});
@@ -375,7 +443,7 @@ c10::optional<attn::detail::ProductLoops> product_loops_named(const std::string&
 int main(int argc, char** argv) {
   double budget = 1.5;
   std::string filter;
-  bool kernels = false, products = false;
+  bool kernels = false, products = false, dropout = false;
   c10::optional<attn::detail::ProductLoops> loops;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
@@ -384,6 +452,8 @@ int main(int argc, char** argv) {
       kernels = true;
     } else if (std::strcmp(argv[i], "--products") == 0) {
       products = true;
+    } else if (std::strcmp(argv[i], "--dropout") == 0) {
+      dropout = true;
     } else if (std::strcmp(argv[i], "--filter") == 0 && i + 1 < argc) {
       filter = argv[++i];
     } else if (std::strcmp(argv[i], "--loops") == 0 && i + 1 < argc) {
@@ -395,7 +465,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(
           stderr,
-          "usage: %s [--quick] [--kernels [--loops BLAS|AVX2|AVX-512] | --products | "
+          "usage: %s [--quick] [--kernels [--loops BLAS|AVX2|AVX-512] | --products | --dropout | "
           "--filter SUBSTRING[,SUBSTRING...]]\n",
           argv[0]);
       return 2;
@@ -423,6 +493,10 @@ int main(int argc, char** argv) {
   }
   if (products) {
     compare_products(budget, sgemm);
+    return 0;
+  }
+  if (dropout) {
+    compare_dropout(budget);
     return 0;
   }
   std::printf(

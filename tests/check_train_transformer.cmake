@@ -256,7 +256,7 @@ elseif(CASE STREQUAL "help")
   train(--help)
   expect_success("--help")
   foreach(flag device steps seed digits batch eval-every checkpoint resume tensor-parallel
-      attention)
+      attention dropout)
     if(NOT out MATCHES "\n  --${flag} ")
       fail("--help does not list --${flag}:\n${out}")
     endif()

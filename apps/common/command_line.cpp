@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <charconv>
+#include <cstdlib>
 #include <memory>
 
 namespace apps {
@@ -81,6 +82,25 @@ CLI::Validator decimal_integer(uint64_t maximum) {
     return {};
   };
   return CLI::Validator(check, /*validator_desc=*/"");
+}
+
+CLI::Option* add_fraction_option(
+    CLI::App& app,
+    const std::string& name,
+    double& value,
+    const std::string& help) {
+  const auto check = [](std::string& text) -> std::string {
+    char* end = nullptr;
+    const double fraction = std::strtod(text.c_str(), &end);
+    const bool whole_text = !text.empty() && end == text.c_str() + text.size();
+    return whole_text && fraction >= 0.0 && fraction < 1.0
+        ? ""
+        : fmt::format("expected a number at least 0 and below 1, got '{}'", text);
+  };
+  return app.add_option(name, value, help)
+      ->type_name("P")
+      ->capture_default_str()
+      ->check(CLI::Validator(check, /*validator_desc=*/""));
 }
 
 CLI::Option* add_device_option(CLI::App& app, std::string& device) {

@@ -70,6 +70,14 @@ CLI::Option* add_integer_option(
       ->check(CLI::Range(minimum, maximum).description(""));
 }
 
+/// An option whose value is a number in [0, 1), such as a dropout
+/// probability (`0.1`); `value` holds the default.
+CLI::Option* add_fraction_option(
+    CLI::App& app,
+    const std::string& name,
+    double& value,
+    const std::string& help);
+
 /// `--device D`: auto, cpu, cuda or cuda:N, as `attn::select_device` takes
 /// it (and checks it).
 CLI::Option* add_device_option(CLI::App& app, std::string& device);

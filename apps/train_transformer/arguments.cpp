@@ -84,6 +84,8 @@ void add_options(CLI::App& app, TrainArguments& arguments) {
       "split the attention heads over the ranks\nthat attn_launch_ranks or torchrun started\n"
       "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)");
   add_attention_option(app, arguments.attention);
+  apps::add_fraction_option(
+      app, "--dropout", arguments.dropout, "attention dropout while training");
 }
 
 // What the flags cannot do together, beyond what CLI11 checks.

@@ -33,6 +33,8 @@ struct TrainArguments {
   bool tensor_parallel = false;
   /// The module every block attends with.
   AttentionKind attention = AttentionKind::kAttn;
+  /// The probability of dropping an attention weight while training.
+  double dropout = 0.0;
 };
 
 /// Parses and checks `argv`. Returns nothing, having printed the help,

@@ -22,7 +22,8 @@ torch::nn::MultiheadAttention builtin_copy(const attn::MultiHeadAttentionImpl& d
     return generator.get_state();
   }();
   torch::nn::MultiheadAttention builtin(
-      torch::nn::MultiheadAttentionOptions(drawn.options.embed_dim(), drawn.options.num_heads()));
+      torch::nn::MultiheadAttentionOptions(drawn.options.embed_dim(), drawn.options.num_heads())
+          .dropout(drawn.options.dropout()));
   {
     const std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(state);
@@ -54,10 +55,12 @@ DecoderBlockImpl::DecoderBlockImpl(
       "attention_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
   if (config.attention == AttentionKind::kBuiltin) {
     // Drawn as the attn block draws it, so that every layer starts alike.
-    const attn::MultiHeadAttention drawn(d_model, config.heads);
+    const attn::MultiHeadAttention drawn(
+        attn::MultiHeadAttentionOptions(d_model, config.heads).dropout(config.attention_dropout));
     builtin_attention_ = register_module("attention", builtin_copy(*drawn));
   } else {
-    attention_ = parallelism.attention(d_model, config.heads);
+    attention_ = parallelism.attention(
+        attn::MultiHeadAttentionOptions(d_model, config.heads).dropout(config.attention_dropout));
     register_module("attention", attention_.ptr());
   }
   feed_forward_norm_ = register_module(

@@ -49,6 +49,8 @@ struct TransformerConfig {
   /// Width of the feed-forward layer's hidden activation.
   int64_t feed_forward_width = 256;
   AttentionKind attention = AttentionKind::kAttn;
+  /// The attention layers' dropout while training.
+  double attention_dropout = 0.0;
 };
 
 /// x + attention(norm(x)), then x + feed_forward(norm(x)).

@@ -146,8 +146,8 @@ void copy_adamw_state(
 
 } // namespace
 
-torch::nn::AnyModule Parallelism::attention(int64_t d_model, int64_t heads) const {
-  attn::MultiHeadAttention whole(d_model, heads);
+torch::nn::AnyModule Parallelism::attention(const attn::MultiHeadAttentionOptions& options) const {
+  attn::MultiHeadAttention whole(options);
 #if ATTN_TRAIN_TENSOR_PARALLEL
   if (ranks_) {
     return torch::nn::AnyModule(

@@ -8,6 +8,8 @@
 // other layers whole; every rank draws the same batches, so the layers
 // held whole take the same steps everywhere.
 
+#include <attn/options.h>
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/optim/adamw.h>
@@ -32,10 +34,10 @@ class Parallelism {
   /// Whether this process reports: rank 0.
   bool reports() const { return rank() == 0; }
 
-  /// A block's attention layer (`E` = d_model, causal self-attention by
-  /// the caller): attn::MultiHeadAttention, or this rank's share of one,
+  /// A block's attention layer (causal self-attention by the caller):
+  /// attn::MultiHeadAttention of `options`, or this rank's share of one,
   /// drawn whole from the random state first, as one process draws it.
-  torch::nn::AnyModule attention(int64_t d_model, int64_t heads) const;
+  torch::nn::AnyModule attention(const attn::MultiHeadAttentionOptions& options) const;
 
   /// The L2 norm of the whole model's gradients, and the gradients scaled
   /// by `max_norm / norm` where that is below 1 (as

@@ -45,11 +45,12 @@ uint64_t batch_seed(uint64_t seed, int64_t step) {
 
 Transformer new_model(
     const ReversalTask& task,
-    AttentionKind attention,
+    const TrainArguments& arguments,
     const torch::Device& device,
     const Parallelism& parallelism) {
   TransformerConfig config{ReversalTask::kVocabularySize, task.input_length()};
-  config.attention = attention;
+  config.attention = arguments.attention;
+  config.attention_dropout = arguments.dropout;
   Transformer model(config, parallelism);
   model->to(device);
   return model;
@@ -63,7 +64,7 @@ Transformer seeded_model(
     const torch::Device& device,
     const Parallelism& parallelism) {
   torch::manual_seed(arguments.seed);
-  return new_model(task, arguments.attention, device, parallelism);
+  return new_model(task, arguments, device, parallelism);
 }
 
 torch::optim::AdamW adamw(const Transformer& model) {
@@ -182,10 +183,12 @@ void Trainer::print_setup() const {
   }
   fmt::print(
       "Reversing {} digits with a causal transformer: {} blocks, d_model {}, "
-      "{} heads of {}, {} parameters{}, on {}, seed {}\n",
+      "{} heads of {}{}, {} parameters{}, on {}, seed {}\n",
       arguments_.digits, config.layers, config.d_model, config.heads,
-      attention_module_name(config.attention), parameter_count,
-      parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(), arguments_.seed);
+      attention_module_name(config.attention),
+      config.attention_dropout > 0 ? fmt::format(" (dropout {})", config.attention_dropout) : "",
+      parameter_count, parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(),
+      arguments_.seed);
   if (parallelism_.world_size() > 1) {
     fmt::print(
         "Tensor-parallel over {} ranks: each holds {} of the {} heads of every attention "
@@ -213,7 +216,7 @@ void Trainer::load_whole_checkpoint() {
     step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, model_, optimizer_);
     return;
   }
-  auto whole_model = new_model(task_, arguments_.attention, device_, Parallelism(false));
+  auto whole_model = new_model(task_, arguments_, device_, Parallelism(false));
   auto whole_optimizer = adamw(whole_model);
   step_ = load_checkpoint(arguments_.checkpoint, identity_, device_, whole_model, whole_optimizer);
   parallelism_.shard(*whole_model, whole_optimizer, *model_, optimizer_);
@@ -227,7 +230,7 @@ void Trainer::save_checkpoint_if_asked() {
     save_checkpoint(arguments_.checkpoint, identity_, step_, model_, optimizer_);
     return;
   }
-  auto whole_model = new_model(task_, arguments_.attention, device_, Parallelism(false));
+  auto whole_model = new_model(task_, arguments_, device_, Parallelism(false));
   auto whole_optimizer = adamw(whole_model);
   parallelism_.gather(*model_, optimizer_, *whole_model, whole_optimizer);
   if (parallelism_.reports()) {

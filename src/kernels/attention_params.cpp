@@ -15,7 +15,8 @@ void AttentionParams::save_settings_to(torch::autograd::AutogradContext& ctx) co
   ctx.saved_data["causal"] = causal;
   ctx.saved_data["query_offset"] = query_offset;
   ctx.saved_data["window"] = window;
-  ctx.saved_data["dropout_p"] = dropout_p;
+  ctx.saved_data["dropout_p"] = dropout.p;
+  ctx.saved_data["dropout_seed"] = static_cast<int64_t>(dropout.seed); // the same 64 bits
 }
 
 AttentionParams AttentionParams::restore_settings_from(torch::autograd::AutogradContext& ctx) {
@@ -25,7 +26,8 @@ AttentionParams AttentionParams::restore_settings_from(torch::autograd::Autograd
   params.causal = ctx.saved_data.at("causal").toBool();
   params.query_offset = ctx.saved_data.at("query_offset").toInt();
   params.window = ctx.saved_data.at("window").toInt();
-  params.dropout_p = ctx.saved_data.at("dropout_p").toDouble();
+  params.dropout.p = ctx.saved_data.at("dropout_p").toDouble();
+  params.dropout.seed = static_cast<uint64_t>(ctx.saved_data.at("dropout_seed").toInt());
   return params;
 }
 

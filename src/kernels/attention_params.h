@@ -46,6 +46,17 @@ struct KeyBand {
   }
 };
 
+// Dropout of the attention weights, as the kernels draw it
+// (kernels/cpu/dropout.h): each weight dropped with probability p, every
+// kept one scaled by 1 / (1 - p); `seed` keys the request's stream of
+// random words. The math path draws with LibTorch's dropout instead.
+struct DropoutDraw {
+  double p = 0.0; // 0 unless training
+  uint64_t seed = 0;
+
+  bool active() const { return p > 0.0; }
+};
+
 // Queries, keys and values as heads (B, H, ·, ·).
 struct QkvHeads {
   torch::Tensor q, k, v;
@@ -73,9 +84,8 @@ struct AttentionParams {
   bool causal = false;
   int64_t query_offset = 0;
   int64_t window = 0; // 0: none; at most kUnboundedWindow
-  // The probability of dropping a weight: 0 unless training. Only the math
-  // path drops weights.
-  double dropout_p = 0.0;
+  // Dropout: inactive unless training (DropoutDraw).
+  DropoutDraw dropout;
 
   int64_t B() const { return q.size(0); }
   int64_t H() const { return q.size(1); }

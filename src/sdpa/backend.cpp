@@ -49,13 +49,16 @@ bool mask_needs_grad(const SDPAOptions& options) {
   return mask.defined() && mask.requires_grad() && torch::GradMode::is_enabled();
 }
 
-// What attn's CPU kernels have in common: the device, no dropout, no
-// gradient for the mask.
-std::string cpu_kernel_reason(const torch::Tensor& query, const SDPAOptions& options) {
+// What attn's CPU kernels have in common: the device, no gradient for the
+// mask; and no dropout but in the fused kernel (`drops_weights`).
+std::string cpu_kernel_reason(
+    const torch::Tensor& query,
+    const SDPAOptions& options,
+    bool drops_weights) {
   std::ostringstream reason;
   if (!query.device().is_cpu()) {
     reason << "runs on the CPU only, and the inputs are on " << query.device();
-  } else if (dropout_active(options)) {
+  } else if (dropout_active(options) && !drops_weights) {
     reason << "has no dropout, and dropout_p is " << options.dropout_p() << " while training";
   } else if (mask_needs_grad(options)) {
     reason << "gives the attn_mask no gradient, and it requires one";
@@ -70,7 +73,8 @@ std::string fused_cpu_reason(
     const SDPAOptions& options,
     bool with_weights) {
   std::ostringstream reason;
-  if (const auto common = cpu_kernel_reason(query, options); !common.empty()) {
+  if (const auto common = cpu_kernel_reason(query, options, /*drops_weights=*/!with_weights);
+      !common.empty()) {
     reason << common;
   } else if (with_weights && inputs_need_grad(query, key, value)) {
     reason << "is not differentiable, and the inputs require grad";
@@ -140,8 +144,9 @@ bool libtorch_faster_on_cpu(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   // Masks, windows and non-square causal bands were not measured: attn.
+  // Dropout: LibTorch's fused CPU kernel has none (its math path would run).
   if (!kLibTorchCpuRuleMeasured || !libtorch_fused_cpu_kernel_applies(query, key, value) ||
-      needs_explicit_mask(options, query.size(-2), key.size(-2))) {
+      needs_explicit_mask(options, query.size(-2), key.size(-2)) || dropout_active(options)) {
     return false;
   }
   const int64_t S = key.size(-2);
@@ -223,7 +228,8 @@ std::string unsupported_reason(
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/false);
     case AttentionBackend::fused_cpu_weights:
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/true);
-    case AttentionBackend::batched_cpu: return cpu_kernel_reason(query, options);
+    case AttentionBackend::batched_cpu:
+      return cpu_kernel_reason(query, options, /*drops_weights=*/false);
     case AttentionBackend::libtorch: return libtorch_reason(query, key, value, options);
     case AttentionBackend::math: return {};
   }
@@ -290,8 +296,10 @@ AttentionBackend choose_backend(
 }
 
 FusedLoops fused_cpu_loops(const AttentionParams& params) {
-  return short_heads_run(params.q.scalar_type(), params.L(), params.S()) ? FusedLoops::short_heads
-                                                                         : FusedLoops::tiled;
+  // Only the tiled loops drop weights.
+  return !params.dropout.active() && short_heads_run(params.q.scalar_type(), params.L(), params.S())
+      ? FusedLoops::short_heads
+      : FusedLoops::tiled;
 }
 
 ForwardResult fused_cpu_forward(const AttentionParams& params) {

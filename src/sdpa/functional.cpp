@@ -10,11 +10,13 @@
 #include "sdpa/math_attention.h"
 #include "sdpa/projection_attention.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <vector>
 
 namespace attn {
@@ -168,7 +170,7 @@ detail::AttentionParams attention_params(
   params.causal = options.is_causal();
   params.query_offset = options.query_offset();
   params.window = std::min(options.window().value_or(0), detail::kUnboundedWindow);
-  params.dropout_p = options.training() ? options.dropout_p() : 0.0;
+  params.dropout.p = options.training() ? options.dropout_p() : 0.0;
   return params;
 }
 
@@ -237,6 +239,16 @@ SDPAOptions with_float32_mask(SDPAOptions options) {
   return options;
 }
 
+// The fused kernel's dropout stream is keyed by the next 64 bits of
+// LibTorch's default CPU generator, so that torch::manual_seed reproduces
+// it. (The math path draws through torch::dropout; no seed is taken for it,
+// so that its draw stays LibTorch's own.)
+uint64_t next_dropout_seed() {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const std::lock_guard<std::mutex> lock(generator.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(generator)->random64();
+}
+
 // Runs `backend`, already chosen for this checked request; `qkv` is
 // undefined, or the tensor whose heads_of_projection are query, key and
 // value.
@@ -261,6 +273,9 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
                            : attention_params(query, key, value, options);
   if (!in_float32) {
     params.qkv = qkv;
+  }
+  if (backend == AttentionBackend::fused_cpu && params.dropout.active()) {
+    params.dropout.seed = next_dropout_seed();
   }
   const auto [output, weights] = run_attn_backend(backend, params, options.need_weights());
   const auto dtype = query.scalar_type();

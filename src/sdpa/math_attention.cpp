@@ -58,8 +58,8 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(const AttentionParams& p
   const bool rows_may_be_empty = mask.defined() || params.window > 0 || params.query_offset < 0;
   auto weights = rows_may_be_empty ? softmax_allowing_masked_rows(scores)
                                    : torch::softmax(scores, -1);
-  if (params.dropout_p > 0.0) {
-    weights = torch::dropout(weights, params.dropout_p, /*train=*/true);
+  if (params.dropout.active()) { // LibTorch's draw, as torch::nn::MultiheadAttention's
+    weights = torch::dropout(weights, params.dropout.p, /*train=*/true);
   }
   return {torch::matmul(weights, v), weights};
 }

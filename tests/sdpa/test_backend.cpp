@@ -119,7 +119,8 @@ TEST(BackendSelection, WeightsWithGradientsTakeTheBatchedKernel) {
   const auto weights = SDPAOptions().need_weights(true);
   // The one CPU kernel whose weights are differentiable, not the math path.
   EXPECT_EQ(select_backend(in.q, in.k, in.v, weights), AttentionBackend::batched_cpu);
-  // Where no CPU kernel runs (dropout while training), the math path.
+  // Where no CPU kernel returns them (dropout while training), the math
+  // path, whose draw is torch::nn::MultiheadAttention's.
   EXPECT_EQ(
       select_backend(in.q, in.k, in.v, SDPAOptions(weights).dropout_p(0.1)),
       AttentionBackend::math);
@@ -193,9 +194,11 @@ TEST(BackendSelection, ShortSequencesTakeTheShortLoopsOrTheBatchedKernel) {
       }
     }
   }
-  // Dropout while training is the math path's alone.
+  // Dropout while training: the fused kernel (its tiled loops), which
+  // alone of the short kernels drops weights.
   const auto in = lengths(20, 20, true);
-  EXPECT_EQ(select_backend(in.q, in.k, in.v, SDPAOptions().dropout_p(0.1)), AttentionBackend::math);
+  EXPECT_EQ(
+      select_backend(in.q, in.k, in.v, SDPAOptions().dropout_p(0.1)), AttentionBackend::fused_cpu);
 }
 
 // The rules' one table, docs/BACKENDS.md: its rows name the rules of
@@ -366,12 +369,28 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(lengths(256, 256, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
 }
 
-TEST(BackendSelection, DropoutWhileTrainingTakesTheMathPath) {
+TEST(BackendSelection, DropoutWhileTrainingTakesTheFusedKernelOnItsTiledLoops) {
+  for (const bool requires_grad : {false, true}) {
+    for (const int64_t T : {int64_t{16}, int64_t{64}, int64_t{128}, kLong}) {
+      SCOPED_TRACE(::testing::Message() << "T " << T << (requires_grad ? ", grad" : ""));
+      const auto in = make_inputs(requires_grad, torch::kFloat, T);
+      const auto dropout = SDPAOptions().dropout_p(0.1);
+      EXPECT_EQ(select_backend(in.q, in.k, in.v, dropout), AttentionBackend::fused_cpu);
+      EXPECT_EQ(
+          select_backend(in.q, in.k, in.v, SDPAOptions(dropout).is_causal(true)),
+          AttentionBackend::fused_cpu);
+      auto params = attn::detail::AttentionParams();
+      params.q = in.q;
+      params.k = in.k;
+      params.v = in.v;
+      params.dropout.p = 0.1;
+      EXPECT_EQ(attn::detail::fused_cpu_loops(params), attn::detail::FusedLoops::tiled);
+    }
+  }
+  // Weights with dropout: the math path, whose draw is LibTorch's.
   const auto in = make_inputs();
-  const auto dropout = SDPAOptions().dropout_p(0.1).need_weights(false);
-  EXPECT_EQ(select_backend(in.q, in.k, in.v, dropout), AttentionBackend::math);
-  EXPECT_NE(
-      select_backend(in.q, in.k, in.v, SDPAOptions(dropout).training(false)),
+  EXPECT_EQ(
+      select_backend(in.q, in.k, in.v, SDPAOptions().dropout_p(0.1).need_weights(true)),
       AttentionBackend::math);
 }
 
@@ -416,8 +435,9 @@ TEST(RequestedBackend, ThatCannotRunTheRequestSaysWhy) {
       "weights: set need_weights(false)");
   EXPECT_ATTN_ERROR(
       attn::scaled_dot_product_attention(
-          in.q, in.k, in.v, ask(AttentionBackend::fused_cpu).need_weights(false).dropout_p(0.5)),
-      "backend fused_cpu was requested, but it has no dropout, and dropout_p is 0.5 while training");
+          in.q, in.k, in.v, ask(AttentionBackend::batched_cpu).need_weights(false).dropout_p(0.5)),
+      "backend batched_cpu was requested, but it has no dropout, and dropout_p is 0.5 while "
+      "training");
   const auto grad = make_inputs(/*requires_grad=*/true);
   EXPECT_ATTN_ERROR(
       attn::scaled_dot_product_attention(

@@ -290,6 +290,7 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
 } // namespace
 
 ForwardResult batched_forward(const AttentionParams& params) {
+  TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the batched kernel drops no weights");
   const BatchedInputs in(params);
   const auto& shape = in.shape;
   auto probs = batched_product(in.q, in.k.transpose(1, 2)); // (B·Hkv, group·L, S)

@@ -87,9 +87,10 @@ bool cpu_runs(InstructionSet set) {
 const IsaLoops* compiled_loops(InstructionSet set) {
   const auto table = [](InstructionSet s, const MicroTiles* tiles, const VectorLoops* vector) {
     if (vector == nullptr) {
-      return IsaLoops{s, tiles, nullptr, nullptr, nullptr};
+      return IsaLoops{s, tiles, nullptr, nullptr, nullptr, nullptr};
     }
-    return IsaLoops{s, tiles, &vector->short_heads, vector->row_max, vector->exp_shifted_sum};
+    return IsaLoops{
+        s, tiles, &vector->short_heads, vector->row_max, vector->exp_shifted_sum, &vector->dropout};
   };
   static const IsaLoops avx512 = table(
       InstructionSet::avx512, avx512_micro_tiles(), avx512_vector_loops());

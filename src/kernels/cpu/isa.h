@@ -13,6 +13,7 @@ namespace attn::detail {
 
 struct MicroTiles;
 struct ShortHeadsLoops;
+struct DropoutRow;
 
 // What the processor has and the operating system saves across context
 // switches (a set whose registers the OS does not save counts as absent).
@@ -45,6 +46,19 @@ const char* instruction_set_name(InstructionSet set);
 using RowMaxFn = float (*)(const float* x, int64_t n);
 using ExpShiftedSumFn = float (*)(float* x, int64_t n, float shift);
 
+// Dropout's row operations on floats (dropout.h): drop_row and
+// dropout_softmax_backward_row.
+struct DropoutLoops {
+  void (*drop_row)(float* x, int64_t n, const DropoutRow& row);
+  void (*softmax_backward_row)(
+      float* p,
+      float* ds,
+      int64_t n,
+      float delta,
+      float keep_scale,
+      const DropoutRow& row);
+};
+
 // Everything compiled for one instruction set.
 struct IsaLoops {
   InstructionSet set;
@@ -52,6 +66,7 @@ struct IsaLoops {
   const ShortHeadsLoops* short_heads; // short_heads_loops.h; null where not compiled
   RowMaxFn row_max;
   ExpShiftedSumFn exp_shifted_sum;
+  const DropoutLoops* dropout; // null where not compiled
 };
 
 // The loops of `set`, or null where this build did not compile them or

@@ -47,6 +47,7 @@ void parallel_heads(
 }
 
 ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) {
+  TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the short-head loops drop no weights");
   return {
       Heads<float>(params.q),
       Heads<float>(params.k),

@@ -1,5 +1,6 @@
 #include "kernels/cpu/tiled_attention.h"
 
+#include "kernels/cpu/dropout.h"
 #include "kernels/cpu/heads.h"
 #include "kernels/cpu/mask_view.h"
 #include "kernels/cpu/parallel.h"
@@ -200,7 +201,14 @@ struct KernelInputs {
         v_heads(v),
         k_t_heads(k_t),
         mask(params),
-        scale(static_cast<scalar_t>(params.scale)) {}
+        scale(static_cast<scalar_t>(params.scale)),
+        dropout(params.dropout),
+        keep_scale(static_cast<scalar_t>(dropout_keep_scale(params.dropout.p))) {}
+
+  // The dropout stream of query i of head (b, h), from key j on.
+  DropoutRow dropout_row(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return detail::dropout_row(dropout, b * H + h, i, S, j);
+  }
 
   torch::Tensor q, k, v;
   int64_t B, H, L, S;
@@ -210,6 +218,8 @@ struct KernelInputs {
   Heads<scalar_t> q_heads, k_heads, v_heads, k_t_heads;
   MaskView<scalar_t> mask;
   scalar_t scale;
+  DropoutDraw dropout;
+  scalar_t keep_scale; // the inverse of the keep probability (dropout.h): 1 without dropout
 };
 
 // A task's (kQueryTile, key_block) tile of scores or their gradients, over
@@ -299,6 +309,9 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
             scalar_t* row = block.row(r);
             in.mask.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin);
             online_softmax_row(scratch, r, row + begin, end - begin, out_tile.row(r), Dv);
+            if (in.dropout.active()) { // after the row's sum, which counts every weight
+              drop_row(row + begin, end - begin, in.dropout_row(b, h, i0 + r, j0 + begin));
+            }
           }
           tile_addmm_banded(
               out_tile, block, v_head.row_block(j0, cols), 1, 1, ProductBand::depth, keys_of);
@@ -307,7 +320,7 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
         scalar_t* lse_row = lse_data + (b * in.H + h) * in.L + i0;
         for (int64_t r = 0; r < rows; ++r) {
           const scalar_t sum = scratch.running_sum[r];
-          scale_row(out_tile.row(r), Dv, sum > 0 ? scalar_t(1) / sum : scalar_t(0));
+          scale_row(out_tile.row(r), Dv, sum > 0 ? in.keep_scale / sum : scalar_t(0));
           lse_row[r] = sum > 0 ? scratch.running_max[r] + std::log(sum)
                                : kNegativeInfinity<scalar_t>;
         }
@@ -395,6 +408,39 @@ struct GradientBetas {
   double dq = 1, dk_dv = 1;
 };
 
+// The tile's scores' gradient dS = P ∘ (dP - delta) in `ds`, which holds
+// dP = dO Vᵀ, row by row over each row's keys. With dropout, dP is the
+// gradient of the dropped probabilities, and `p` becomes them
+// (dropout_softmax_backward_row).
+template <typename scalar_t>
+void softmax_backward_rows(
+    const KernelInputs<scalar_t>& in,
+    const QueryTile& tile,
+    const MatrixRef<scalar_t>& p,
+    const MatrixRef<scalar_t>& ds,
+    int64_t j0,
+    const std::vector<scalar_t>& delta,
+    const std::vector<IndexRange>& keys_of) {
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    // Plain locals: OpenMP's simd loop below cannot capture a structured binding.
+    const IndexRange keys = keys_of[r / kProductRowBlock];
+    const int64_t begin = keys.begin, end = keys.end;
+    scalar_t* p_row = p.row(r);
+    scalar_t* ds_row = ds.row(r);
+    const scalar_t d = delta[r];
+    if (in.dropout.active()) {
+      dropout_softmax_backward_row(
+          p_row + begin, ds_row + begin, end - begin, d, in.keep_scale,
+          in.dropout_row(tile.b, tile.h, tile.i0 + r, j0 + begin));
+      continue;
+    }
+#pragma omp simd
+    for (int64_t j = begin; j < end; ++j) {
+      ds_row[j] = p_row[j] * (ds_row[j] - d);
+    }
+  }
+}
+
 // One query tile against keys [j0, j0 + cols): recomputes the tile's
 // probabilities P and adds its shares of dV, dQ and dK, or writes them, as
 // `betas` say.
@@ -434,24 +480,23 @@ void backward_block(
       exp_shifted_sum(row, end - begin, lse_rows[r]);
     }
   }
+  // dV += Pᵀ dO, with P as the forward multiplied it into V: dropped,
+  // where dropout is, by the row pass below.
+  // Named here: a C++17 lambda captures no structured binding (b, h).
   const auto dv_block = t.dv.head(b, h).row_block(j0, cols);
-  tile_addmm_banded(
-      dv_block, p.transposed(), go_tile, betas.dk_dv, 1, ProductBand::depth,
-      queries_of); // dV += Pᵀ dO
+  const auto add_value_gradient = [&] {
+    tile_addmm_banded(
+        dv_block, p.transposed(), go_tile, betas.dk_dv, 1, ProductBand::depth, queries_of);
+  };
+  if (!in.dropout.active()) {
+    add_value_gradient();
+  }
   tile_addmm_banded(
       ds, go_tile, t.v_t.head(b, kv_head).column_block(j0, cols), 0, 1, ProductBand::columns,
       keys_of); // dP = dO Vᵀ
-  for (int64_t r = 0; r < rows; ++r) {
-    // Plain locals: OpenMP's simd loop below cannot capture a structured binding.
-    const IndexRange keys = keys_of[r / kProductRowBlock];
-    const int64_t begin = keys.begin, end = keys.end;
-    const scalar_t* p_row = p.row(r);
-    scalar_t* ds_row = ds.row(r);
-    const scalar_t d = scratch.delta[r];
-#pragma omp simd
-    for (int64_t j = begin; j < end; ++j) {
-      ds_row[j] = p_row[j] * (ds_row[j] - d); // dS
-    }
+  softmax_backward_rows(in, tile, p, ds, j0, scratch.delta, keys_of);
+  if (in.dropout.active()) {
+    add_value_gradient();
   }
   const auto k_block = in.k_heads.head(b, kv_head).row_block(j0, cols);
   tile_addmm_banded(
@@ -632,6 +677,7 @@ void tiled_backward(
 }
 
 ForwardResult tiled_forward_with_weights(const AttentionParams& params) {
+  TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the weights kernel drops no weights");
   auto contiguous = params;
   contiguous.q = params.q.contiguous();
   contiguous.k = params.k.contiguous();

@@ -1,8 +1,9 @@
 #pragma once
 
-// The loops written once over GCC's vector types (lanes.h) and compiled
-// per instruction set, each set in a file of its own under its target
-// pragma: vector_loops_avx512.cpp (16 lanes) and vector_loops_avx2.cpp (8).
+// The loops written once over GCC's vector types (lanes.h), or in C++
+// that the compiler vectorises (philox.h), and compiled per instruction
+// set, each set in a file of its own under its target pragma:
+// vector_loops_avx512.cpp (16 lanes) and vector_loops_avx2.cpp (8).
 // isa.h's table hands them out where the CPU runs them.
 
 #include "kernels/cpu/isa.h"
@@ -24,6 +25,7 @@ struct VectorLoops {
   ShortHeadsLoops short_heads;
   RowMaxFn row_max;
   ExpShiftedSumFn exp_shifted_sum;
+  DropoutLoops dropout;
 };
 
 // Null where this build cannot compile the set; whether the CPU runs it is

@@ -1,6 +1,7 @@
 // The vector loops (vector_loops.h) compiled for AVX2 with FMA: the short-head
 // loops (short_heads_vector.h) and the float row operations
-// (row_ops_vector.h), both over lanes.h.
+// (row_ops_vector.h), both over lanes.h, and dropout's row operations
+// (dropout_vector.h).
 
 #include "kernels/cpu/vector_loops.h"
 
@@ -9,8 +10,11 @@
 #include "kernels/cpu/heads.h"
 #include "kernels/cpu/mask_view.h"
 #include "kernels/cpu/micro_tile.h"
+#include "kernels/cpu/philox.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <array>
@@ -32,8 +36,10 @@ namespace {
 // Vectors of the registers' width (32 bytes): wider ones would live in
 // memory.
 constexpr int64_t kLanes = 8;
-typedef float Lanes __attribute__((vector_size(32)));      // NOLINT(modernize-use-using)
-typedef int32_t LaneBits __attribute__((vector_size(32))); // NOLINT(modernize-use-using)
+typedef float Lanes __attribute__((vector_size(32)));            // NOLINT(modernize-use-using)
+typedef int32_t LaneBits __attribute__((vector_size(32)));       // NOLINT(modernize-use-using)
+typedef uint32_t LaneWords __attribute__((vector_size(32)));     // NOLINT(modernize-use-using)
+typedef uint64_t LaneWordPairs __attribute__((vector_size(32))); // NOLINT(modernize-use-using)
 
 } // namespace
 } // namespace attn::detail
@@ -52,9 +58,18 @@ ATTN_INLINE Lanes times_two_to_or_zero(const Lanes& p, const Lanes& k, const Lan
   return select(x < splat(kExpLowest), Lanes{}, p * floats_of(two_to_k));
 }
 
+// The 64-bit products of the low 32 bits of each pair of lanes: one
+// vpmuludq.
+ATTN_INLINE LaneWordPairs multiply_low_words(const LaneWordPairs& a, const LaneWordPairs& b) {
+  return __builtin_bit_cast(
+      LaneWordPairs,
+      _mm256_mul_epu32(__builtin_bit_cast(__m256i, a), __builtin_bit_cast(__m256i, b)));
+}
+
 } // namespace
 } // namespace attn::detail
 
+#include "kernels/cpu/dropout_vector.h"
 #include "kernels/cpu/row_ops_vector.h"
 #include "kernels/cpu/short_heads_vector.h"
 
@@ -68,7 +83,8 @@ constexpr int kAccumulators = 12;
 const VectorLoops kLoops{
     {forward_heads<kAccumulators>, backward_heads<kAccumulators>},
     row_max_lanes,
-    exp_shifted_sum_lanes};
+    exp_shifted_sum_lanes,
+    {drop_row_vector, dropout_softmax_backward_row_vector}};
 
 } // namespace
 } // namespace attn::detail

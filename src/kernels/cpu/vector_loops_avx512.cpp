@@ -1,6 +1,7 @@
 // The vector loops (vector_loops.h) compiled for AVX-512: the short-head
 // loops (short_heads_vector.h) and the float row operations
-// (row_ops_vector.h), both over lanes.h.
+// (row_ops_vector.h), both over lanes.h, and dropout's row operations
+// (dropout_vector.h).
 
 #include "kernels/cpu/vector_loops.h"
 
@@ -9,6 +10,7 @@
 #include "kernels/cpu/heads.h"
 #include "kernels/cpu/mask_view.h"
 #include "kernels/cpu/micro_tile.h"
+#include "kernels/cpu/philox.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
 
@@ -34,8 +36,10 @@ namespace {
 // Vectors of the registers' width (64 bytes): wider ones would live in
 // memory.
 constexpr int64_t kLanes = 16;
-typedef float Lanes __attribute__((vector_size(64)));      // NOLINT(modernize-use-using)
-typedef int32_t LaneBits __attribute__((vector_size(64))); // NOLINT(modernize-use-using)
+typedef float Lanes __attribute__((vector_size(64)));            // NOLINT(modernize-use-using)
+typedef int32_t LaneBits __attribute__((vector_size(64)));       // NOLINT(modernize-use-using)
+typedef uint32_t LaneWords __attribute__((vector_size(64)));     // NOLINT(modernize-use-using)
+typedef uint64_t LaneWordPairs __attribute__((vector_size(64))); // NOLINT(modernize-use-using)
 
 } // namespace
 } // namespace attn::detail
@@ -55,9 +59,19 @@ ATTN_INLINE Lanes times_two_to_or_zero(const Lanes& p, const Lanes& k, const Lan
       _mm512_maskz_scalef_ps(kept, __builtin_bit_cast(__m512, p), __builtin_bit_cast(__m512, k)));
 }
 
+// The 64-bit products of the low 32 bits of each pair of lanes: one
+// vpmuludq. (The zero-masked form with every lane kept: GCC 12's plain one
+// passes an undefined vector through, which -Wmaybe-uninitialized reports.)
+ATTN_INLINE LaneWordPairs multiply_low_words(const LaneWordPairs& a, const LaneWordPairs& b) {
+  return __builtin_bit_cast(
+      LaneWordPairs,
+      _mm512_maskz_mul_epu32(0xFF, __builtin_bit_cast(__m512i, a), __builtin_bit_cast(__m512i, b)));
+}
+
 } // namespace
 } // namespace attn::detail
 
+#include "kernels/cpu/dropout_vector.h"
 #include "kernels/cpu/row_ops_vector.h"
 #include "kernels/cpu/short_heads_vector.h"
 
@@ -71,7 +85,8 @@ constexpr int kAccumulators = 16;
 const VectorLoops kLoops{
     {forward_heads<kAccumulators>, backward_heads<kAccumulators>},
     row_max_lanes,
-    exp_shifted_sum_lanes};
+    exp_shifted_sum_lanes,
+    {drop_row_vector, dropout_softmax_backward_row_vector}};
 
 } // namespace
 } // namespace attn::detail
