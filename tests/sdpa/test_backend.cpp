@@ -379,6 +379,11 @@ TEST(BackendSelection, DropoutWhileTrainingTakesTheFusedKernelOnItsTiledLoops) {
       EXPECT_EQ(
           select_backend(in.q, in.k, in.v, SDPAOptions(dropout).is_causal(true)),
           AttentionBackend::fused_cpu);
+      // BERT's fine-tuning: a key-padding mask.
+      const auto padding = (torch::arange(T) < T - 3).view({1, 1, 1, T});
+      EXPECT_EQ(
+          select_backend(in.q, in.k, in.v, SDPAOptions(dropout).attn_mask(padding)),
+          AttentionBackend::fused_cpu);
       auto params = attn::detail::AttentionParams();
       params.q = in.q;
       params.k = in.k;

@@ -232,28 +232,39 @@ TEST(ScaledDotProductAttention, WeightsOnlyWhenAskedForAndTheSameOutputEitherWay
 // K and V (sdpa/projection_attention.h) is the function over that
 // product's heads: outputs, weights and the projection's gradient, in
 // float32 (attn's kernels, qkv's gradient written in place) and bfloat16
-// (computed in float32 from converted copies), with and without weights.
+// (computed in float32 from converted copies), with and without weights,
+// and with dropout while training (the same seed: the same draw).
 TEST(ScaledDotProductAttention, OverTheHeadsOfOneProjectionIsTheFunctionOverThoseHeads) {
   torch::manual_seed(9);
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
     for (const bool need_weights : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << dtype << (need_weights ? ", weights" : ""));
-      const auto options = SDPAOptions().is_causal(true).need_weights(need_weights);
-      const auto qkv = torch::randn({2, 24, 3, 3, 8}, dtype).requires_grad_();
-      const auto [out, w] = attn::detail::attention_over_projection(qkv, options);
-      const auto apart = qkv.detach().clone().requires_grad_();
-      const auto heads = attn::detail::heads_of_projection(apart);
-      const auto [expected, expected_w] = attn::scaled_dot_product_attention(
-          heads.q, heads.k, heads.v, options);
-      EXPECT_TRUE(torch::equal(out, expected));
-      EXPECT_EQ(w.defined(), need_weights);
-      if (need_weights) {
-        EXPECT_TRUE(torch::equal(w, expected_w));
+      for (const double dropout : {0.0, 0.3}) {
+        SCOPED_TRACE(
+            ::testing::Message() << dtype << (need_weights ? ", weights" : "") << ", dropout "
+                                 << dropout);
+        const auto options = SDPAOptions()
+                                 .is_causal(true)
+                                 .need_weights(need_weights)
+                                 .dropout_p(dropout)
+                                 .training(true);
+        const auto qkv = torch::randn({2, 24, 3, 3, 8}, dtype).requires_grad_();
+        torch::manual_seed(10);
+        const auto [out, w] = attn::detail::attention_over_projection(qkv, options);
+        const auto apart = qkv.detach().clone().requires_grad_();
+        const auto heads = attn::detail::heads_of_projection(apart);
+        torch::manual_seed(10);
+        const auto [expected, expected_w] = attn::scaled_dot_product_attention(
+            heads.q, heads.k, heads.v, options);
+        EXPECT_TRUE(torch::equal(out, expected));
+        EXPECT_EQ(w.defined(), need_weights);
+        if (need_weights) {
+          EXPECT_TRUE(torch::equal(w, expected_w));
+        }
+        const auto grad_out = torch::randn(out.sizes(), dtype);
+        const auto grad = torch::autograd::grad({out}, {qkv}, {grad_out})[0];
+        const auto expected_grad = torch::autograd::grad({expected}, {apart}, {grad_out})[0];
+        EXPECT_CLOSE(grad.to(torch::kFloat), expected_grad.to(torch::kFloat), tolerance_for(dtype));
       }
-      const auto grad_out = torch::randn(out.sizes(), dtype);
-      const auto grad = torch::autograd::grad({out}, {qkv}, {grad_out})[0];
-      const auto expected_grad = torch::autograd::grad({expected}, {apart}, {grad_out})[0];
-      EXPECT_CLOSE(grad.to(torch::kFloat), expected_grad.to(torch::kFloat), tolerance_for(dtype));
     }
   }
 }
