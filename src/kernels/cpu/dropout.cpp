@@ -56,9 +56,13 @@ double dropout_keep_scale(double p) {
   return threshold < kDraws ? static_cast<double>(kDraws) / (kDraws - threshold) : 0.0;
 }
 
-DropoutRow dropout_row(const DropoutDraw& draw, int64_t bh, int64_t i, int64_t S, int64_t j) {
+DropoutRow dropout_stream(const DropoutDraw& draw) {
+  return {draw.seed, 0, 0, dropout_threshold(draw.p)};
+}
+
+DropoutRow dropout_row(const DropoutRow& stream, int64_t bh, int64_t i, int64_t S, int64_t j) {
   const auto first = static_cast<uint64_t>(i) * static_cast<uint64_t>(S) + static_cast<uint64_t>(j);
-  return {draw.seed, static_cast<uint64_t>(bh), first, dropout_threshold(draw.p)};
+  return {stream.seed, static_cast<uint64_t>(bh), first, stream.threshold};
 }
 
 void dropout_draws(uint16_t* draws, int64_t n, const DropoutRow& row) {

@@ -41,9 +41,13 @@ uint32_t dropout_threshold(double p);
 // is kept.
 double dropout_keep_scale(double p);
 
-// The row of query i of head bh = b·H + h of a request with S keys, from
-// key j on.
-DropoutRow dropout_row(const DropoutDraw& draw, int64_t bh, int64_t i, int64_t S, int64_t j);
+// A request's stream: its seed and threshold, taken once per call (the
+// row and first draw 0).
+DropoutRow dropout_stream(const DropoutDraw& draw);
+
+// The row of `stream` for query i of head bh = b·H + h of a request with S
+// keys, from key j on.
+DropoutRow dropout_row(const DropoutRow& stream, int64_t bh, int64_t i, int64_t S, int64_t j);
 
 // The draws [row.first_draw, row.first_draw + n) of the row's stream, in
 // portable C++ (the vector loops in isa.h's table draw the same).

@@ -203,11 +203,12 @@ struct KernelInputs {
         mask(params),
         scale(static_cast<scalar_t>(params.scale)),
         dropout(params.dropout),
+        dropout_stream(detail::dropout_stream(params.dropout)),
         keep_scale(static_cast<scalar_t>(dropout_keep_scale(params.dropout.p))) {}
 
   // The dropout stream of query i of head (b, h), from key j on.
   DropoutRow dropout_row(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return detail::dropout_row(dropout, b * H + h, i, S, j);
+    return detail::dropout_row(dropout_stream, b * H + h, i, S, j);
   }
 
   torch::Tensor q, k, v;
@@ -219,7 +220,8 @@ struct KernelInputs {
   MaskView<scalar_t> mask;
   scalar_t scale;
   DropoutDraw dropout;
-  scalar_t keep_scale; // the inverse of the keep probability (dropout.h): 1 without dropout
+  DropoutRow dropout_stream; // the seed and threshold, taken once
+  scalar_t keep_scale;       // the inverse of the keep probability (dropout.h): 1 without dropout
 };
 
 // A task's (kQueryTile, key_block) tile of scores or their gradients, over
