@@ -13,6 +13,9 @@
 //                                               # set against BLAS
 //   build/bench/attn_training_bench --dropout   # training with dropout: time
 //                                               # and peak tensor memory
+//   build/bench/attn_training_bench --modifiers # published models' attention
+//                                               # (ALiBi, soft-cap, T5's table,
+//                                               # sinks, dropout): time, memory
 //
 // Each case builds both modules with the same weights and times them
 // interleaved, in rounds that alternate which goes first; a round times
@@ -300,6 +303,16 @@ void compare_products(double budget, double sgemm) {
   }
 }
 
+// The peak of tensor memory of one call of `step`, in MiB, over what was
+// held before it (PeakTensorMemory, installed on first use).
+double peak_mib(const Step& step) {
+  static auto* const meter = new attn::bench::PeakTensorMemory(); // outlives every tensor
+  const int64_t before = meter->live_bytes();
+  meter->reset_peak();
+  step();
+  return static_cast<double>(meter->peak_bytes() - before) / (1 << 20);
+}
+
 // Training with dropout 0.1 on GPT-2 small's causal layer (E = 768, H =
 // 12), forward+backward: attn's module, whose fused kernel drops the
 // weights, against the built-in with the same dropout; and the attention
@@ -309,13 +322,6 @@ void compare_products(double budget, double sgemm) {
 // dropping costs. Times interleaved; the peak of tensor memory of one call
 // of each, over what was held before it (PeakTensorMemory).
 void compare_dropout(double budget) {
-  static auto* const meter = new attn::bench::PeakTensorMemory(); // outlives every tensor
-  const auto peak_mib = [&](const Step& step) {
-    const int64_t before = meter->live_bytes();
-    meter->reset_peak();
-    step();
-    return static_cast<double>(meter->peak_bytes() - before) / (1 << 20);
-  };
   std::printf(
       "| what | B | T | attn ms | other ms | other ÷ attn | attn peak MiB | other peak MiB |\n"
       "|---|---|---|---|---|---|---|---|\n");
@@ -365,6 +371,188 @@ void compare_dropout(double budget) {
   }
 }
 
+std::string fixed(double value, const char* format) {
+  char text[32];
+  std::snprintf(text, sizeof text, format, value);
+  return text;
+}
+
+// One attention of a published model, as its core (B, H, T, D) computes it.
+struct ModelAttention {
+  const char* model;
+  int64_t B, H, Hkv, D;
+  attn::SDPAOptions options; // the modifiers, band and dropout, training
+  // The same request without modifiers (dropout and band kept): what the
+  // modifiers cost is measured against it. False: the model has none.
+  bool has_modifiers;
+  // Whether at::scaled_dot_product_attention computes it, with dense_mask.
+  bool dense_mask_expresses_it;
+};
+
+// ALiBi written as a user's score function: what a C++ modifier costs next
+// to the built-in one.
+std::shared_ptr<const attn::ScoreFunction> alibi_as_score_function(int64_t heads) {
+  const auto slopes_tensor = attn::alibi_slopes(heads).to(torch::kDouble);
+  std::vector<double> slopes(
+      slopes_tensor.data_ptr<double>(), slopes_tensor.data_ptr<double>() + heads);
+  return std::make_shared<attn::ScoreFunction>(attn::ScoreFunction{
+      [slopes](double s, int64_t, int64_t h, int64_t i, int64_t j) {
+        return s + slopes[static_cast<size_t>(h)] * static_cast<double>(j - i);
+      },
+      [](double, int64_t, int64_t, int64_t, int64_t) { return 1.0; }});
+}
+
+// The rows of the coverage table: attention as each model
+// publishes it (T5: Raffel et al. 2020; BLOOM: ALiBi; Gemma 2: soft-cap 50
+// with 8 query and 4 key/value heads of width 256; gpt-oss: sinks, 64 query
+// and 8 key/value heads, its sliding layers' window of 128; Swin-T's first
+// stage: 7×7-token windows as the batch, 3 heads of width 32, its learned
+// relative-position table gathered into a (H, 49, 49) bias that requires
+// grad).
+std::vector<ModelAttention> model_attentions(int64_t T) {
+  using attn::PositionBucketing;
+  using attn::PositionBuckets;
+  using attn::SDPAOptions;
+  const auto table = [](int64_t H, const PositionBuckets& buckets) {
+    return torch::randn({H, buckets.count()}).requires_grad_();
+  };
+  const auto t5 = PositionBuckets().num_buckets(32).max_distance(128);
+  const auto t5_causal = PositionBuckets(t5).bucketing(PositionBucketing::t5_causal);
+  const auto padding = torch::arange(T).view({1, 1, 1, T}) < (T - T / 4); // last quarter padded
+  const auto dropout = SDPAOptions().dropout_p(0.1).training(true);
+  return {
+      {"BERT-base", 1, 12, 12, 64, SDPAOptions(dropout).attn_mask(padding), false, true},
+      {"GPT-2 small", 1, 12, 12, 64, SDPAOptions(dropout).is_causal(true), false, true},
+      {"T5-base encoder", 1, 12, 12, 64,
+       SDPAOptions(dropout).scale(1.0).position_bias(table(12, t5)).position_buckets(t5), true,
+       false},
+      {"T5-base decoder", 1, 12, 12, 64,
+       SDPAOptions(dropout)
+           .scale(1.0)
+           .is_causal(true)
+           .position_bias(table(12, t5_causal))
+           .position_buckets(t5_causal),
+       true, false},
+      {"BLOOM", 1, 16, 16, 64, SDPAOptions().is_causal(true).alibi_slopes(attn::alibi_slopes(16)),
+       true, true},
+      {"BLOOM, ALiBi as a score_function", 1, 16, 16, 64,
+       SDPAOptions().is_causal(true).score_function(alibi_as_score_function(16)), true, false},
+      {"Gemma 2", 1, 8, 4, 256,
+       SDPAOptions().is_causal(true).enable_gqa(true).softcap(50.0).window(4096), true, false},
+      {"gpt-oss (sliding)", 1, 64, 8, 64,
+       SDPAOptions().is_causal(true).enable_gqa(true).window(128).sinks(
+           torch::randn({64}).requires_grad_()),
+       true, false},
+  };
+}
+
+// Swin-T's first stage: 7×7-token windows as the batch (64 of a 56×56
+// image), 3 heads of width 32, its learned relative-position table
+// gathered into a (H, 49, 49) bias that requires grad.
+ModelAttention swin_block() {
+  return {
+      "Swin-T block",
+      64,
+      3,
+      3,
+      32,
+      attn::SDPAOptions().attn_mask(torch::randn({1, 3, 49, 49}).requires_grad_()),
+      true,
+      false};
+}
+
+// The options without the modifiers (a mask that requires grad is one).
+attn::SDPAOptions without_modifiers(attn::SDPAOptions options) {
+  const auto& mask = options.attn_mask();
+  return options.alibi_slopes({})
+      .softcap(c10::nullopt)
+      .position_bias({})
+      .sinks({})
+      .score_function(nullptr)
+      .attn_mask(mask.defined() ? mask.detach() : mask);
+}
+
+// ALiBi (the only modifier at::scaled_dot_product_attention can take, as a
+// dense float mask) with the causal band as one additive mask, or the
+// options' own mask.
+torch::Tensor dense_mask(const attn::SDPAOptions& options, int64_t T) {
+  if (!options.alibi_slopes().defined()) {
+    return options.attn_mask();
+  }
+  const auto distance =
+      (torch::arange(T).view({1, T}) - torch::arange(T).view({T, 1})).to(torch::kFloat);
+  const auto bias = options.alibi_slopes().view({-1, 1, 1}) * distance;
+  return options.is_causal()
+      ? bias.masked_fill(distance > 0, -std::numeric_limits<float>::infinity())
+      : bias;
+}
+
+// One row of compare_modifiers.
+void measure_model(const ModelAttention& m, int64_t T, double budget) {
+  torch::manual_seed(0);
+  const auto q = torch::randn({m.B, m.H, T, m.D}).requires_grad_();
+  const auto k = torch::randn({m.B, m.Hkv, T, m.D}).requires_grad_();
+  const auto v = torch::randn({m.B, m.Hkv, T, m.D}).requires_grad_();
+  const auto call = [&](const attn::SDPAOptions& options) -> Step {
+    return [q, k, v, options] {
+      std::get<0>(attn::scaled_dot_product_attention(q, k, v, options)).sum().backward();
+    };
+  };
+  std::vector<Step> steps{call(m.options)};
+  const bool with_math = T <= 2048;
+  if (with_math) {
+    steps.push_back(call(attn::SDPAOptions(m.options).backend(attn::AttentionBackend::math)));
+  }
+  if (m.has_modifiers) {
+    steps.push_back(call(without_modifiers(m.options)));
+  }
+  const bool with_native = attn::detail::kHasNativeAttention && m.dense_mask_expresses_it;
+  if (with_native) {
+    const auto mask = dense_mask(m.options, T);
+    const bool causal = m.options.is_causal() && !mask.defined(); // else in the mask
+    const double p = m.options.dropout_p();
+    steps.push_back([q, k, v, mask, causal, p] {
+      attn::detail::native_attention(q, k, v, p, causal, c10::nullopt, mask).sum().backward();
+    });
+  }
+  const auto seconds = time_interleaved(steps, budget);
+  size_t next = 1;
+  const auto column = [&](bool present) { return present ? seconds[next++] : -1.0; };
+  const double math = column(with_math), plain = column(m.has_modifiers),
+               native = column(with_native);
+  const auto ms = [](double s) { return s < 0 ? std::string("–") : fixed(s * 1e3, "%.1f"); };
+  const auto ratio = [&](double s) {
+    return s < 0 ? std::string("–") : fixed(s / seconds[0], "%.2f×");
+  };
+  std::printf(
+      "| %s | %lld | %s | %s | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", m.model,
+      static_cast<long long>(T), attn::backend_name(attn::select_backend(q, k, v, m.options)),
+      ms(seconds[0]).c_str(), peak_mib(steps[0]), ms(math).c_str(), ratio(math).c_str(),
+      with_math ? fixed(peak_mib(steps[1]), "%.0f").c_str() : "–", ms(plain).c_str(),
+      plain < 0 ? "–" : fixed(seconds[0] / plain, "%.2f×").c_str(), ms(native).c_str(),
+      ratio(native).c_str());
+  std::fflush(stdout);
+}
+
+// Every model's attention on attn's fused kernel, forward+backward at
+// T = 1024, 2048 and 4096 (1024 with --quick): time and peak tensor memory
+// against attn's math path (up to 2048: beyond it one call takes tens of
+// seconds), the same request without its modifiers, and, where a dense mask
+// expresses it on LibTorch 2.x, at::scaled_dot_product_attention.
+void compare_modifiers(double budget, bool quick) {
+  std::printf(
+      "| model | T | backend | fused ms | peak MiB | math ms | math ÷ fused | math peak MiB | "
+      "without modifiers ms | fused ÷ without | at::sdpa ms | at::sdpa ÷ fused |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const int64_t T :
+       quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{1024, 2048, 4096}) {
+    for (const auto& m : model_attentions(T)) {
+      measure_model(m, T, budget);
+    }
+  }
+  measure_model(swin_block(), 49, budget);
+}
+
 double sgemm_gflops() {
   const torch::NoGradGuard no_grad;
   const auto a = torch::randn({1024, 1024}), b = torch::randn({1024, 1024});
@@ -406,12 +594,6 @@ std::vector<Case> cases() {
   return all;
 }
 
-std::string fixed(double value, const char* format) {
-  char text[32];
-  std::snprintf(text, sizeof text, format, value);
-  return text;
-}
-
 // Whether `name` contains one of the comma-separated parts of `filter`.
 bool matches(const std::string& name, const std::string& filter) {
   size_t begin = 0;
@@ -443,11 +625,14 @@ c10::optional<attn::detail::ProductLoops> product_loops_named(const std::string&
 int main(int argc, char** argv) {
   double budget = 1.5;
   std::string filter;
-  bool kernels = false, products = false, dropout = false;
+  bool kernels = false, products = false, dropout = false, modifiers = false, quick = false;
   c10::optional<attn::detail::ProductLoops> loops;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       budget = 0.3;
+      quick = true;
+    } else if (std::strcmp(argv[i], "--modifiers") == 0) {
+      modifiers = true;
     } else if (std::strcmp(argv[i], "--kernels") == 0) {
       kernels = true;
     } else if (std::strcmp(argv[i], "--products") == 0) {
@@ -466,6 +651,7 @@ int main(int argc, char** argv) {
       std::fprintf(
           stderr,
           "usage: %s [--quick] [--kernels [--loops BLAS|AVX2|AVX-512] | --products | --dropout | "
+          "--modifiers | "
           "--filter SUBSTRING[,SUBSTRING...]]\n",
           argv[0]);
       return 2;
@@ -497,6 +683,10 @@ int main(int argc, char** argv) {
   }
   if (dropout) {
     compare_dropout(budget);
+    return 0;
+  }
+  if (modifiers) {
+    compare_modifiers(budget, quick);
     return 0;
   }
   std::printf(

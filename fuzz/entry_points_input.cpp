@@ -303,6 +303,29 @@ const char* name_of(MaskKind kind) {
   return names[static_cast<int>(kind)];
 }
 
+// The score modifiers a case sets (SDPAOptions), the last three of them
+// invalid.
+enum class Modifiers {
+  none,
+  alibi,
+  softcap,
+  t5_table,
+  sinks,
+  all,
+  clipped_table,
+  slopes_of_another_length,
+  softcap_zero,
+  sinks_with_nan
+};
+
+const char* name_of(Modifiers modifiers) {
+  static const char* const names[] = {
+      "none",      "alibi",         "softcap",       "t5_table",
+      "sinks",     "all",           "clipped_table", "slopes of another length",
+      "softcap 0", "sinks with NaN"};
+  return names[static_cast<int>(modifiers)];
+}
+
 struct FunctionCase {
   std::vector<int64_t> leading; // the query's; with enable_gqa the last are its heads
   int64_t kv_heads = 0;         // with enable_gqa (0: as many as the query)
@@ -315,6 +338,10 @@ struct FunctionCase {
   SDPAOptions options;
   bool requires_grad = false;
   uint8_t seed = 0;
+  Modifiers modifiers = Modifiers::none;
+
+  // The query heads, one entry each of the modifiers' tensors.
+  int64_t heads() const { return leading.empty() ? 1 : leading.back(); }
 
   std::vector<int64_t> kv_leading() const {
     auto dims = leading;
@@ -338,7 +365,7 @@ struct FunctionCase {
         << ", dropout_p " << options.dropout_p() << ", training " << options.training()
         << ", need_weights " << options.need_weights() << ", backend "
         << (options.backend() ? backend_name(*options.backend()) : "chosen") << ", requires_grad "
-        << requires_grad << ", seed " << int{seed};
+        << requires_grad << ", seed " << int{seed} << ", modifiers " << name_of(modifiers);
     return out.str();
   }
 };
@@ -397,7 +424,56 @@ FunctionCase decode_function_case(Bytes& bytes) {
        AttentionBackend::fused_cpu_weights, AttentionBackend::libtorch, AttentionBackend::math}));
   c.requires_grad = bytes.next() % 4 == 0;
   c.seed = bytes.next();
+  // Read last, so that inputs written before the modifiers decode as they
+  // did (an input that ends here reads none).
+  c.modifiers = bytes.pick(
+      {Modifiers::none, Modifiers::none, Modifiers::none, Modifiers::alibi, Modifiers::softcap,
+       Modifiers::t5_table, Modifiers::sinks, Modifiers::all, Modifiers::clipped_table,
+       Modifiers::slopes_of_another_length, Modifiers::softcap_zero, Modifiers::sinks_with_nan});
+  if (huge) {
+    c.modifiers = Modifiers::none; // tensors of 2^40 heads
+  }
   return c;
+}
+
+// The case's score modifiers in its options, drawn from `generator`.
+void add_modifiers(FunctionCase& c, at::Generator& generator) {
+  const int64_t H = c.heads();
+  const auto drawn = [&](std::vector<int64_t> sizes) {
+    return torch::randn(sizes, generator, torch::kDouble).to(torch::kFloat);
+  };
+  const auto m = c.modifiers;
+  const bool all = m == Modifiers::all;
+  if (all || m == Modifiers::alibi) {
+    c.options.alibi_slopes(H > 0 ? attn::alibi_slopes(H) : drawn({0}))
+        .alibi_symmetric(c.seed % 2 == 0);
+  }
+  if (all || m == Modifiers::softcap) {
+    c.options.softcap(2.0);
+  }
+  if (all || m == Modifiers::t5_table || m == Modifiers::clipped_table) {
+    auto buckets = attn::PositionBuckets().num_buckets(16).max_distance(40);
+    if (m == Modifiers::clipped_table) {
+      buckets.bucketing(attn::PositionBucketing::clipped).max_distance(5);
+    }
+    c.options.position_bias(drawn({H, buckets.count()})).position_buckets(buckets);
+  }
+  if (all || m == Modifiers::sinks) {
+    c.options.sinks(drawn({H}));
+  }
+  switch (m) {
+    case Modifiers::slopes_of_another_length: c.options.alibi_slopes(drawn({H + 1})); break;
+    case Modifiers::softcap_zero: c.options.softcap(0.0); break;
+    case Modifiers::sinks_with_nan: c.options.sinks(torch::full({H}, kNaN)); break;
+    default: break;
+  }
+}
+
+// Whether a case's results are random or modified: only shapes and
+// finiteness are checked (the modifiers' values are the oracle tests',
+// tests/sdpa/test_score_modifiers.cpp).
+bool only_shapes_and_finiteness(const FunctionCase& c) {
+  return (c.options.training() && c.options.dropout_p() > 0) || c.modifiers != Modifiers::none;
 }
 
 // Whether a case's tensors stay within kMostElements each (a huge leading
@@ -553,8 +629,8 @@ void check_function_result(
   }
   oracle.expect(all_finite(output), "a non-finite output from finite inputs");
   oracle.expect(all_finite(weights), "non-finite weights from finite inputs");
-  if (options.training() && options.dropout_p() > 0) {
-    return; // random: only shapes and finiteness are defined
+  if (only_shapes_and_finiteness(c)) {
+    return;
   }
   const auto [expected_output, expected_weights] = oracle.reference([&] {
     return attn::scaled_dot_product_attention(
@@ -599,7 +675,7 @@ void check_function_gradients(
     const torch::Tensor& v,
     const torch::Tensor& output) {
   if (!output.requires_grad() || output.numel() == 0 || !mask_is_finite_or_forbidding(mask) ||
-      (c.options.training() && c.options.dropout_p() > 0)) {
+      only_shapes_and_finiteness(c)) {
     return;
   }
   const auto gradients = torch::autograd::grad({output.sum()}, {q, k, v}, {}, false, false, true);
@@ -658,6 +734,7 @@ void run_function(Bytes& bytes) {
       concat(c.kv_leading(), {c.S, c.Ev}), c.dtype, c.magnitude[2], c.layout[2], generator);
   const auto mask = make_mask(c, generator);
   c.options.attn_mask(mask);
+  add_modifiers(c, generator);
   const bool differentiable = c.requires_grad && torch::isFloatingType(c.dtype) &&
       c.key_dtype == c.dtype;
   if (differentiable) {

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <stdexcept>
 #include <tuple>
 
 namespace attn::testing {
@@ -192,6 +194,105 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
       {"query_offset beyond ±2^60",
        [=] { sdpa(q, k, v, SDPAOptions().query_offset((int64_t{1} << 60) + 1)); },
        "query_offset must be within ±2^60, got 1152921504606846977"},
+      {"alibi_slopes of the wrong length",
+       [=] { sdpa(q, k, v, SDPAOptions().alibi_slopes(torch::ones({3}))); },
+       "alibi_slopes must be [2] (one entry per query head), got [3]"},
+      {"alibi_slopes not finite",
+       [=] {
+         sdpa(q, k, v, SDPAOptions().alibi_slopes(torch::tensor({0.5, kNaN})));
+       },
+       "alibi_slopes must be finite in Float, the dtype of the scores, got a value that is not"},
+      {"alibi_slopes whose bias leaves float32",
+       [=] { sdpa(q, k, v, SDPAOptions().alibi_slopes(torch::full({2}, 1e38))); },
+       "alibi_slopes times the distances (up to 5 keys) and position_bias add a bias beyond the "
+       "range of Float"},
+      {"softcap = 0", [=] { sdpa(q, k, v, SDPAOptions().softcap(0.0)); },
+       "softcap must be a positive finite number in Float, the dtype of the scores, got 0"},
+      {"softcap infinite", [=] { sdpa(q, k, v, SDPAOptions().softcap(kInf)); },
+       "softcap must be a positive finite number in Float, the dtype of the scores, got inf"},
+      {"softcap beyond float32", [=] { sdpa(q, k, v, SDPAOptions().softcap(1e39)); },
+       "softcap must be a positive finite number in Float, the dtype of the scores, got 1e+39"},
+      {"position_bias of the wrong shape",
+       [=] {
+         sdpa(q, k, v, SDPAOptions().position_bias(torch::zeros({2, 31})));
+       },
+       "position_bias must be [2, 32] (one entry per query head), got [2, 31]"},
+      {"integer position_bias",
+       [=] {
+         sdpa(q, k, v, SDPAOptions().position_bias(torch::zeros({2, 32}, torch::kLong)));
+       },
+       "position_bias must have a floating-point dtype, got Long"},
+      {"position buckets: num_buckets = 0",
+       [=] {
+         sdpa(
+             q, k, v,
+             SDPAOptions()
+                 .position_bias(torch::zeros({2, 0}))
+                 .position_buckets(PositionBuckets().num_buckets(0)));
+       },
+       "position_buckets needs num_buckets > 0 and max_distance > 0, got num_buckets 0 and "
+       "max_distance 128"},
+      {"position buckets: max_distance < 0",
+       [=] {
+         sdpa(
+             q, k, v,
+             SDPAOptions()
+                 .position_bias(torch::zeros({2, 1}))
+                 .position_buckets(
+                     PositionBuckets().bucketing(PositionBucketing::clipped).max_distance(-1)));
+       },
+       "position_buckets needs num_buckets > 0 and max_distance > 0, got num_buckets 32 and "
+       "max_distance -1"},
+      {"position buckets: too few for T5's",
+       [=] {
+         sdpa(
+             q, k, v,
+             SDPAOptions()
+                 .position_bias(torch::zeros({2, 2}))
+                 .position_buckets(PositionBuckets().num_buckets(2)));
+       },
+       "T5's bidirectional buckets need num_buckets >= 4 and max_distance above the exact "
+       "buckets (0), got num_buckets 2 and max_distance 128"},
+      {"sinks of the wrong length", [=] { sdpa(q, k, v, SDPAOptions().sinks(torch::zeros({4}))); },
+       "sinks must be [2] (one entry per query head), got [4]"},
+      {"sinks not finite",
+       [=] {
+         sdpa(q, k, v, SDPAOptions().sinks(torch::tensor({0.0, -kInf})));
+       },
+       "sinks must be finite in Float, the dtype of the scores, got a value that is not"},
+      {"float64 sinks beyond float32",
+       [=] { sdpa(q, k, v, SDPAOptions().sinks(torch::full({2}, 1e39, torch::kDouble))); },
+       "sinks must be finite in Float, the dtype of the scores, got a value that is not"},
+      {"sinks on another device", [=] { sdpa(q, k, v, SDPAOptions().sinks(on_meta({2}))); },
+       "sinks must be on the query's device cpu, got meta"},
+      {"score_function without its derivative",
+       [=] {
+         sdpa(
+             q, k, v,
+             SDPAOptions().score_function(std::make_shared<attn::ScoreFunction>(attn::ScoreFunction{
+                 [](double s, int64_t, int64_t, int64_t, int64_t) { return s; }, nullptr})));
+       },
+       "score_function needs both its value and its derivative, got value set and derivative "
+       "empty"},
+      {"score_function that throws",
+       [=] {
+         const auto throws = [](double, int64_t, int64_t, int64_t, int64_t) -> double {
+           throw std::runtime_error("no score here");
+         };
+         sdpa(
+             q, k, v,
+             SDPAOptions().score_function(
+                 std::make_shared<attn::ScoreFunction>(attn::ScoreFunction{throws, throws})));
+       },
+       "score_function threw: no score here"},
+      {"sinks with no keys (S = 0): zero output, the sink's weight 1",
+       [=] {
+         const auto [out, w] = sdpa(
+             q, torch::randn({2, 0, 8}), torch::randn({2, 0, 5}),
+             SDPAOptions().sinks(torch::zeros({2})).alibi_slopes(torch::ones({2})).softcap(5.0));
+         EXPECT_TRUE(torch::equal(out, torch::zeros({2, 4, 5})));
+       },
+       ""},
       {"enable_gqa with a 2-d query",
        [=] {
          sdpa(torch::randn({4, 8}), torch::randn({6, 8}), torch::randn({6, 5}), gqa);
@@ -329,6 +430,18 @@ std::vector<BadInput> multi_head_attention_construction_cases() {
       {"odd rotary dim",
        [=] { make(MultiHeadAttentionOptions(64, 8).rotary(attn::RotaryEmbeddingOptions(5))); },
        "RotaryEmbedding: dim must be a positive even number of features (they rotate in pairs), got 5"},
+      {"softcap = 0", [=] { make(MultiHeadAttentionOptions(8, 2).softcap(0.0)); },
+       "MultiHeadAttention: softcap must be a positive finite number, got 0"},
+      {"position buckets: max_distance = 0",
+       [=] {
+         make(MultiHeadAttentionOptions(8, 2).position_buckets(PositionBuckets().max_distance(0)));
+       },
+       "MultiHeadAttention: position_buckets needs num_buckets > 0 and max_distance > 0, got "
+       "num_buckets 32 and max_distance 0"},
+      {"a score modifier with add_bias_kv",
+       [=] { make(MultiHeadAttentionOptions(8, 2).alibi(true).add_bias_kv(true)); },
+       "MultiHeadAttention: the score modifiers (alibi, softcap, position_buckets, sinks) take no "
+       "add_bias_kv or add_zero_attn, whose extra keys stand at no position"},
   };
 }
 

@@ -37,6 +37,24 @@ CLI::Validator non_empty() {
 }
 
 // --attention attn|builtin.
+void add_modifier_option(CLI::App& app, ScoreModifier& modifier) {
+  std::map<std::string, ScoreModifier> kinds;
+  std::vector<std::string> names;
+  for (const auto kind :
+       {ScoreModifier::kNone, ScoreModifier::kAlibi, ScoreModifier::kSoftcap,
+        ScoreModifier::kRelativeBias, ScoreModifier::kSinks}) {
+    kinds[score_modifier_name(kind)] = kind;
+    names.emplace_back(score_modifier_name(kind));
+  }
+  app.add_option_function<std::string>(
+         "--modifier", [&modifier, kinds](const std::string& name) { modifier = kinds.at(name); },
+         "what attention adds to its scores:\nnone, alibi, softcap (5), t5 (a learned\n"
+         "relative-position table) or sinks")
+      ->type_name("M")
+      ->check(CLI::IsMember(names).description(""))
+      ->default_str("none");
+}
+
 void add_attention_option(CLI::App& app, AttentionKind& attention) {
   const std::map<std::string, AttentionKind> kinds = {
       {attention_name(AttentionKind::kAttn), AttentionKind::kAttn},
@@ -86,6 +104,7 @@ void add_options(CLI::App& app, TrainArguments& arguments) {
   add_attention_option(app, arguments.attention);
   apps::add_fraction_option(
       app, "--dropout", arguments.dropout, "attention dropout while training");
+  add_modifier_option(app, arguments.modifier);
 }
 
 // What the flags cannot do together, beyond what CLI11 checks.
@@ -94,6 +113,13 @@ void check_combination(const TrainArguments& arguments) {
     throw apps::UsageError(
         "--tensor-parallel splits attn::MultiHeadAttention only: expected --attention attn, got "
         "builtin");
+  }
+  if (arguments.modifier != ScoreModifier::kNone &&
+      (arguments.attention == AttentionKind::kBuiltin || arguments.tensor_parallel)) {
+    throw apps::UsageError(fmt::format(
+        "--modifier {} runs on attn::MultiHeadAttention on one process only: expected "
+        "--attention attn without --tensor-parallel",
+        score_modifier_name(arguments.modifier)));
   }
 }
 

@@ -35,6 +35,8 @@ struct TrainArguments {
   AttentionKind attention = AttentionKind::kAttn;
   /// The probability of dropping an attention weight while training.
   double dropout = 0.0;
+  /// What every attention layer adds to its scores.
+  ScoreModifier modifier = ScoreModifier::kNone;
 };
 
 /// Parses and checks `argv`. Returns nothing, having printed the help,

@@ -46,6 +46,41 @@ const char* attention_name(AttentionKind kind) {
   return kind == AttentionKind::kBuiltin ? "builtin" : "attn";
 }
 
+const char* score_modifier_name(ScoreModifier modifier) {
+  switch (modifier) {
+    case ScoreModifier::kNone: return "none";
+    case ScoreModifier::kAlibi: return "alibi";
+    case ScoreModifier::kSoftcap: return "softcap";
+    case ScoreModifier::kRelativeBias: return "t5";
+    case ScoreModifier::kSinks: return "sinks";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Every attention layer's options: the width, heads, dropout and score
+// modifier of `config`.
+attn::MultiHeadAttentionOptions attention_options(const TransformerConfig& config) {
+  auto options = attn::MultiHeadAttentionOptions(config.d_model, config.heads)
+                     .dropout(config.attention_dropout);
+  switch (config.score_modifier) {
+    case ScoreModifier::kNone: break;
+    case ScoreModifier::kAlibi: options.alibi(true); break;
+    case ScoreModifier::kSoftcap: options.softcap(5.0); break;
+    case ScoreModifier::kRelativeBias:
+      options.position_buckets(attn::PositionBuckets()
+                                   .bucketing(attn::PositionBucketing::t5_causal)
+                                   .num_buckets(32)
+                                   .max_distance(128));
+      break;
+    case ScoreModifier::kSinks: options.sinks(true); break;
+  }
+  return options;
+}
+
+} // namespace
+
 DecoderBlockImpl::DecoderBlockImpl(
     const TransformerConfig& config,
     const Parallelism& parallelism) {
@@ -55,12 +90,10 @@ DecoderBlockImpl::DecoderBlockImpl(
       "attention_norm", torch::nn::LayerNorm(LayerNormOptions({d_model})));
   if (config.attention == AttentionKind::kBuiltin) {
     // Drawn as the attn block draws it, so that every layer starts alike.
-    const attn::MultiHeadAttention drawn(
-        attn::MultiHeadAttentionOptions(d_model, config.heads).dropout(config.attention_dropout));
+    const attn::MultiHeadAttention drawn(attention_options(config));
     builtin_attention_ = register_module("attention", builtin_copy(*drawn));
   } else {
-    attention_ = parallelism.attention(
-        attn::MultiHeadAttentionOptions(d_model, config.heads).dropout(config.attention_dropout));
+    attention_ = parallelism.attention(attention_options(config));
     register_module("attention", attention_.ptr());
   }
   feed_forward_norm_ = register_module(

@@ -39,6 +39,22 @@ enum class AttentionKind {
 /// "attn" or "builtin", as --attention names it.
 const char* attention_name(AttentionKind kind);
 
+/// What every attention layer adds to its scores (attn only).
+enum class ScoreModifier {
+  kNone,
+  /// ALiBi with the paper's slopes.
+  kAlibi,
+  /// Soft-capping at 5 (the scores of this small model stay below ~10).
+  kSoftcap,
+  /// T5's learned relative-position table, causal buckets.
+  kRelativeBias,
+  /// A learned sink logit per head.
+  kSinks,
+};
+
+/// "none", "alibi", "softcap", "t5" or "sinks", as --modifier names it.
+const char* score_modifier_name(ScoreModifier modifier);
+
 struct TransformerConfig {
   int64_t vocabulary_size;
   /// Longest input the position embedding covers.
@@ -51,6 +67,7 @@ struct TransformerConfig {
   AttentionKind attention = AttentionKind::kAttn;
   /// The attention layers' dropout while training.
   double attention_dropout = 0.0;
+  ScoreModifier score_modifier = ScoreModifier::kNone;
 };
 
 /// x + attention(norm(x)), then x + feed_forward(norm(x)).

@@ -51,6 +51,7 @@ Transformer new_model(
   TransformerConfig config{ReversalTask::kVocabularySize, task.input_length()};
   config.attention = arguments.attention;
   config.attention_dropout = arguments.dropout;
+  config.score_modifier = arguments.modifier;
   Transformer model(config, parallelism);
   model->to(device);
   return model;
@@ -153,6 +154,19 @@ const char* attention_module_name(AttentionKind kind) {
                                          : "attn::MultiHeadAttention";
 }
 
+// " (dropout 0.1, alibi)": what the attention layers do beyond plain
+// attention; empty for none.
+std::string describe_attention(const TransformerConfig& config) {
+  std::vector<std::string> parts;
+  if (config.attention_dropout > 0) {
+    parts.push_back(fmt::format("dropout {}", config.attention_dropout));
+  }
+  if (config.score_modifier != ScoreModifier::kNone) {
+    parts.emplace_back(score_modifier_name(config.score_modifier));
+  }
+  return parts.empty() ? "" : fmt::format(" ({})", fmt::join(parts, ", "));
+}
+
 std::string digit_string(const torch::Tensor& digits) {
   const auto values = digits.cpu().contiguous();
   const auto* first = values.data_ptr<int64_t>();
@@ -185,10 +199,8 @@ void Trainer::print_setup() const {
       "Reversing {} digits with a causal transformer: {} blocks, d_model {}, "
       "{} heads of {}{}, {} parameters{}, on {}, seed {}\n",
       arguments_.digits, config.layers, config.d_model, config.heads,
-      attention_module_name(config.attention),
-      config.attention_dropout > 0 ? fmt::format(" (dropout {})", config.attention_dropout) : "",
-      parameter_count, parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(),
-      arguments_.seed);
+      attention_module_name(config.attention), describe_attention(config), parameter_count,
+      parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(), arguments_.seed);
   if (parallelism_.world_size() > 1) {
     fmt::print(
         "Tensor-parallel over {} ranks: each holds {} of the {} heads of every attention "

@@ -61,6 +61,12 @@ AttentionBackend select_backend(
     const torch::Tensor& value,
     const SDPAOptions& options = {});
 
+/// ALiBi's slopes for `num_heads` heads (Press et al. 2022): for n a power
+/// of 2, `2^(-8k/n)` for head k = 1..n; otherwise those of the power of 2
+/// below, then every other slope of twice that power, as the paper's code
+/// gives them. Float32, `(num_heads)`, for `SDPAOptions::alibi_slopes`.
+torch::Tensor alibi_slopes(int64_t num_heads);
+
 /// The tensors multi-head attention computes with, in `torch::nn::Linear`'s
 /// layout (weight `(out_features, in_features)`). A bias may be undefined:
 /// a projection without one. `MultiHeadAttentionImpl::functional_parameters`
@@ -85,6 +91,13 @@ struct MultiHeadAttentionParameters {
   torch::Tensor out_weight, out_bias;
   /// Rotary positions for queries and keys; null: none.
   RotaryEmbedding rotary = nullptr;
+  /// `(H)`: ALiBi's slopes (`SDPAOptions::alibi_slopes`); undefined: none.
+  torch::Tensor alibi_slopes;
+  /// `(H, buckets)`: the relative-position table, indexed by the options'
+  /// `position_buckets`; undefined: none.
+  torch::Tensor position_bias;
+  /// `(H)`: the sinks' logits; undefined: none.
+  torch::Tensor sinks;
 };
 
 /// Multi-head attention as a function of its parameters: what
@@ -96,9 +109,10 @@ struct MultiHeadAttentionParameters {
 /// `torch::nn::MultiheadAttention`.
 ///
 /// `options` gives the layout and the features: `embed_dim`, `kdim`,
-/// `vdim`, `batch_first`, `dropout`, `add_bias_kv` and `add_zero_attn`;
-/// the heads are `parameters`' (its `num_heads`, `num_kv_heads`, `bias`
-/// and `rotary` are not read). Shapes, masks, the KV cache and the
+/// `vdim`, `batch_first`, `dropout`, `add_bias_kv`, `add_zero_attn`,
+/// `alibi_symmetric`, `softcap` and `position_buckets`; the heads and the
+/// modifiers' tensors are `parameters'` (its `num_heads`, `num_kv_heads`,
+/// `bias`, `rotary`, `alibi` and `sinks` are not read). Shapes, masks, the KV cache and the
 /// returned `(output, weights)` are as `MultiHeadAttentionImpl::forward`
 /// documents; dropout applies while `training`. Throws a `c10::Error`
 /// naming the parameter when one does not have the shape, dtype or device

@@ -10,10 +10,71 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 
 namespace attn {
 
 class KVCache;
+
+/// How a relative-position bias table is indexed: which of its `buckets`
+/// holds the bias of query position `i'` against key `j`, from the offset
+/// `j - i'` alone.
+enum class PositionBucketing {
+  /// T5's bidirectional buckets (Raffel et al. 2020, `_relative_position_bucket`
+  /// with `bidirectional=True`): half of `num_buckets` for each sign, in each
+  /// half exact offsets below a quarter of `num_buckets`, logarithmic ones up
+  /// to `max_distance`, the last bucket beyond.
+  t5_bidirectional,
+  /// T5's decoder buckets (`bidirectional=False`): the keys before the query
+  /// only (later keys share bucket 0), exact below half of `num_buckets`.
+  t5_causal,
+  /// One bucket per offset in `[-max_distance, max_distance]`, clipped to
+  /// the ends beyond: `2·max_distance + 1` buckets, whatever `num_buckets`.
+  clipped,
+};
+
+/// A score modifier written in C++, as FlexAttention's `score_mod` is in
+/// Python: the new score of query `i` and key `j` (their indices in the
+/// call) of head `h` in batch `b` (the leading dims before the heads
+/// flattened into one), given its scaled (and soft-capped) score, and the
+/// derivative of that in the score, which the backward multiplies in. Both
+/// are called once per score and pass, from the kernel's threads at once:
+/// they must be thread-safe, and what they throw becomes a `c10::Error`
+/// naming `score_function`. Returning -inf hides a pair.
+///
+/// Example:
+/// ```
+/// attn::ScoreFunction tanh_cap{
+///     [](double s, int64_t, int64_t, int64_t, int64_t) { return 30 * std::tanh(s / 30); },
+///     [](double s, int64_t, int64_t, int64_t, int64_t) {
+///       const double t = std::tanh(s / 30);
+///       return 1 - t * t;
+///     }};
+/// ```
+struct ScoreFunction {
+  using Fn = std::function<double(double score, int64_t b, int64_t h, int64_t i, int64_t j)>;
+  Fn value;
+  Fn derivative;
+};
+
+/// The buckets of `SDPAOptions::position_bias`.
+///
+/// Example:
+/// ```
+/// attn::PositionBuckets().num_buckets(32).max_distance(128);  // T5-base's
+/// ```
+struct PositionBuckets {
+  TORCH_ARG(PositionBucketing, bucketing) = PositionBucketing::t5_bidirectional;
+  TORCH_ARG(int64_t, num_buckets) = 32;
+  TORCH_ARG(int64_t, max_distance) = 128;
+
+ public:
+  /// The table's columns: `num_buckets`, or `2·max_distance + 1` when clipped.
+  int64_t count() const {
+    return bucketing_ == PositionBucketing::clipped ? 2 * max_distance_ + 1 : num_buckets_;
+  }
+};
 
 /// Per-call options of the function `attn::scaled_dot_product_attention`
 /// (SDPA): everything one call can vary, masks included. Not to be confused
@@ -62,6 +123,44 @@ struct SDPAOptions {
   /// The implementation to run, or unset to let `attn::select_backend`
   /// choose. A backend that cannot run the request is an error naming why.
   TORCH_ARG(c10::optional<AttentionBackend>, backend) = c10::nullopt;
+
+  /// Score modifiers. Each scaled score `s` of query `i` (at position
+  /// `i' = i + query_offset`) and key `j` of head `h` becomes
+  /// `softcap·tanh(s / softcap)` when `softcap` is set, then has the ALiBi
+  /// term, the relative-position bias and `attn_mask` added; `sinks` then
+  /// join every row's softmax. All of them run inside the fused CPU kernel,
+  /// forward and backward, and give gradients to the tensors that require
+  /// them (`position_bias`, `sinks`, `alibi_slopes`, a floating `attn_mask`).
+
+  /// ALiBi (Press et al. 2022, "Train Short, Test Long"): head `h` adds
+  /// `slope[h]·(j - i')` (the causal form, as BLOOM and MPT add it; the same
+  /// as `-slope[h]·(i' - j)` on the keys up to the query) or, with
+  /// `alibi_symmetric`, `-slope[h]·|j - i'|`. `(H)`, one slope per query
+  /// head; `attn::alibi_slopes(H)` gives the paper's geometric sequence.
+  /// Undefined: none.
+  TORCH_ARG(torch::Tensor, alibi_slopes) = {};
+  /// ALiBi's bidirectional form `-slope·|j - i'|`, for encoders.
+  TORCH_ARG(bool, alibi_symmetric) = false;
+  /// Logit soft-capping (Gemma 2: 50, Grok-1: 30): `cap·tanh(s / cap)` of
+  /// each scaled score, before any bias or mask. Must be positive. Unset:
+  /// none.
+  TORCH_ARG(c10::optional<double>, softcap) = c10::nullopt;
+  /// A learned relative-position bias (T5, Shaw et al. 2018): a table
+  /// `(H, position_buckets.count())` whose entry `(h, bucket(j - i'))` is
+  /// added to the score; its gradient accumulates into the table without an
+  /// `L×S` tensor. Undefined: none.
+  TORCH_ARG(torch::Tensor, position_bias) = {};
+  /// How `position_bias` is indexed.
+  TORCH_ARG(PositionBuckets, position_buckets) = {};
+  /// Attention sinks (as gpt-oss has them): a learned logit per query head
+  /// `(H)` that joins every row's softmax denominator and multiplies no
+  /// value, so that a row may give less than all of its weight to the keys.
+  /// Undefined: none.
+  TORCH_ARG(torch::Tensor, sinks) = {};
+  /// A score modifier written in C++ (`ScoreFunction`), applied after the
+  /// soft cap and before the biases and the mask, on the fused CPU kernel
+  /// forward and backward. Null: none.
+  TORCH_ARG(std::shared_ptr<const ScoreFunction>, score_function) = nullptr;
 };
 
 /// Construction options of the module `attn::ScaledDotProductAttention`:
@@ -143,6 +242,25 @@ struct MultiHeadAttentionOptions {
   /// A zero key and value appended after the others, as in
   /// `torch::nn::MultiheadAttention`.
   TORCH_ARG(bool, add_zero_attn) = false;
+
+  /// Score modifiers (`SDPAOptions` describes each), for every forward. None
+  /// combines with `add_bias_kv` or `add_zero_attn`, whose extra keys stand
+  /// at no position.
+
+  /// ALiBi with the paper's slopes for `num_heads` heads
+  /// (`attn::alibi_slopes`), which are no parameters.
+  TORCH_ARG(bool, alibi) = false;
+  /// ALiBi's bidirectional form `-slope·|j - i|`, for encoders.
+  TORCH_ARG(bool, alibi_symmetric) = false;
+  /// Logit soft-capping `cap·tanh(s / cap)`. Unset: none.
+  TORCH_ARG(c10::optional<double>, softcap) = c10::nullopt;
+  /// A learned relative-position bias: the parameter `position_bias`
+  /// `(num_heads, buckets)`, indexed as these buckets say (T5:
+  /// `PositionBuckets().num_buckets(32).max_distance(128)`). Unset: none.
+  TORCH_ARG(c10::optional<PositionBuckets>, position_buckets) = c10::nullopt;
+  /// Attention sinks: the parameter `sinks` `(num_heads)`, one learned logit
+  /// per head in every row's softmax.
+  TORCH_ARG(bool, sinks) = false;
 };
 
 /// Per-call options of `attn::MultiHeadAttention::forward`.

@@ -37,6 +37,9 @@ MultiHeadAttentionOptions checked(const MultiHeadAttentionOptions& options) {
       kContextParallelCaller,
       ": self-attention only, expected kdim and vdim equal to embed_dim=", options.embed_dim(),
       ", got kdim=", options.kdim(), " and vdim=", options.vdim());
+  TORCH_CHECK(
+      !attn::detail::has_score_modifiers(options), kContextParallelCaller,
+      ": the ring has no score modifiers, expected no alibi, softcap, position_buckets or sinks");
   return options;
 }
 

@@ -199,13 +199,13 @@ void backward_block(
     const torch::Tensor& dq,
     const Block& grads) {
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
-    const auto [dq_part, dk_part, dv_part] = attn::detail::fused_cpu_backward(
+    const auto part = attn::detail::fused_cpu_backward(
         pair_params(inputs, pair, block),
         {rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows)},
         rows_of(grad_out, pair.q_row, pair.q_rows));
-    rows_of(dq, pair.q_row, pair.q_rows).add_(dq_part);
-    rows_of(grads.tensors[0], pair.k_row, pair.k_rows).add_(dk_part);
-    rows_of(grads.tensors[1], pair.k_row, pair.k_rows).add_(dv_part);
+    rows_of(dq, pair.q_row, pair.q_rows).add_(part.dq);
+    rows_of(grads.tensors[0], pair.k_row, pair.k_rows).add_(part.dk);
+    rows_of(grads.tensors[1], pair.k_row, pair.k_rows).add_(part.dv);
   }
 }
 

@@ -117,6 +117,10 @@ TensorParallelMultiHeadAttentionImpl::TensorParallelMultiHeadAttentionImpl(
   TORCH_CHECK(
       H_kv % W == 0 || W % H_kv == 0, kTensorParallelCaller, ": num_kv_heads and the number of ",
       "ranks must divide one another, got num_kv_heads=", H_kv, " and ", W, " ranks");
+  TORCH_CHECK(
+      !attn::detail::has_score_modifiers(options), kTensorParallelCaller,
+      ": the score modifiers are not split by heads, expected no alibi, softcap, ",
+      "position_buckets or sinks");
 
   reset();
   torch::NoGradGuard no_grad;

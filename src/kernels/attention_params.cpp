@@ -3,6 +3,16 @@
 #include <torch/torch.h>
 
 namespace attn::detail {
+namespace {
+
+// A user's score function as an autograd context keeps it.
+struct UserScoreFunctionHolder : torch::CustomClassHolder {
+  explicit UserScoreFunctionHolder(std::shared_ptr<const UserScoreFunction> function)
+      : function(std::move(function)) {}
+  std::shared_ptr<const UserScoreFunction> function;
+};
+
+} // namespace
 
 QkvHeads heads_of_projection(const torch::Tensor& qkv) {
   const auto parts = qkv.unbind(2); // differentiable: its backward stacks the three gradients
@@ -17,6 +27,11 @@ void AttentionParams::save_settings_to(torch::autograd::AutogradContext& ctx) co
   ctx.saved_data["window"] = window;
   ctx.saved_data["dropout_p"] = dropout.p;
   ctx.saved_data["dropout_seed"] = static_cast<int64_t>(dropout.seed); // the same 64 bits
+  ctx.saved_data["softcap"] = modifiers.softcap;
+  if (modifiers.user != nullptr) {
+    ctx.saved_data["score_function"] = c10::IValue::make_capsule(
+        c10::make_intrusive<UserScoreFunctionHolder>(modifiers.user));
+  }
 }
 
 AttentionParams AttentionParams::restore_settings_from(torch::autograd::AutogradContext& ctx) {
@@ -28,6 +43,13 @@ AttentionParams AttentionParams::restore_settings_from(torch::autograd::Autograd
   params.window = ctx.saved_data.at("window").toInt();
   params.dropout.p = ctx.saved_data.at("dropout_p").toDouble();
   params.dropout.seed = static_cast<uint64_t>(ctx.saved_data.at("dropout_seed").toInt());
+  params.modifiers.softcap = ctx.saved_data.at("softcap").toDouble();
+  const auto user = ctx.saved_data.find("score_function");
+  if (user != ctx.saved_data.end()) {
+    params.modifiers.user = c10::static_intrusive_pointer_cast<UserScoreFunctionHolder>(
+                                user->second.toCapsule())
+                                ->function;
+  }
   return params;
 }
 

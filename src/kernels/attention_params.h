@@ -10,6 +10,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
 
 namespace torch::autograd {
 struct AutogradContext;
@@ -57,6 +60,49 @@ struct DropoutDraw {
   bool active() const { return p > 0.0; }
 };
 
+// A user's score function (SDPAOptions::score_function): the new score of
+// query i and key j of head (b, h), and its derivative in the score.
+struct UserScoreFunction {
+  using Fn = std::function<double(double score, int64_t b, int64_t h, int64_t i, int64_t j)>;
+  Fn value, derivative;
+};
+
+// Runs `calls` (of a user's score function) and turns what they throw into
+// a c10::Error naming the function.
+template <typename Calls>
+void calling_score_function(const Calls& calls) {
+  try {
+    calls();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, "scaled_dot_product_attention: score_function threw: ", error.what());
+  } catch (...) {
+    TORCH_CHECK(
+        false, "scaled_dot_product_attention: score_function threw a non-standard exception");
+  }
+}
+
+// What changes the scaled scores besides the mask (the score modifiers of
+// SDPAOptions), in the kernels' terms. The score s of query i and key j of
+// query head h becomes softcap·tanh(s / softcap) (where softcap > 0), then
+// user->value(s, b, h, i, j) (where user is set), then has
+// offset_bias[h][j - i + L - 1] and the mask added; sinks[h] joins the
+// row's softmax denominator. Tensors in the inputs' dtype, or undefined.
+struct ScoreModifiers {
+  double softcap = 0.0;
+  // (H, L + S - 1): every bias that depends on the head and j - i alone
+  // (ALiBi, relative-position tables), one entry per distance, built once
+  // per call (sdpa/score_modifiers.h).
+  torch::Tensor offset_bias;
+  torch::Tensor sinks; // (H)
+  std::shared_ptr<const UserScoreFunction> user;
+
+  bool active() const {
+    return softcap > 0.0 || offset_bias.defined() || sinks.defined() || user != nullptr;
+  }
+};
+
 // Queries, keys and values as heads (B, H, ·, ·).
 struct QkvHeads {
   torch::Tensor q, k, v;
@@ -86,6 +132,7 @@ struct AttentionParams {
   int64_t window = 0; // 0: none; at most kUnboundedWindow
   // Dropout: inactive unless training (DropoutDraw).
   DropoutDraw dropout;
+  ScoreModifiers modifiers;
 
   int64_t B() const { return q.size(0); }
   int64_t H() const { return q.size(1); }
@@ -98,9 +145,10 @@ struct AttentionParams {
   int64_t group() const { return Hkv() > 0 ? H() / Hkv() : 1; }
   KeyBand key_band() const { return {causal, query_offset, window, S()}; }
 
-  // Keeps everything but q, k and v (which autograd saves as variables)
-  // in an autograd context between forward and backward, and reads it
-  // back into params whose q, k and v the caller sets.
+  // Keeps everything but q, k, v and the modifiers' tensors (which
+  // autograd saves as variables) in an autograd context between forward
+  // and backward, and reads it back into params whose tensors the caller
+  // sets.
   void save_settings_to(torch::autograd::AutogradContext& ctx) const;
   static AttentionParams restore_settings_from(torch::autograd::AutogradContext& ctx);
 };
@@ -115,9 +163,13 @@ struct ForwardResult {
   torch::Tensor weights = {};
 };
 
-// The gradients of q, k and v, shaped like them.
+// The gradients of q, k and v, shaped like them, and of what the score
+// modifiers and the mask add to the scores where the caller asks for them
+// by defining the tensor (the kernels write every element): offset_bias
+// (H, L + S - 1), mask (B, H, L, S), sinks (H).
 struct InputGradients {
   torch::Tensor dq, dk, dv;
+  torch::Tensor d_offset_bias = {}, d_mask = {}, d_sinks = {};
 };
 
 } // namespace attn::detail

@@ -34,6 +34,14 @@ void MultiHeadLayers::register_layers(
   if (options.rotary()) {
     rotary = owner.register_module("rotary", RotaryEmbedding(*options.rotary()));
   }
+  const int64_t heads = query_width / (E / options.num_heads());
+  if (options.position_buckets()) {
+    position_bias = owner.register_parameter(
+        "position_bias", torch::empty({heads, options.position_buckets()->count()}));
+  }
+  if (options.sinks()) {
+    sinks = owner.register_parameter("sinks", torch::empty({heads}));
+  }
   stack_input_projections();
 }
 
@@ -81,6 +89,7 @@ void MultiHeadAttentionImpl::reset() {
       !options.rotary() || options.rotary()->dim() <= D, detail::kMultiHeadCaller,
       ": rotary dim must be at most the head width embed_dim / num_heads = ", D, ", got ",
       options.rotary() ? options.rotary()->dim() : 0);
+  detail::check_score_modifier_options(options, detail::kMultiHeadCaller);
 
   register_layers(*this, options, E, H_kv * D);
   reset_parameters();
@@ -113,6 +122,14 @@ void MultiHeadAttentionImpl::reset_parameters() {
     torch::nn::init::xavier_normal_(bias_k);
     torch::nn::init::xavier_normal_(bias_v);
   }
+  // Both start as no change to the scores (T5 and gpt-oss learn them from
+  // their own initialisations; zero is the neutral one).
+  if (position_bias.defined()) {
+    torch::nn::init::zeros_(position_bias);
+  }
+  if (sinks.defined()) {
+    torch::nn::init::zeros_(sinks);
+  }
 }
 
 std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
@@ -126,8 +143,12 @@ std::tuple<torch::Tensor, torch::Tensor> MultiHeadAttentionImpl::forward(
 
 MultiHeadAttentionParameters MultiHeadAttentionImpl::functional_parameters() const {
   const auto H = options.num_heads();
-  return detail::parameters_of(
+  auto parameters = detail::parameters_of(
       *this, H, options.num_kv_heads().value_or(H), options.embed_dim() / H);
+  if (options.alibi()) {
+    parameters.alibi_slopes = alibi_slopes(H).to(q_proj->weight.options());
+  }
+  return parameters;
 }
 
 void MultiHeadAttentionImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
@@ -172,6 +193,18 @@ void MultiHeadAttentionImpl::pretty_print(std::ostream& stream) const {
   }
   if (options.add_zero_attn()) {
     stream << ", add_zero_attn=true";
+  }
+  if (options.alibi()) {
+    stream << ", alibi=" << (options.alibi_symmetric() ? "symmetric" : "causal");
+  }
+  if (options.softcap()) {
+    stream << ", softcap=" << *options.softcap();
+  }
+  if (options.position_buckets()) {
+    stream << ", position_buckets=" << options.position_buckets()->count();
+  }
+  if (options.sinks()) {
+    stream << ", sinks=true";
   }
   stream << ")";
 }

@@ -6,8 +6,11 @@
 #include "modules/stacked_projection.h"
 #include "sdpa/masks.h"
 #include "sdpa/projection_attention.h"
+#include "sdpa/score_modifiers.h"
 
 #include <torch/torch.h>
+
+#include <cmath>
 
 namespace attn::detail {
 namespace {
@@ -187,6 +190,19 @@ ProjectedHeads append_keys(
   return heads;
 }
 
+// `sdpa_options` with the score modifiers of `options` and `parameters`.
+SDPAOptions with_score_modifiers(
+    SDPAOptions sdpa_options,
+    const MultiHeadAttentionOptions& options,
+    const MultiHeadAttentionParameters& parameters) {
+  return sdpa_options.alibi_slopes(parameters.alibi_slopes)
+      .alibi_symmetric(options.alibi_symmetric())
+      .softcap(options.softcap())
+      .position_bias(parameters.position_bias)
+      .position_buckets(options.position_buckets().value_or(PositionBuckets()))
+      .sinks(parameters.sinks);
+}
+
 // The module's masks as one SDPA mask over (B, H, L, S + extra keys), and
 // the options of the attention call. The appended keys are visible to
 // every query, whatever the causal and window rules say of their
@@ -290,7 +306,26 @@ MultiHeadAttentionParameters parameters_of(
   parameters.out_weight = layers.out_proj->weight;
   parameters.out_bias = layers.out_proj->bias;
   parameters.rotary = layers.rotary;
+  parameters.position_bias = layers.position_bias;
+  parameters.sinks = layers.sinks;
   return parameters;
+}
+
+bool has_score_modifiers(const MultiHeadAttentionOptions& options) {
+  return options.alibi() || options.softcap() || options.position_buckets() || options.sinks();
+}
+
+void check_score_modifier_options(const MultiHeadAttentionOptions& options, const char* caller) {
+  TORCH_CHECK(
+      !options.softcap() || (std::isfinite(*options.softcap()) && *options.softcap() > 0.0), caller,
+      ": softcap must be a positive finite number, got ", options.softcap().value_or(0.0));
+  if (options.position_buckets()) {
+    check_position_buckets(caller, *options.position_buckets());
+  }
+  TORCH_CHECK(
+      !has_score_modifiers(options) || (!options.add_bias_kv() && !options.add_zero_attn()), caller,
+      ": the score modifiers (alibi, softcap, position_buckets, sinks) take no ",
+      "add_bias_kv or add_zero_attn, whose extra keys stand at no position");
 }
 
 std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
@@ -316,8 +351,9 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
 
   auto heads = project_heads(inputs.query, inputs.key, inputs.value, options, parameters);
   heads = append_keys(rotate(std::move(heads), parameters, past), cache, options, parameters);
-  const auto sdpa_options = attention_options(
-      options, forward_options, query, mask_shape, training);
+  const auto sdpa_options = with_score_modifiers(
+      attention_options(options, forward_options, query, mask_shape, training), options,
+      parameters);
   auto [attended, weights] = heads.qkv.defined()
       ? attention_over_projection(heads.qkv, sdpa_options)
       : scaled_dot_product_attention(heads.q, heads.k, heads.v, sdpa_options);

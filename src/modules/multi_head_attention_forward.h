@@ -64,6 +64,14 @@ ProjectedHeads project_heads(
 // (L, B, H·D).
 torch::Tensor merge_heads(const torch::Tensor& heads, bool batch_first);
 
+// The options' score modifiers: a positive finite softcap, position
+// buckets that can index a table, and none with add_bias_kv or
+// add_zero_attn. `caller` prefixes the messages.
+void check_score_modifier_options(const MultiHeadAttentionOptions& options, const char* caller);
+
+// Whether the options ask for any score modifier.
+bool has_score_modifiers(const MultiHeadAttentionOptions& options);
+
 // attn::multi_head_attention_forward with `parameters` already checked
 // (a module's own, or the public function's after its checks); messages
 // name `caller`.

@@ -121,6 +121,13 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
   check_projections(options, parameters);
   check_extra_key(options, parameters);
   check_dtypes_and_devices(parameters);
+  detail::check_score_modifier_options(options, kCaller);
+  TORCH_CHECK(
+      !(parameters.alibi_slopes.defined() || parameters.position_bias.defined() ||
+        parameters.sinks.defined()) ||
+          (!options.add_bias_kv() && !options.add_zero_attn()),
+      kCaller, ": the score modifiers (alibi_slopes, position_bias, sinks) take no add_bias_kv ",
+      "or add_zero_attn, whose extra keys stand at no position");
   return detail::multi_head_attention_forward(
       query, key, value, options, parameters, forward_options, training,
       detail::kMultiHeadFunction);

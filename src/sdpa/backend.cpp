@@ -6,6 +6,7 @@
 
 #include "runtime/compat.h"
 #include "sdpa/masks.h"
+#include "sdpa/score_modifiers.h"
 
 #include <torch/torch.h>
 
@@ -32,6 +33,9 @@ std::ostream& operator<<(std::ostream& stream, AttentionBackend backend) {
 namespace detail {
 namespace {
 
+constexpr const char* kScoreModifierNames =
+    "alibi_slopes, softcap, position_bias, sinks, score_function";
+
 bool dropout_active(const SDPAOptions& options) {
   return options.training() && options.dropout_p() > 0.0;
 }
@@ -44,23 +48,39 @@ bool inputs_need_grad(
       (query.requires_grad() || key.requires_grad() || value.requires_grad());
 }
 
+// Whether a score modifier's tensor (slopes, table, sinks) needs a gradient.
+bool modifiers_need_grad(const SDPAOptions& options) {
+  return torch::GradMode::is_enabled() &&
+      (options.alibi_slopes().requires_grad() || options.position_bias().requires_grad() ||
+       options.sinks().requires_grad());
+}
+
 bool mask_needs_grad(const SDPAOptions& options) {
   const auto& mask = options.attn_mask();
   return mask.defined() && mask.requires_grad() && torch::GradMode::is_enabled();
 }
 
-// What attn's CPU kernels have in common: the device, no gradient for the
-// mask; and no dropout but in the fused kernel (`drops_weights`).
+// What one of attn's CPU kernels computes beyond plain attention.
+struct CpuKernelAbilities {
+  bool drops_weights = false;       // dropout while training
+  bool modifies_scores = false;     // SDPAOptions' score modifiers
+  bool differentiates_mask = false; // a floating attn_mask's gradient
+};
+
+// Whether the request needs what `abilities` says the kernel lacks; the
+// device: attn's CPU kernels run on the CPU.
 std::string cpu_kernel_reason(
     const torch::Tensor& query,
     const SDPAOptions& options,
-    bool drops_weights) {
+    const CpuKernelAbilities& abilities) {
   std::ostringstream reason;
   if (!query.device().is_cpu()) {
     reason << "runs on the CPU only, and the inputs are on " << query.device();
-  } else if (dropout_active(options) && !drops_weights) {
+  } else if (dropout_active(options) && !abilities.drops_weights) {
     reason << "has no dropout, and dropout_p is " << options.dropout_p() << " while training";
-  } else if (mask_needs_grad(options)) {
+  } else if (has_score_modifiers(options) && !abilities.modifies_scores) {
+    reason << "has no score modifiers (" << kScoreModifierNames << ")";
+  } else if (mask_needs_grad(options) && !abilities.differentiates_mask) {
     reason << "gives the attn_mask no gradient, and it requires one";
   }
   return reason.str();
@@ -73,11 +93,14 @@ std::string fused_cpu_reason(
     const SDPAOptions& options,
     bool with_weights) {
   std::ostringstream reason;
-  if (const auto common = cpu_kernel_reason(query, options, /*drops_weights=*/!with_weights);
-      !common.empty()) {
+  // The weights kernel is inference's: no dropout, no gradients.
+  const CpuKernelAbilities abilities{!with_weights, true, !with_weights};
+  if (const auto common = cpu_kernel_reason(query, options, abilities); !common.empty()) {
     reason << common;
   } else if (with_weights && inputs_need_grad(query, key, value)) {
     reason << "is not differentiable, and the inputs require grad";
+  } else if (with_weights && modifiers_need_grad(options)) {
+    reason << "is not differentiable, and a score modifier's tensor requires grad";
   } else if (!with_weights && options.need_weights()) {
     reason << "returns no weights: set need_weights(false)";
   }
@@ -99,6 +122,8 @@ std::string libtorch_reason(
     reason << "takes only a positive scale, got " << *options.scale();
   } else if (options.need_weights()) {
     reason << "returns no weights: set need_weights(false)";
+  } else if (has_score_modifiers(options)) {
+    reason << "has no score modifiers (" << kScoreModifierNames << ")";
   } else if (mask_needs_grad(options)) {
     reason << "gives the attn_mask no gradient here, and it requires one";
   } else if (query.numel() == 0 || key.numel() == 0 || value.numel() == 0) {
@@ -228,8 +253,7 @@ std::string unsupported_reason(
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/false);
     case AttentionBackend::fused_cpu_weights:
       return fused_cpu_reason(query, key, value, options, /*with_weights=*/true);
-    case AttentionBackend::batched_cpu:
-      return cpu_kernel_reason(query, options, /*drops_weights=*/false);
+    case AttentionBackend::batched_cpu: return cpu_kernel_reason(query, options, {});
     case AttentionBackend::libtorch: return libtorch_reason(query, key, value, options);
     case AttentionBackend::math: return {};
   }
@@ -296,8 +320,12 @@ AttentionBackend choose_backend(
 }
 
 FusedLoops fused_cpu_loops(const AttentionParams& params) {
-  // Only the tiled loops drop weights.
-  return !params.dropout.active() && short_heads_run(params.q.scalar_type(), params.L(), params.S())
+  // Only the tiled loops drop weights, modify scores and differentiate the
+  // mask.
+  const bool mask_needs_grad = params.mask.defined() && params.mask.requires_grad() &&
+      torch::GradMode::is_enabled();
+  const bool plain = !params.dropout.active() && !params.modifiers.active() && !mask_needs_grad;
+  return plain && short_heads_run(params.q.scalar_type(), params.L(), params.S())
       ? FusedLoops::short_heads
       : FusedLoops::tiled;
 }

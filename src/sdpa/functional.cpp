@@ -9,6 +9,7 @@
 #include "sdpa/masks.h"
 #include "sdpa/math_attention.h"
 #include "sdpa/projection_attention.h"
+#include "sdpa/score_modifiers.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -171,6 +172,8 @@ detail::AttentionParams attention_params(
   params.query_offset = options.query_offset();
   params.window = std::min(options.window().value_or(0), detail::kUnboundedWindow);
   params.dropout.p = options.training() ? options.dropout_p() : 0.0;
+  params.modifiers = detail::score_modifiers(
+      options, params.H(), params.L(), params.S(), params.q.scalar_type());
   return params;
 }
 
@@ -296,6 +299,7 @@ AttentionBackend select_backend(
   check_features_dtypes_and_devices(query, key, value);
   check_attn_mask(query, key, options.attn_mask());
   check_option_values(options);
+  detail::check_score_modifiers(kSdpaCaller, query, options);
   const auto& requested = options.backend();
   if (!requested) {
     return detail::choose_backend(query, key, value, options);
@@ -312,6 +316,26 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   return run_backend(select_backend(query, key, value, options), query, key, value, options);
+}
+
+torch::Tensor alibi_slopes(int64_t num_heads) {
+  TORCH_CHECK(num_heads > 0, "alibi_slopes: num_heads must be positive, got ", num_heads);
+  // The paper's sequence for n heads, n a power of 2: 2^(-8k/n), k = 1..n.
+  const auto geometric = [](int64_t n) {
+    return torch::pow(
+        2.0, torch::arange(1, n + 1, torch::kDouble) * (-8.0 / static_cast<double>(n)));
+  };
+  int64_t power = 1;
+  while (power * 2 <= num_heads) {
+    power *= 2;
+  }
+  if (power == num_heads) {
+    return geometric(num_heads).to(torch::kFloat);
+  }
+  // Otherwise, as the paper's code does: the sequence of the power of 2
+  // below, then every other slope of twice that, for the remaining heads.
+  const auto rest = geometric(2 * power).slice(0, 0, 2 * (num_heads - power), 2);
+  return torch::cat({geometric(power), rest}).to(torch::kFloat);
 }
 
 namespace detail {

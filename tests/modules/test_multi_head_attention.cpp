@@ -556,3 +556,93 @@ TEST(FunctionalMultiHeadAttention, WithAModulesParametersIsTheModule) {
 }
 
 } // namespace
+
+namespace {
+
+// A module with every score modifier, its table and sinks drawn at random
+// (they start at zero), in float64.
+MultiHeadAttention module_with_score_modifiers() {
+  torch::manual_seed(41);
+  MultiHeadAttention mha(MultiHeadAttentionOptions(32, 4)
+                             .alibi(true)
+                             .softcap(3.0)
+                             .position_buckets(attn::PositionBuckets()
+                                                   .bucketing(attn::PositionBucketing::t5_causal)
+                                                   .num_buckets(16)
+                                                   .max_distance(40))
+                             .sinks(true));
+  mha->to(torch::kDouble);
+  const torch::NoGradGuard no_grad;
+  mha->position_bias.normal_();
+  mha->sinks.normal_();
+  return mha;
+}
+
+} // namespace
+
+TEST(ScoreModifierMultiHeadAttention, IsTheFunctionOverItsHeadsWithItsParameters) {
+  auto mha = module_with_score_modifiers();
+  const auto x = torch::randn({2, 20, 32}, torch::kDouble);
+  const auto [out, none] = mha(x, x, x, MultiHeadAttentionForwardOptions().is_causal(true));
+  out.sum().backward();
+  const auto table_grad = mha->position_bias.grad().clone();
+  const auto sinks_grad = mha->sinks.grad().clone();
+  mha->zero_grad();
+
+  // The same layer written out: projections, heads, attention with the
+  // module's modifiers on the math path, merged heads, out_proj.
+  namespace F = torch::nn::functional;
+  const auto heads = [](const torch::Tensor& t) { return t.view({2, 20, 4, 8}).transpose(1, 2); };
+  const auto q = heads(F::linear(x, mha->q_proj->weight, mha->q_proj->bias));
+  const auto k = heads(F::linear(x, mha->k_proj->weight, mha->k_proj->bias));
+  const auto v = heads(F::linear(x, mha->v_proj->weight, mha->v_proj->bias));
+  const auto options = attn::SDPAOptions()
+                           .is_causal(true)
+                           .alibi_slopes(attn::alibi_slopes(4).to(torch::kDouble))
+                           .softcap(3.0)
+                           .position_bias(mha->position_bias)
+                           .position_buckets(*mha->options.position_buckets())
+                           .sinks(mha->sinks)
+                           .backend(attn::AttentionBackend::math);
+  const auto [attended, unused] = attn::scaled_dot_product_attention(q, k, v, options);
+  const auto expected = F::linear(
+      attended.transpose(1, 2).reshape({2, 20, 32}), mha->out_proj->weight, mha->out_proj->bias);
+  expected.sum().backward();
+  EXPECT_CLOSE(out, expected, kFloat64Tolerance);
+  EXPECT_CLOSE(table_grad, mha->position_bias.grad(), kFloat64Tolerance);
+  EXPECT_CLOSE(sinks_grad, mha->sinks.grad(), kFloat64Tolerance);
+}
+
+TEST(ScoreModifierMultiHeadAttention, DecodingWithACacheSeesTheSamePositions) {
+  auto mha = module_with_score_modifiers();
+  mha->eval();
+  const torch::NoGradGuard no_grad;
+  const auto x = torch::randn({2, 20, 32}, torch::kDouble);
+  const auto causal = MultiHeadAttentionForwardOptions().is_causal(true);
+  const auto whole = std::get<0>(mha(x, x, x, causal));
+  KVCache cache;
+  const auto cached = MultiHeadAttentionForwardOptions(causal).kv_cache(&cache);
+  const auto prompt = x.narrow(1, 0, 12);
+  std::vector<torch::Tensor> steps{std::get<0>(mha(prompt, prompt, prompt, cached))};
+  for (int64_t t = 12; t < 20; ++t) {
+    const auto token = x.narrow(1, t, 1);
+    steps.push_back(std::get<0>(mha(token, token, token, cached)));
+  }
+  EXPECT_CLOSE(torch::cat(steps, 1), whole, kFloat64Tolerance);
+}
+
+TEST(ScoreModifierMultiHeadAttention, SavesAndLoadsItsTableAndSinks) {
+  auto mha = module_with_score_modifiers();
+  const auto names = mha->named_parameters().keys();
+  EXPECT_NE(std::find(names.begin(), names.end(), "position_bias"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "sinks"), names.end());
+  std::stringstream archive;
+  torch::save(mha, archive);
+  MultiHeadAttention loaded(mha->options);
+  loaded->to(torch::kDouble);
+  torch::load(loaded, archive);
+  EXPECT_TRUE(torch::equal(loaded->position_bias, mha->position_bias));
+  EXPECT_TRUE(torch::equal(loaded->sinks, mha->sinks));
+  const auto x = torch::randn({1, 7, 32}, torch::kDouble);
+  EXPECT_TRUE(torch::equal(std::get<0>(loaded(x, x, x)), std::get<0>(mha(x, x, x))));
+}

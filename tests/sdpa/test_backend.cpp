@@ -399,12 +399,22 @@ TEST(BackendSelection, DropoutWhileTrainingTakesTheFusedKernelOnItsTiledLoops) {
       AttentionBackend::math);
 }
 
-TEST(BackendSelection, AMaskThatNeedsAGradientTakesTheMathPath) {
+TEST(BackendSelection, AMaskThatNeedsAGradientTakesTheFusedKernelOrWithWeightsTheMathPath) {
   const auto in = make_inputs();
   const auto bias = torch::zeros({40, 40}).requires_grad_();
   EXPECT_EQ(
       select_backend(in.q, in.k, in.v, SDPAOptions().attn_mask(bias).need_weights(false)),
+      AttentionBackend::fused_cpu);
+  EXPECT_EQ(
+      select_backend(in.q, in.k, in.v, SDPAOptions().attn_mask(bias).need_weights(true)),
       AttentionBackend::math);
+  // Its gradient comes from the tiled loops, not the short heads'.
+  auto params = attn::detail::AttentionParams();
+  params.q = in.q;
+  params.k = in.k;
+  params.v = in.v;
+  params.mask = bias.expand({in.q.size(0), in.q.size(1), 40, 40});
+  EXPECT_EQ(attn::detail::fused_cpu_loops(params), attn::detail::FusedLoops::tiled);
 }
 
 // Requests that only attn's backends run: half precision takes the one

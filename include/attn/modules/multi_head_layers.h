@@ -32,11 +32,17 @@ struct MultiHeadLayers {
   /// Applied to queries and keys when `options.rotary()` is set; null
   /// otherwise. Has no parameters.
   RotaryEmbedding rotary = nullptr;
+  /// `(H, buckets)` with `options.position_buckets()`: the learned
+  /// relative-position table; undefined otherwise.
+  torch::Tensor position_bias;
+  /// `(H)` with `options.sinks()`: the sinks' logits; undefined otherwise.
+  torch::Tensor sinks;
 
  protected:
   /// Registers the layers in `owner` (the module deriving from this) as
-  /// `options` asks (biases, `add_bias_kv`, `rotary`), `query_width` = H·D
-  /// and `kv_width` = H_kv·D features wide. Parameters are not initialised.
+  /// `options` asks (biases, `add_bias_kv`, `rotary`, `position_bias`,
+  /// `sinks`), `query_width` = H·D and `kv_width` = H_kv·D features wide.
+  /// Parameters are not initialised.
   void register_layers(
       torch::nn::Module& owner,
       const MultiHeadAttentionOptions& options,

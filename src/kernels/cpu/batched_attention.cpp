@@ -282,8 +282,10 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
     const auto grad_out = grad_outputs[0].defined()
         ? grad_outputs[0]
         : torch::zeros({params.B(), params.H(), params.L(), params.Dv()}, params.q.options());
-    const auto [dq, dk, dv] = batched_backward(params, forward, grad_out, grad_outputs[1]);
-    return {dq, dk, dv, torch::Tensor(), torch::Tensor()}; // nothing for params, need_weights
+    const auto grads = batched_backward(params, forward, grad_out, grad_outputs[1]);
+    return {
+        grads.dq, grads.dk, grads.dv, torch::Tensor(),
+        torch::Tensor()}; // nothing for params, need_weights
   }
 };
 

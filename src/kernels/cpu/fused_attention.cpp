@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace attn::detail {
@@ -41,14 +42,49 @@ AttentionParams with_heads_for_kernels(const AttentionParams& params) {
   return prepared;
 }
 
-// Uninitialised gradients for q, k and v (B, H, L, D), (B, H, S, ·): one
-// key/value gradient per query head.
-InputGradients input_gradients(const AttentionParams& params) {
-  const int64_t B = params.B(), H = params.H(), S = params.S();
+// Which of the tensors that add to the scores get a gradient.
+struct ScoreGradientsWanted {
+  bool offset_bias = false, mask = false, sinks = false;
+};
+
+// Whether t is defined and requires grad.
+bool wants_gradient(const torch::Tensor& t) {
+  return t.defined() && t.requires_grad();
+}
+
+// What a differentiable call gives a gradient: the modifiers' tensors and
+// a floating mask that require one.
+ScoreGradientsWanted score_gradients_wanted(const AttentionParams& params) {
   return {
-      torch::empty(params.q.sizes(), params.q.options()),
-      torch::empty({B, H, S, params.D()}, params.k.options()),
-      torch::empty({B, H, S, params.Dv()}, params.v.options())};
+      wants_gradient(params.modifiers.offset_bias),
+      wants_gradient(params.mask) && params.mask.is_floating_point(),
+      wants_gradient(params.modifiers.sinks)};
+}
+
+// Uninitialised gradients for what `wanted` names, the others undefined
+// (q, k and v's among them).
+InputGradients score_gradients(const AttentionParams& params, const ScoreGradientsWanted& wanted) {
+  const int64_t B = params.B(), H = params.H(), L = params.L(), S = params.S();
+  const auto empty_if = [&](bool wanted, at::IntArrayRef sizes) {
+    return wanted ? torch::empty(sizes, params.q.options()) : torch::Tensor();
+  };
+  InputGradients grads;
+  grads.d_offset_bias = empty_if(wanted.offset_bias, {H, std::max<int64_t>(L + S - 1, 0)});
+  grads.d_mask = empty_if(wanted.mask, {B, H, L, S});
+  grads.d_sinks = empty_if(wanted.sinks, {H});
+  return grads;
+}
+
+// Uninitialised gradients for q, k and v (B, H, L, D), (B, H, S, ·): one
+// key/value gradient per query head; and for what `wanted` names.
+InputGradients input_gradients(
+    const AttentionParams& params,
+    const ScoreGradientsWanted& wanted = {}) {
+  auto grads = score_gradients(params, wanted);
+  grads.dq = torch::empty(params.q.sizes(), params.q.options());
+  grads.dk = torch::empty({params.B(), params.H(), params.S(), params.D()}, params.k.options());
+  grads.dv = torch::empty({params.B(), params.H(), params.S(), params.Dv()}, params.v.options());
+  return grads;
 }
 
 // The key/value gradients per key/value head: with grouped queries, the
@@ -60,7 +96,9 @@ InputGradients summed_over_groups(const AttentionParams& params, InputGradients 
   const auto sum_groups = [&](const torch::Tensor& grad) {
     return grad.view({params.B(), params.Hkv(), params.group(), params.S(), grad.size(3)}).sum(2);
   };
-  return {grads.dq, sum_groups(grads.dk), sum_groups(grads.dv)};
+  grads.dk = sum_groups(grads.dk);
+  grads.dv = sum_groups(grads.dv);
+  return grads;
 }
 
 // The loops' forward into `result`.
@@ -69,6 +107,19 @@ void run_forward(FusedLoops loops, const AttentionParams& params, const ForwardR
     case FusedLoops::tiled: tiled_forward(params, result); return;
     case FusedLoops::short_heads: short_heads_forward(params, result); return;
   }
+}
+
+// The gradient of the sinks (H): a sink's weight in row i is
+// exp(sink - lse_i) and multiplies no value, so that its logit's gradient
+// is -exp(sink - lse_i)·delta_i, delta_i = dO_i·O_i (as for every score of
+// the row), summed over the rows of its head.
+torch::Tensor sink_gradient(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out) {
+  const auto delta = (forward.out * grad_out).sum(-1);                                // (B, H, L)
+  const auto weights = (params.modifiers.sinks.view({1, -1, 1}) - forward.lse).exp(); // (B, H, L)
+  return -(weights * delta).sum(at::IntArrayRef{0, 2});
 }
 
 // The loops' backward into `grads`, every element of which they write.
@@ -84,14 +135,19 @@ void run_backward(
   switch (loops) {
     case FusedLoops::tiled:
       tiled_backward(prepared, prepared_forward, prepared_grad_out, grads);
-      return;
+      break;
     case FusedLoops::short_heads:
+      TORCH_INTERNAL_ASSERT(!grads.d_offset_bias.defined() && !grads.d_mask.defined());
       short_heads_backward(prepared, prepared_forward, prepared_grad_out, grads);
-      return;
+      break;
+  }
+  if (grads.d_sinks.defined()) {
+    grads.d_sinks.copy_(sink_gradient(params, forward, grad_out));
   }
 }
 
-// The gradient of params.qkv (B, L, 3, H, D), in qkv's layout. Where few
+// The gradient of params.qkv (B, L, 3, H, D), in qkv's layout; the scores'
+// gradients that `score_grads` defines are written into it. Where few
 // query tiles accumulate into each key row, the loops write the three
 // gradients straight into it: GPT-2-small's layer at T = 128 trained 7 %
 // faster than with a concatenation after. At T = 2048 (16 tiles) the
@@ -101,42 +157,71 @@ torch::Tensor projection_gradient(
     FusedLoops loops,
     const AttentionParams& params,
     const ForwardResult& forward,
-    const torch::Tensor& grad_out) {
+    const torch::Tensor& grad_out,
+    InputGradients score_grads) {
   TORCH_INTERNAL_ASSERT(params.group() == 1, "the heads of one projection are as many for Q, K, V");
   if (query_tiles(params.L()) <= kMaxQueryTilesInPlace) {
     auto grad = torch::empty_like(params.qkv);
-    const auto [dq, dk, dv] = heads_of_projection(grad);
-    run_backward(loops, params, forward, grad_out, {dq, dk, dv});
+    const auto heads = heads_of_projection(grad);
+    score_grads.dq = heads.q;
+    score_grads.dk = heads.k;
+    score_grads.dv = heads.v;
+    run_backward(loops, params, forward, grad_out, score_grads);
     return grad;
   }
-  const auto grads = input_gradients(params);
-  run_backward(loops, params, forward, grad_out, grads);
+  const auto fresh = input_gradients(params);
+  score_grads.dq = fresh.dq;
+  score_grads.dk = fresh.dk;
+  score_grads.dv = fresh.dv;
+  run_backward(loops, params, forward, grad_out, score_grads);
   return torch::stack(
-      {grads.dq.transpose(1, 2), grads.dk.transpose(1, 2), grads.dv.transpose(1, 2)}, 2);
+      {fresh.dq.transpose(1, 2), fresh.dk.transpose(1, 2), fresh.dv.transpose(1, 2)}, 2);
+}
+
+// The gradients of a call that is no projection's: those of q, k, v per
+// key/value head, and those `wanted`.
+InputGradients summed_gradients(
+    FusedLoops loops,
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const ScoreGradientsWanted& wanted) {
+  const auto grads = input_gradients(params, wanted);
+  run_backward(loops, params, forward, grad_out, grads);
+  return summed_over_groups(params, grads);
 }
 
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
  public:
   // The inputs that autograd sees: params' q, k and v, or, where they are
-  // the heads of one projection, params.qkv alone (undefined tensors are
-  // no inputs to autograd). Returns the output as (B, L, H, Dv).
+  // the heads of one projection, params.qkv alone; the modifiers' tensors;
+  // the mask where it is `wanted` (undefined tensors are no inputs to
+  // autograd). Returns the output as (B, L, H, Dv).
   static torch::Tensor forward(
       torch::autograd::AutogradContext* ctx,
       const c10::optional<torch::Tensor>& q,
       const c10::optional<torch::Tensor>& k,
       const c10::optional<torch::Tensor>& v,
       const c10::optional<torch::Tensor>& qkv,
+      const c10::optional<torch::Tensor>& /*mask: params.mask, saved with the settings*/,
+      const c10::optional<torch::Tensor>& offset_bias,
+      const c10::optional<torch::Tensor>& sinks,
       const AttentionParams& params,
-      FusedLoops loops) {
+      FusedLoops loops,
+      ScoreGradientsWanted wanted) {
     const int64_t B = params.B(), H = params.H(), L = params.L();
     // The loops write through a (B, H, L, Dv) view; the function returns
     // the underlying (B, L, H, Dv) tensor itself, not a view of it.
     auto out = torch::empty({B, L, H, params.Dv()}, params.q.options());
     const auto lse = torch::empty({B, H, L}, params.q.options());
     run_forward(loops, with_heads_for_kernels(params), {out.permute({0, 2, 1, 3}), lse});
-    ctx->save_for_backward({*q, *k, *v, *qkv, out, lse}); // each holds a tensor, maybe undefined
+    // Each holds a tensor, maybe undefined.
+    ctx->save_for_backward({*q, *k, *v, *qkv, out, lse, *offset_bias, *sinks});
     params.save_settings_to(*ctx);
     ctx->saved_data["loops"] = static_cast<int64_t>(loops);
+    ctx->saved_data["offset_bias_grad"] = wanted.offset_bias;
+    ctx->saved_data["mask_grad"] = wanted.mask;
+    ctx->saved_data["sinks_grad"] = wanted.sinks;
     return out;
   }
 
@@ -151,15 +236,27 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     params.q = heads.q;
     params.k = heads.k;
     params.v = heads.v;
+    params.modifiers.offset_bias = saved[6];
+    params.modifiers.sinks = saved[7];
     const auto loops = static_cast<FusedLoops>(ctx->saved_data.at("loops").toInt());
+    const ScoreGradientsWanted wanted{
+        ctx->saved_data.at("offset_bias_grad").toBool(), ctx->saved_data.at("mask_grad").toBool(),
+        ctx->saved_data.at("sinks_grad").toBool()};
     const ForwardResult forward{saved[4].permute({0, 2, 1, 3}), saved[5]}; // out (B, H, L, Dv)
     const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3});
     const torch::Tensor none;
     if (params.qkv.defined()) {
-      return {none, none, none, projection_gradient(loops, params, forward, grad_out), none, none};
+      const auto grads = score_gradients(params, wanted);
+      const auto dqkv = projection_gradient(loops, params, forward, grad_out, grads);
+      return {none,           none,
+              none,           dqkv,
+              grads.d_mask,   grads.d_offset_bias,
+              grads.d_sinks,  none /*params*/,
+              none /*loops*/, none /*wanted*/};
     }
-    auto [dq, dk, dv] = fused_backward(loops, params, forward, grad_out);
-    return {dq, dk, dv, none, none, none}; // nothing for qkv, params, loops
+    const auto grads = summed_gradients(loops, params, forward, grad_out, wanted);
+    return {grads.dq,      grads.dk,        grads.dv,       none, grads.d_mask, grads.d_offset_bias,
+            grads.d_sinks, none /*params*/, none /*loops*/, none /*wanted*/};
   }
 };
 
@@ -178,18 +275,19 @@ InputGradients fused_backward(
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out) {
-  const auto grads = input_gradients(params);
-  run_backward(loops, params, forward, grad_out, grads);
-  return summed_over_groups(params, grads);
+  return summed_gradients(loops, params, forward, grad_out, {});
 }
 
 torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params) {
   using Input = c10::optional<torch::Tensor>; // an undefined one is no input to autograd
   const bool projection = params.qkv.defined();
+  const auto wanted = score_gradients_wanted(params);
   const torch::Tensor none;
   const auto out = FusedAttentionFunction::apply(
       Input(projection ? none : params.q), Input(projection ? none : params.k),
-      Input(projection ? none : params.v), Input(params.qkv), params, loops);
+      Input(projection ? none : params.v), Input(params.qkv),
+      Input(wanted.mask ? params.mask : none), Input(params.modifiers.offset_bias),
+      Input(params.modifiers.sinks), params, loops, wanted);
   return out.permute({0, 2, 1, 3});
 }
 

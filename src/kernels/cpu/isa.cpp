@@ -6,6 +6,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define ATTN_X86 1
 #include <cpuid.h>
+#include <xmmintrin.h>
 #endif
 
 namespace attn::detail {
@@ -87,10 +88,16 @@ bool cpu_runs(InstructionSet set) {
 const IsaLoops* compiled_loops(InstructionSet set) {
   const auto table = [](InstructionSet s, const MicroTiles* tiles, const VectorLoops* vector) {
     if (vector == nullptr) {
-      return IsaLoops{s, tiles, nullptr, nullptr, nullptr, nullptr};
+      return IsaLoops{s, tiles, nullptr, nullptr, nullptr, nullptr, nullptr};
     }
     return IsaLoops{
-        s, tiles, &vector->short_heads, vector->row_max, vector->exp_shifted_sum, &vector->dropout};
+        s,
+        tiles,
+        &vector->short_heads,
+        vector->row_max,
+        vector->exp_shifted_sum,
+        vector->softcap,
+        &vector->dropout};
   };
   static const IsaLoops avx512 = table(
       InstructionSet::avx512, avx512_micro_tiles(), avx512_vector_loops());
@@ -117,6 +124,24 @@ const char* instruction_set_name(InstructionSet set) {
 const IsaLoops* isa_loops(InstructionSet set) {
   return cpu_runs(set) ? compiled_loops(set) : nullptr;
 }
+
+#ifdef ATTN_X86
+namespace {
+constexpr unsigned int kFlushToZero = 0x8000;      // MXCSR.FTZ
+constexpr unsigned int kDenormalsAreZero = 0x0040; // MXCSR.DAZ
+} // namespace
+
+ScopedSubnormalsAsZero::ScopedSubnormalsAsZero() : saved_(_mm_getcsr()) {
+  _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero);
+}
+
+ScopedSubnormalsAsZero::~ScopedSubnormalsAsZero() {
+  _mm_setcsr(saved_);
+}
+#else
+ScopedSubnormalsAsZero::ScopedSubnormalsAsZero() = default;
+ScopedSubnormalsAsZero::~ScopedSubnormalsAsZero() = default;
+#endif
 
 const IsaLoops* widest_isa_loops() {
   static const IsaLoops* const widest = [] {

@@ -18,6 +18,11 @@ double row_max(const double* x, int64_t n);
 float exp_shifted_sum(float* x, int64_t n, float shift);
 double exp_shifted_sum(double* x, int64_t n, double shift);
 
+// Logit soft-capping: x[j] = cap·tanh(x[j] / cap) for cap > 0, and, where
+// `slopes` is not null, slopes[j] = 1 - tanh²(x[j] / cap), the derivative.
+void softcap_row(float* x, int64_t n, float cap, float* slopes);
+void softcap_row(double* x, int64_t n, double cap, double* slopes);
+
 // x[j] *= factor for every j in [0, n).
 template <typename T>
 void scale_row(T* x, int64_t n, T factor) {

@@ -2,7 +2,9 @@
 
 #include "kernels/cpu/dropout.h"
 #include "kernels/cpu/heads.h"
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/mask_view.h"
+#include "kernels/cpu/modifier_view.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/row_ops.h"
 #include "kernels/cpu/tile_product.h"
@@ -42,6 +44,7 @@ void parallel_units(
   parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     // Grad mode is thread-local: worker threads start with it on.
     const torch::NoGradGuard no_grad;
+    const ScopedSubnormalsAsZero flush; // isa.h: far keys' weights underflow
     auto scratch = make_scratch();
     for (int64_t unit = begin; unit < end; ++unit) {
       body(scratch, unit);
@@ -129,6 +132,12 @@ struct TileBands {
   }
 };
 
+// t's data, or null where t is undefined.
+template <typename scalar_t>
+scalar_t* data_or_null(const torch::Tensor& t) {
+  return t.defined() ? t.data_ptr<scalar_t>() : nullptr;
+}
+
 // Zeroes a matrix whose rows have unit stride.
 template <typename scalar_t>
 void zero_matrix(const MatrixRef<scalar_t>& m) {
@@ -181,8 +190,8 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
 }
 
 // What the tiled loops read: the request's inputs (B, H, L, D),
-// (B, Hkv, S, D), (B, Hkv, S, Dv), their sizes, the masks and the scale,
-// and Kᵀ for the products.
+// (B, Hkv, S, D), (B, Hkv, S, Dv), their sizes, the masks, the scale, the
+// score modifiers and dropout, and Kᵀ for the products.
 template <typename scalar_t>
 struct KernelInputs {
   explicit KernelInputs(const AttentionParams& params)
@@ -201,6 +210,7 @@ struct KernelInputs {
         v_heads(v),
         k_t_heads(k_t),
         mask(params),
+        modifiers(params),
         scale(static_cast<scalar_t>(params.scale)),
         dropout(params.dropout),
         dropout_stream(detail::dropout_stream(params.dropout)),
@@ -218,6 +228,7 @@ struct KernelInputs {
   torch::Tensor k_t; // Kᵀ (B, Hkv, D, S), see transposed_for_products
   Heads<scalar_t> q_heads, k_heads, v_heads, k_t_heads;
   MaskView<scalar_t> mask;
+  ModifierView<scalar_t> modifiers;
   scalar_t scale;
   DropoutDraw dropout;
   DropoutRow dropout_stream; // the seed and threshold, taken once
@@ -291,9 +302,12 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
         const auto q_tile = in.q_heads.head(b, h).row_block(i0, rows);  // (rows, D)
         const auto out_tile = out_heads.head(b, h).row_block(i0, rows); // (rows, Dv)
         zero_matrix(out_tile);
+        // A sink starts each row's softmax as a key of weight exp(sink) would.
+        const scalar_t sink = in.modifiers.sink(h);
+        std::fill(scratch.running_max.begin(), scratch.running_max.end(), sink);
         std::fill(
-            scratch.running_max.begin(), scratch.running_max.end(), kNegativeInfinity<scalar_t>);
-        std::fill(scratch.running_sum.begin(), scratch.running_sum.end(), scalar_t(0));
+            scratch.running_sum.begin(), scratch.running_sum.end(),
+            scalar_t(sink == kNegativeInfinity<scalar_t> ? 0 : 1));
 
         const auto k_t_head = in.k_t_heads.head(b, h / in.group);
         const auto v_head = in.v_heads.head(b, h / in.group);
@@ -309,6 +323,9 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
           for (int64_t r = 0; r < rows; ++r) {
             const auto [begin, end] = keys_of[r / kProductRowBlock];
             scalar_t* row = block.row(r);
+            if (in.modifiers.changes_scores()) {
+              in.modifiers.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin, nullptr);
+            }
             in.mask.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin);
             online_softmax_row(scratch, r, row + begin, end - begin, out_tile.row(r), Dv);
             if (in.dropout.active()) { // after the row's sum, which counts every weight
@@ -334,6 +351,7 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
 template <typename scalar_t>
 struct BackwardScratch {
   OwnedMatrix<scalar_t> probs, grad_scores; // (kQueryTile, key_block)
+  OwnedMatrix<scalar_t> score_slopes;       // (kQueryTile, key_block), see ModifierView
   std::vector<scalar_t> delta;              // (kQueryTile), see fill_row_deltas
   TileBands bands;
   std::vector<scalar_t> query_rows, grad_out_rows; // see compact_rows
@@ -361,11 +379,12 @@ MatrixRef<scalar_t> compact_rows(const MatrixRef<scalar_t>& m, std::vector<scala
   return {buffer.data(), m.rows, m.cols, m.cols, 1};
 }
 
-// One query tile of the backward: where it is, its rows of Q and dO (see
-// compact_rows) and its rows of dQ.
+// One query tile of the backward: where it is, which task computes it,
+// its rows of Q and dO (see compact_rows) and its rows of dQ.
 template <typename scalar_t>
 struct BackwardTile {
   QueryTile tile;
+  int64_t task;
   MatrixRef<scalar_t> q, grad_out, dq;
 };
 
@@ -377,6 +396,7 @@ struct BackwardTensors {
   Heads<scalar_t> v_t;           // Vᵀ (B, Hkv, Dv, S), see transposed_for_products
   const scalar_t* lse;           // (B, H, L), contiguous
   Heads<scalar_t> dk, dv;        // (B, H, S, ·)
+  ModifierGradients<scalar_t> modifiers;
 };
 
 // delta_i = Σ_d dO_id · O_id = Σ_j P_ij dP_ij, the softmax backward's row
@@ -443,6 +463,38 @@ void softmax_backward_rows(
   }
 }
 
+// After softmax_backward_rows: `ds` holds the gradient of the modified
+// scores, which is that of each bias added to them (written out where
+// asked for), and becomes the gradient of the scaled scores (times the
+// derivative `slopes` of the soft cap and the user's function, where the
+// scores pass through them).
+template <typename scalar_t>
+void modifier_backward_rows(
+    const KernelInputs<scalar_t>& in,
+    const ModifierGradients<scalar_t>& grads,
+    const BackwardTile<scalar_t>& query_tile,
+    const MatrixRef<scalar_t>& ds,
+    const MatrixRef<scalar_t>& slopes,
+    int64_t j0,
+    const std::vector<IndexRange>& keys_of) {
+  const QueryTile& tile = query_tile.tile;
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const IndexRange keys = keys_of[r / kProductRowBlock];
+    const int64_t begin = keys.begin, end = keys.end;
+    scalar_t* ds_row = ds.row(r);
+    grads.add_row(
+        in.modifiers, ds_row + begin, end - begin, query_tile.task, tile.b, tile.h, tile.i0 + r,
+        j0 + begin);
+    if (slopes.data != nullptr) {
+      const scalar_t* slope_row = slopes.row(r);
+#pragma omp simd
+      for (int64_t j = begin; j < end; ++j) {
+        ds_row[j] *= slope_row[j];
+      }
+    }
+  }
+}
+
 // One query tile against keys [j0, j0 + cols): recomputes the tile's
 // probabilities P and adds its shares of dV, dQ and dK, or writes them, as
 // `betas` say.
@@ -472,9 +524,16 @@ void backward_block(
   const auto& keys_of = scratch.bands.keys_of_query_block;
   const auto& queries_of = scratch.bands.queries_of_key_block;
   tile_addmm_banded(p, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
+  const bool bent = in.modifiers.bends_scores();
+  const auto slopes = bent ? scratch.score_slopes.matrix.row_block(0, rows).column_block(0, cols)
+                           : MatrixRef<scalar_t>{};
   for (int64_t r = 0; r < rows; ++r) {
     const auto [begin, end] = keys_of[r / kProductRowBlock];
     scalar_t* row = p.row(r) + begin;
+    if (in.modifiers.changes_scores()) {
+      in.modifiers.apply(
+          row, end - begin, b, h, i0 + r, j0 + begin, bent ? slopes.row(r) + begin : nullptr);
+    }
     in.mask.apply(row, end - begin, b, h, i0 + r, j0 + begin);
     if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
       std::fill(row, row + (end - begin), scalar_t(0)); // fully masked row
@@ -500,6 +559,9 @@ void backward_block(
   if (in.dropout.active()) {
     add_value_gradient();
   }
+  if (bent || t.modifiers.any()) {
+    modifier_backward_rows(in, t.modifiers, query_tile, ds, slopes, j0, keys_of);
+  }
   const auto k_block = in.k_heads.head(b, kv_head).row_block(j0, cols);
   tile_addmm_banded(
       dq_tile, ds, k_block, betas.dq, in.scale, ProductBand::depth, keys_of); // dQ += s·dS K
@@ -507,6 +569,60 @@ void backward_block(
       t.dk.head(b, h).row_block(j0, cols), ds.transposed(), q_tile, betas.dk_dv, in.scale,
       ProductBand::depth, queries_of); // dK += s·dSᵀ Q
 }
+
+// A backward task's scratch: two score tiles, and a third for the
+// scores' derivatives where they pass through a function (ModifierView).
+template <typename scalar_t>
+BackwardScratch<scalar_t> backward_scratch(const KernelInputs<scalar_t>& in) {
+  return BackwardScratch<scalar_t>{
+      tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in),
+      tile_matrix<scalar_t>(WorkspaceSlot::tile_grad_scores, in),
+      in.modifiers.bends_scores() ? tile_matrix<scalar_t>(WorkspaceSlot::tile_score_slopes, in)
+                                  : OwnedMatrix<scalar_t>(torch::empty({0, 0}, in.q.options())),
+      std::vector<scalar_t>(kQueryTile),
+      TileBands{},
+      {},
+      {}};
+}
+
+// Where the backward's tasks write the gradients of what the modifiers
+// and a floating mask add to the scores (InputGradients' d_offset_bias and
+// d_mask, where defined): the mask's in place, zeroed first; the offset
+// bias's in a row per task (`splits` per head), summed per head by finish.
+template <typename scalar_t>
+struct ScoreGradientBuffers {
+  ScoreGradientBuffers(
+      const KernelInputs<scalar_t>& in,
+      const InputGradients& grads,
+      int64_t splits)
+      : in(in),
+        splits(splits),
+        offset_rows(
+            grads.d_offset_bias.defined()
+                ? torch::zeros({in.B * in.H * splits, in.modifiers.offsets}, in.q.options())
+                : torch::Tensor()),
+        mask(grads.d_mask) {
+    if (mask.defined()) {
+      mask.zero_();
+    }
+  }
+
+  ModifierGradients<scalar_t> for_tasks() const {
+    return {data_or_null<scalar_t>(offset_rows), data_or_null<scalar_t>(mask), in.H, in.L, in.S};
+  }
+
+  // The offset bias's rows, one per (b, h, split), summed per head.
+  void finish(const InputGradients& grads) const {
+    if (offset_rows.defined()) {
+      grads.d_offset_bias.copy_(
+          offset_rows.view({in.B, in.H, splits, in.modifiers.offsets}).sum(at::IntArrayRef{0, 2}));
+    }
+  }
+
+  const KernelInputs<scalar_t>& in;
+  int64_t splits;
+  torch::Tensor offset_rows, mask;
+};
 
 // Into how many key ranges the backward splits each head: one when there
 // are at least as many heads as threads; else enough ranges of whole key
@@ -517,7 +633,8 @@ int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
     return 1;
   }
   return std::clamp<int64_t>(
-      ceil_div(threads, std::max<int64_t>(heads, 1)), 1, ceil_div(S, key_block));
+      ceil_div(threads, std::max<int64_t>(heads, 1)), 1,
+      std::max<int64_t>(ceil_div(S, key_block), 1));
 }
 
 // Backward: writes dq, dk, dv ((B, H, ·, ·), rows of unit stride: one
@@ -533,10 +650,12 @@ void flash_backward(
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
   const auto v_t = transposed_for_products(in.v, in.L, WorkspaceSlot::values_transposed);
+  const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
+  const ScoreGradientBuffers<scalar_t> score_grads(in, grads, splits);
   const BackwardTensors<scalar_t> t{Heads<scalar_t>(forward.out), Heads<scalar_t>(grad_out),
                                     Heads<scalar_t>(v_t),         forward.lse.data_ptr<scalar_t>(),
-                                    Heads<scalar_t>(grads.dk),    Heads<scalar_t>(grads.dv)};
-  const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
+                                    Heads<scalar_t>(grads.dk),    Heads<scalar_t>(grads.dv),
+                                    score_grads.for_tasks()};
   const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
   const auto dq_parts = splits == 1
       ? grads.dq.unsqueeze(0)
@@ -547,15 +666,8 @@ void flash_backward(
     dq_of_split.emplace_back(dq_parts[split]);
   }
 
-  const auto make_scratch = [&] {
-    return BackwardScratch<scalar_t>{
-        tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in),
-        tile_matrix<scalar_t>(WorkspaceSlot::tile_grad_scores, in),
-        std::vector<scalar_t>(kQueryTile),
-        TileBands{},
-        {},
-        {}};
-  };
+  const auto make_scratch = [&] { return backward_scratch(in); };
+
   // Each task writes its tiles' rows of dQ with their first key block and
   // adds the others'. With one query tile per head, every row of dK and dV
   // gets at most one share, which it writes; with more, the task zeroes
@@ -595,7 +707,7 @@ void flash_backward(
             continue;
           }
           const BackwardTile<scalar_t> query_tile{
-              tile,
+              tile, unit,
               compact_rows(in.q_heads.head(b, h).row_block(i0, tile.rows), scratch.query_rows),
               compact_rows(t.grad_out.head(b, h).row_block(i0, tile.rows), scratch.grad_out_rows),
               dq_tile};
@@ -609,6 +721,7 @@ void flash_backward(
   if (splits > 1) {
     grads.dq.copy_(dq_parts.sum(0));
   }
+  score_grads.finish(grads);
 }
 
 // Weights materialised in (B, H, L, S): each query tile's rows are scored
@@ -633,9 +746,10 @@ void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult&
         const int64_t cols = key_end - key_begin;
         zero_matrix(w_tile.column_block(0, key_begin));
         zero_matrix(w_tile.column_block(key_end, in.S - key_end));
+        const scalar_t sink = in.modifiers.sink(h);
         if (cols == 0) {
           zero_matrix(out_tile);
-          std::fill(tile_lse, tile_lse + rows, kNegativeInfinity<scalar_t>);
+          std::fill(tile_lse, tile_lse + rows, sink);
           return;
         }
         const auto visible = w_tile.column_block(key_begin, cols);
@@ -644,14 +758,18 @@ void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult&
             in.k_t_heads.head(b, h / in.group).column_block(key_begin, cols), 0, in.scale);
         for (int64_t r = 0; r < rows; ++r) {
           scalar_t* row = visible.row(r);
+          if (in.modifiers.changes_scores()) {
+            in.modifiers.apply(row, cols, b, h, i0 + r, key_begin, nullptr);
+          }
           in.mask.apply(row, cols, b, h, i0 + r, key_begin);
-          const scalar_t largest = row_max(row, cols);
+          const scalar_t largest = std::max(row_max(row, cols), sink);
           tile_lse[r] = largest;
           if (largest == kNegativeInfinity<scalar_t>) {
             std::fill(row, row + cols, scalar_t(0));
             continue;
           }
-          const scalar_t sum = exp_shifted_sum(row, cols, largest);
+          const scalar_t sum = exp_shifted_sum(row, cols, largest) +
+              (sink == kNegativeInfinity<scalar_t> ? scalar_t(0) : std::exp(sink - largest));
           tile_lse[r] += std::log(sum);
           scale_row(row, cols, scalar_t(1) / sum);
         }

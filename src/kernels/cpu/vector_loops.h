@@ -25,6 +25,7 @@ struct VectorLoops {
   ShortHeadsLoops short_heads;
   RowMaxFn row_max;
   ExpShiftedSumFn exp_shifted_sum;
+  SoftcapFn softcap;
   DropoutLoops dropout;
 };
 

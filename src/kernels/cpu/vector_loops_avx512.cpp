@@ -86,6 +86,7 @@ const VectorLoops kLoops{
     {forward_heads<kAccumulators>, backward_heads<kAccumulators>},
     row_max_lanes,
     exp_shifted_sum_lanes,
+    softcap_row_lanes,
     {drop_row_vector, dropout_softmax_backward_row_vector}};
 
 } // namespace

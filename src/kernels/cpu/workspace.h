@@ -21,9 +21,10 @@ enum class WorkspaceSlot : int {
   values_transposed, // Vᵀ of a tiled backward
   tile_scores,       // a task's score or probability tile
   tile_grad_scores,  // a task's dP / dS tile in the backward
+  tile_score_slopes, // a task's score derivatives (soft cap, user function) in the backward
 };
 
-inline constexpr size_t kWorkspaceSlots = 4;
+inline constexpr size_t kWorkspaceSlots = 5;
 inline constexpr size_t kMaxWorkspaceBytes = size_t{16} << 20;
 
 // An uninitialised tensor of `sizes` and `options` (CPU), contiguous,

@@ -1,0 +1,513 @@
+// The score modifiers of SDPAOptions (ALiBi, soft-capping, relative-position
+// tables, a floating mask that requires grad, attention sinks) on the fused
+// CPU kernel, forward and every gradient, against a float64 oracle written
+// here from the published formulas:
+// - ALiBi: Press, Smith and Lewis, "Train Short, Test Long" (ICLR 2022):
+//   head h adds m_h·(j - i) to the score of query i and key j, with slopes
+//   m_h = 2^(-8h/H) (and the paper's code's interleaving for other H);
+// - soft-capping: Gemma 2 (Gemma Team 2024), cap·tanh(s / cap) of the
+//   scaled score;
+// - the relative-position table: T5 (Raffel et al., JMLR 2020), its
+//   `_relative_position_bucket` as the reference code defines it;
+// - sinks: a per-head logit in each row's softmax denominator that
+//   multiplies no value (as gpt-oss's attention has it).
+// The oracle's gradients are autograd's over those float64 operations.
+
+#include "test_support.h"
+
+#include "sdpa/score_modifiers.h"
+
+#include <attn/attn.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using attn::AttentionBackend;
+using attn::PositionBucketing;
+using attn::PositionBuckets;
+using attn::SDPAOptions;
+using attn::testing::band_mask;
+using attn::testing::kInf;
+using attn::testing::ThreadCount;
+using attn::testing::Tolerance;
+
+// T5's bucket of one distance d = j - i, as T5's reference code computes it
+// (mesh-tensorflow's and Hugging Face's `_relative_position_bucket`): half
+// the buckets per sign when bidirectional, exact distances below half of
+// those, then logarithmic up to max_distance in float32, clipped to the
+// last bucket.
+int64_t t5_bucket(int64_t d, bool bidirectional, int64_t num_buckets, int64_t max_distance) {
+  int64_t bucket = 0;
+  int64_t n = num_buckets;
+  if (bidirectional) {
+    n /= 2;
+    bucket += d > 0 ? n : 0;
+    d = std::abs(d);
+  } else {
+    d = std::max<int64_t>(-d, 0);
+  }
+  const int64_t exact = n / 2;
+  if (d < exact) {
+    return bucket + d;
+  }
+  const float ratio = std::log(static_cast<float>(d) / static_cast<float>(exact)) /
+      static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(exact)));
+  const auto large = exact + static_cast<int64_t>(ratio * static_cast<float>(n - exact));
+  return bucket + std::min(large, n - 1);
+}
+
+// The bucket of distance d under `buckets`.
+int64_t bucket_of(int64_t d, const PositionBuckets& buckets) {
+  switch (buckets.bucketing()) {
+    case PositionBucketing::t5_bidirectional:
+      return t5_bucket(d, true, buckets.num_buckets(), buckets.max_distance());
+    case PositionBucketing::t5_causal:
+      return t5_bucket(d, false, buckets.num_buckets(), buckets.max_distance());
+    case PositionBucketing::clipped:
+      return std::clamp(d, -buckets.max_distance(), buckets.max_distance()) +
+          buckets.max_distance();
+  }
+  return 0;
+}
+
+// The user's score function of the tests, and its derivative: a nonlinear
+// function of the score that depends on the head and the distance.
+double user_value(double s, int64_t /*b*/, int64_t h, int64_t i, int64_t j) {
+  return s * (1.0 + 0.1 * static_cast<double>(h)) + 0.3 * std::sin(s) -
+      0.05 * static_cast<double>(std::abs(i - j));
+}
+double user_derivative(double s, int64_t /*b*/, int64_t h, int64_t /*i*/, int64_t /*j*/) {
+  return 1.0 + 0.1 * static_cast<double>(h) + 0.3 * std::cos(s);
+}
+
+// user_value over scores (B, H, L, S), as tensor operations.
+torch::Tensor user_value_of(const torch::Tensor& s) {
+  const int64_t H = s.size(1), L = s.size(2), S = s.size(3);
+  const auto head = torch::arange(H, torch::kDouble).view({1, H, 1, 1});
+  const auto distance = (torch::arange(L).view({L, 1}) - torch::arange(S).view({1, S})).abs();
+  return s * (1.0 + 0.1 * head) + 0.3 * torch::sin(s) - 0.05 * distance.to(torch::kDouble);
+}
+
+// Attention in float64 with the options' modifiers, from the formulas
+// above: q (B, H, L, D), k and v (B, Hkv, S, ·); the modifiers' tensors as
+// given (float64 leaves, for autograd).
+torch::Tensor oracle(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const SDPAOptions& options) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  const int64_t group = H / k.size(1);
+  const auto keys = k.repeat_interleave(group, 1);
+  const auto values = v.repeat_interleave(group, 1);
+  const double scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  auto s = torch::einsum("bhid,bhjd->bhij", {q, keys}) * scale;
+  if (options.softcap()) {
+    s = *options.softcap() * torch::tanh(s / *options.softcap());
+  }
+  if (options.score_function()) {
+    s = user_value_of(s);
+  }
+  // The distance j - i' of each pair, i' = i + query_offset.
+  std::vector<int64_t> distance(static_cast<size_t>(L * S)), bucket(distance.size());
+  for (int64_t i = 0; i < L; ++i) {
+    for (int64_t j = 0; j < S; ++j) {
+      const auto at = static_cast<size_t>(i * S + j);
+      distance[at] = j - (i + options.query_offset());
+      bucket[at] = bucket_of(distance[at], options.position_buckets());
+    }
+  }
+  const auto d = torch::tensor(distance, torch::kDouble).view({1, 1, L, S});
+  if (options.alibi_slopes().defined()) {
+    const auto m = options.alibi_slopes().view({1, H, 1, 1});
+    s = s + (options.alibi_symmetric() ? -m * d.abs() : m * d);
+  }
+  if (options.position_bias().defined()) {
+    const auto index = torch::tensor(bucket, torch::kLong);
+    s = s + options.position_bias().index_select(1, index).view({1, H, L, S});
+  }
+  if (options.attn_mask().defined()) {
+    s = s + options.attn_mask();
+  }
+  const auto band = band_mask(
+      L, S, options.query_offset(), options.is_causal(), options.window().value_or(0));
+  s = s.masked_fill(band.logical_not(), -kInf);
+  if (options.sinks().defined()) {
+    const auto sink = options.sinks().view({1, H, 1, 1}).expand({B, H, L, 1});
+    const auto p = torch::softmax(torch::cat({s, sink}, -1), -1).narrow(-1, 0, S);
+    return torch::matmul(p, values);
+  }
+  // Rows that see no key: zero weights.
+  const auto empty = (s == -kInf).all(-1, /*keepdim=*/true);
+  const auto p = torch::softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0);
+  return torch::matmul(p, values);
+}
+
+// One request: sizes, the band and which modifiers are set.
+struct Case {
+  std::string name;
+  int64_t B = 0, H = 0, Hkv = 0, L = 0, S = 0, D = 0;
+  bool causal = false;
+  int64_t window = 0, query_offset = 0;
+  bool alibi = false, symmetric = false, softcap = false, sinks = false, mask = false;
+  bool user = false; // user_value as the score function
+  c10::optional<PositionBucketing> table;
+};
+
+// A case of these sizes with no modifier set.
+Case sized(int64_t B, int64_t H, int64_t Hkv, int64_t L, int64_t S, int64_t D) {
+  Case c;
+  c.B = B;
+  c.H = H;
+  c.Hkv = Hkv;
+  c.L = L;
+  c.S = S;
+  c.D = D;
+  return c;
+}
+
+// The options of `c` for float64 tensors that require grad.
+SDPAOptions options_of(const Case& c) {
+  auto options = SDPAOptions().is_causal(c.causal).query_offset(c.query_offset).enable_gqa(true);
+  if (c.window > 0) {
+    options.window(c.window);
+  }
+  const auto leaf = [](torch::Tensor t) { return t.to(torch::kDouble).requires_grad_(); };
+  if (c.alibi) {
+    options.alibi_slopes(leaf(attn::alibi_slopes(c.H))).alibi_symmetric(c.symmetric);
+  }
+  if (c.softcap) {
+    options.softcap(1.5); // small enough that the cap bends the scores of randn inputs
+  }
+  if (c.table) {
+    const auto buckets = PositionBuckets().bucketing(*c.table).num_buckets(16).max_distance(40);
+    options.position_bias(leaf(torch::randn({c.H, buckets.count()}))).position_buckets(buckets);
+  }
+  if (c.sinks) {
+    options.sinks(leaf(torch::randn({c.H})));
+  }
+  if (c.user) {
+    options.score_function(
+        std::make_shared<attn::ScoreFunction>(attn::ScoreFunction{user_value, user_derivative}));
+  }
+  if (c.mask) {
+    options.attn_mask(leaf(torch::randn({1, c.H, c.L, c.S})));
+  }
+  return options;
+}
+
+// The float64 tensors of `options` that require grad.
+std::vector<torch::Tensor> learned_tensors(const SDPAOptions& options) {
+  std::vector<torch::Tensor> learned;
+  for (const auto& t :
+       {options.alibi_slopes(), options.position_bias(), options.sinks(), options.attn_mask()}) {
+    if (t.defined()) {
+      learned.push_back(t);
+    }
+  }
+  return learned;
+}
+
+// `options` with each tensor in `dtype`, a leaf of its own that requires grad.
+SDPAOptions in_dtype(SDPAOptions options, torch::ScalarType dtype) {
+  const auto leaf = [&](const torch::Tensor& t) {
+    return t.defined() ? t.detach().to(dtype).requires_grad_() : t;
+  };
+  return options.alibi_slopes(leaf(options.alibi_slopes()))
+      .position_bias(leaf(options.position_bias()))
+      .sinks(leaf(options.sinks()))
+      .attn_mask(leaf(options.attn_mask()));
+}
+
+// The cases: each modifier alone over 2 query tiles and 2 key blocks, then
+// together with GQA, causal, window and offset bands, and on one head whose
+// keys the backward splits between the threads.
+std::vector<Case> cases() {
+  const Case big = sized(2, 4, 2, 130, 600, 16);
+  std::vector<Case> all;
+  const auto with = [&](Case c, const char* name) {
+    c.name = name;
+    all.push_back(c);
+  };
+  auto c = big;
+  c.alibi = true;
+  c.causal = true;
+  with(c, "alibi_causal");
+  c = big;
+  c.alibi = c.symmetric = true;
+  with(c, "alibi_symmetric");
+  c = big;
+  c.softcap = true;
+  with(c, "softcap");
+  c = big;
+  c.table = PositionBucketing::t5_bidirectional;
+  with(c, "t5_bidirectional");
+  c = big;
+  c.table = PositionBucketing::t5_causal;
+  c.causal = true;
+  with(c, "t5_causal");
+  c = big;
+  c.table = PositionBucketing::clipped;
+  c.window = 50;
+  with(c, "clipped_window");
+  c = big;
+  c.sinks = true;
+  c.window = 3;
+  c.causal = true;
+  c.query_offset = -2; // rows that see no key: the sink takes all
+  with(c, "sinks_empty_rows");
+  c = big;
+  c.mask = true;
+  with(c, "mask_gradient");
+  c = big;
+  c.alibi = c.softcap = c.sinks = c.mask = true;
+  c.table = PositionBucketing::t5_bidirectional;
+  c.causal = true;
+  c.query_offset = 470;
+  with(c, "everything_offset");
+  c = big;
+  c.user = c.causal = true;
+  with(c, "user_function");
+  c = big;
+  c.user = c.softcap = c.sinks = true;
+  c.table = PositionBucketing::clipped;
+  with(c, "user_function_softcap_sinks_table");
+  c = sized(1, 1, 1, 40, 1100, 8);
+  c.alibi = c.softcap = c.sinks = true;
+  c.table = PositionBucketing::clipped;
+  with(c, "split_keys");
+  return all;
+}
+
+// Float64 queries, keys and values of `c`, drawn from `seed`.
+attn::testing::QueryKeyValue inputs_of(const Case& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  return {
+      torch::randn({c.B, c.H, c.L, c.D}, torch::kDouble),
+      torch::randn({c.B, c.Hkv, c.S, c.D}, torch::kDouble),
+      torch::randn({c.B, c.Hkv, c.S, c.D}, torch::kDouble)};
+}
+
+// out and every gradient of attn's fused kernel against the oracle, in
+// `dtype`, each within `tolerance` of the oracle's magnitude.
+void expect_fused_matches_oracle(
+    const Case& c,
+    torch::ScalarType dtype,
+    const Tolerance& tolerance) {
+  SCOPED_TRACE(c.name + " in " + std::string(c10::toString(dtype)));
+  torch::manual_seed(3);
+  const auto q64 = torch::randn({c.B, c.H, c.L, c.D}, torch::kDouble).requires_grad_();
+  const auto k64 = torch::randn({c.B, c.Hkv, c.S, c.D}, torch::kDouble).requires_grad_();
+  const auto v64 = torch::randn({c.B, c.Hkv, c.S, c.D}, torch::kDouble).requires_grad_();
+  const auto options64 = options_of(c);
+  const auto upstream = torch::randn({c.B, c.H, c.L, c.D}, torch::kDouble);
+  const auto expected = oracle(q64, k64, v64, options64);
+  (expected * upstream).sum().backward();
+
+  const auto leaf = [&](const torch::Tensor& t) { return t.detach().to(dtype).requires_grad_(); };
+  const auto q = leaf(q64), k = leaf(k64), v = leaf(v64);
+  const auto options = in_dtype(options64, dtype);
+  ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
+  const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
+  (out * upstream.to(dtype)).sum().backward();
+
+  EXPECT_CLOSE(out, expected, tolerance);
+  EXPECT_CLOSE(q.grad(), q64.grad(), tolerance);
+  EXPECT_CLOSE(k.grad(), k64.grad(), tolerance);
+  EXPECT_CLOSE(v.grad(), v64.grad(), tolerance);
+  const auto ours = learned_tensors(options), theirs = learned_tensors(options64);
+  for (size_t t = 0; t < ours.size(); ++t) {
+    EXPECT_CLOSE(ours[t].grad(), theirs[t].grad(), tolerance) << "learned tensor " << t;
+  }
+}
+
+TEST(ScoreModifiers, FusedKernelMatchesTheFloat64OracleInEveryGradient) {
+  const ThreadCount two_threads(2);
+  for (const auto& c : cases()) {
+    expect_fused_matches_oracle(c, torch::kDouble, Tolerance{1e-10, 1e-10});
+    expect_fused_matches_oracle(c, torch::kFloat, Tolerance{0.0, 2e-5});
+  }
+}
+
+TEST(ScoreModifiers, WeightsKernelReturnsTheOraclesOutput) {
+  const torch::NoGradGuard no_grad;
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const auto [q, k, v] = inputs_of(c, 5);
+    const auto options = options_of(c).need_weights(true);
+    ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu_weights);
+    const auto [out, weights] = attn::scaled_dot_product_attention(q, k, v, options);
+    EXPECT_CLOSE(out, oracle(q, k, v, options), (Tolerance{1e-10, 1e-10}));
+    // The weights multiply V into the output.
+    EXPECT_CLOSE(
+        torch::matmul(weights, v.repeat_interleave(c.H / c.Hkv, 1)), out,
+        (Tolerance{1e-12, 1e-12}));
+  }
+}
+
+TEST(ScoreModifiers, MathPathMatchesTheOracle) {
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const auto [q, k, v] = inputs_of(c, 7);
+    const auto options = options_of(c);
+    const auto [out, none] = attn::scaled_dot_product_attention(
+        q, k, v, SDPAOptions(options).backend(AttentionBackend::math));
+    EXPECT_CLOSE(out, oracle(q, k, v, options), (Tolerance{1e-10, 1e-10}));
+  }
+}
+
+TEST(ScoreModifiers, T5BucketsAreTheReferenceCodes) {
+  // Buckets of T5-base (32 buckets, max distance 128), by hand from the
+  // reference code: bidirectional 16 per sign, exact below 8.
+  const auto bidirectional = PositionBuckets().num_buckets(32).max_distance(128);
+  const auto causal = PositionBuckets(bidirectional).bucketing(PositionBucketing::t5_causal);
+  const auto distances = torch::tensor({-1, 1, 0, -7, 7, 10, -200, 200, 20, -20}, torch::kLong);
+  EXPECT_TRUE(attn::detail::position_buckets(distances, bidirectional)
+                  .equal(torch::tensor({1, 17, 0, 7, 23, 24, 15, 31, 26, 10}, torch::kLong)));
+  // Causal: later keys all in bucket 0; exact below 16, then log buckets.
+  const auto causal_distances = torch::tensor({5, 0, -1, -15, -16, -100, -1000}, torch::kLong);
+  EXPECT_TRUE(attn::detail::position_buckets(causal_distances, causal)
+                  .equal(torch::tensor({0, 0, 1, 15, 16, 30, 31}, torch::kLong)));
+  // Every distance within ±600, against the scalar reference above.
+  const auto all = torch::arange(-600, 601, torch::kLong);
+  for (const auto& buckets :
+       {bidirectional, causal,
+        PositionBuckets().bucketing(PositionBucketing::clipped).max_distance(9)}) {
+    const auto ours = attn::detail::position_buckets(all, buckets);
+    for (int64_t d = -600; d <= 600; ++d) {
+      ASSERT_EQ(ours[d + 600].item<int64_t>(), bucket_of(d, buckets)) << "distance " << d;
+    }
+  }
+}
+
+TEST(ScoreModifiers, AlibiSlopesAreThePapers) {
+  // 8 heads: 2^-1 .. 2^-8; 12 heads: those of 8, then every other slope of
+  // 16 heads, 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5.
+  std::vector<double> eight, twelve;
+  for (int k = 1; k <= 8; ++k) {
+    eight.push_back(std::pow(2.0, -k));
+  }
+  twelve = eight;
+  for (double e : {-0.5, -1.5, -2.5, -3.5}) {
+    twelve.push_back(std::pow(2.0, e));
+  }
+  EXPECT_CLOSE(attn::alibi_slopes(8), torch::tensor(eight, torch::kDouble), (Tolerance{1e-7}));
+  EXPECT_CLOSE(attn::alibi_slopes(12), torch::tensor(twelve, torch::kDouble), (Tolerance{1e-7}));
+}
+
+} // namespace
+
+namespace {
+
+// One attention of a published model at T tokens: its options, and its
+// query, key and value heads.
+struct Published {
+  const char* model;
+  SDPAOptions options;
+  int64_t B, H, Hkv, T, D;
+};
+
+// The configurations of the coverage table in docs/BENCHMARKS.md ("Score
+// modifiers"), as each model publishes its attention.
+std::vector<Published> published_attentions() {
+  const auto t5 = PositionBuckets().num_buckets(32).max_distance(128);
+  const auto t5_causal = PositionBuckets(t5).bucketing(PositionBucketing::t5_causal);
+  const auto dropout = SDPAOptions().dropout_p(0.1);
+  const auto padding = torch::arange(1024).view({1, 1, 1, 1024}) < 900;
+  const auto learned = [](torch::IntArrayRef sizes) {
+    return torch::zeros(sizes).requires_grad_();
+  };
+  return {
+      {"BERT-base", SDPAOptions(dropout).attn_mask(padding), 2, 12, 12, 1024, 64},
+      {"GPT-2 small", SDPAOptions(dropout).is_causal(true), 2, 12, 12, 1024, 64},
+      {"T5 encoder",
+       SDPAOptions(dropout).scale(1.0).position_bias(learned({12, 32})).position_buckets(t5), 2, 12,
+       12, 1024, 64},
+      {"T5 decoder",
+       SDPAOptions(dropout)
+           .scale(1.0)
+           .is_causal(true)
+           .position_bias(learned({12, 32}))
+           .position_buckets(t5_causal),
+       2, 12, 12, 1024, 64},
+      {"BLOOM", SDPAOptions().is_causal(true).alibi_slopes(attn::alibi_slopes(16)), 1, 16, 16, 1024,
+       64},
+      {"Gemma 2 (sliding)",
+       SDPAOptions().is_causal(true).enable_gqa(true).softcap(50.0).window(4096), 1, 8, 4, 8192,
+       256},
+      {"Gemma 2 (global)", SDPAOptions().is_causal(true).enable_gqa(true).softcap(50.0), 1, 8, 4,
+       1024, 256},
+      {"gpt-oss (sliding)",
+       SDPAOptions().is_causal(true).enable_gqa(true).window(128).sinks(learned({64})), 1, 64, 8,
+       1024, 64},
+      {"gpt-oss (global)", SDPAOptions().is_causal(true).enable_gqa(true).sinks(learned({64})), 1,
+       64, 8, 1024, 64},
+      {"Swin block", SDPAOptions().attn_mask(learned({1, 3, 49, 49})), 64, 3, 3, 49, 32},
+  };
+}
+
+} // namespace
+
+TEST(ScoreModifiers, EveryPublishedConfigurationRunsOnAFusedKernel) {
+  for (const auto& m : published_attentions()) {
+    SCOPED_TRACE(m.model);
+    const auto heads = [&](int64_t H) { return torch::empty({m.B, H, m.T, m.D}).requires_grad_(); };
+    const auto q = heads(m.H), k = heads(m.Hkv), v = heads(m.Hkv);
+    EXPECT_EQ(attn::select_backend(q, k, v, m.options), AttentionBackend::fused_cpu) << "training";
+    const torch::NoGradGuard no_grad;
+    const auto inference = SDPAOptions(m.options).training(false);
+    EXPECT_EQ(attn::select_backend(q, k, v, inference), AttentionBackend::fused_cpu) << "inference";
+    // With weights: attn's weights kernel, or at 49 tokens its batched one.
+    EXPECT_NE(
+        attn::select_backend(q, k, v, SDPAOptions(inference).need_weights(true)),
+        AttentionBackend::math)
+        << "inference with weights";
+  }
+}
+
+TEST(ScoreModifiers, WeightsWithALearnedModifierGetItsGradient) {
+  // The weights kernel differentiates nothing: a learned sink with weights
+  // asked for takes the math path, and gets its gradient.
+  const auto c = sized(1, 2, 2, 5, 7, 4);
+  const auto [q, k, v] = inputs_of(c, 9);
+  const auto sinks64 = torch::randn({2}, torch::kDouble).requires_grad_();
+  const auto sinks = sinks64.detach().clone().requires_grad_();
+  const auto options = SDPAOptions().sinks(sinks).need_weights(true);
+  EXPECT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::math);
+  std::get<0>(attn::scaled_dot_product_attention(q, k, v, options)).sum().backward();
+  oracle(q, k, v, SDPAOptions().sinks(sinks64)).sum().backward();
+  EXPECT_CLOSE(sinks.grad(), sinks64.grad(), (Tolerance{1e-12, 1e-12}));
+}
+
+TEST(ScoreModifiers, AUserFunctionMayHideAWholeRow) {
+  // Returning -inf hides a pair; a row with every pair hidden gets zeros,
+  // on the fused kernel and on the math path alike.
+  const auto hide_row_zero = std::make_shared<attn::ScoreFunction>(attn::ScoreFunction{
+      [](double s, int64_t, int64_t, int64_t i, int64_t) {
+        return i == 0 ? -std::numeric_limits<double>::infinity() : s;
+      },
+      [](double, int64_t, int64_t, int64_t, int64_t) { return 1.0; }});
+  const auto c = sized(1, 2, 2, 5, 7, 4);
+  const auto [q, k, v] = inputs_of(c, 11);
+  for (const auto backend : {AttentionBackend::fused_cpu, AttentionBackend::math}) {
+    const auto leaf = q.clone().requires_grad_();
+    const auto out = std::get<0>(attn::scaled_dot_product_attention(
+        leaf, k, v, SDPAOptions().score_function(hide_row_zero).backend(backend)));
+    out.sum().backward();
+    EXPECT_TRUE(torch::equal(out.select(2, 0), torch::zeros({1, 2, 4}, torch::kDouble))) << backend;
+    EXPECT_CLOSE(
+        out.narrow(2, 1, 4), oracle(q, k, v, SDPAOptions()).narrow(2, 1, 4),
+        (Tolerance{1e-12, 1e-12}))
+        << backend;
+    EXPECT_TRUE(torch::isfinite(leaf.grad()).all().item<bool>()) << backend;
+  }
+}
