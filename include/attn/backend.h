@@ -21,23 +21,26 @@ enum class AttentionBackend {
   /// attn's fused CPU kernel (FlashAttention style: query tiles against key
   /// blocks, online softmax, no `L×S` tensor) and its fused backward; heads
   /// of up to 128 queries and 64 keys run whole, each row's scores in
-  /// registers. CPU only; returns no weights; no dropout; a mask must not
-  /// need a gradient. bfloat16 and float16 are computed in float32.
+  /// registers. CPU only; returns no weights. Draws dropout inside the
+  /// kernel, applies the score modifiers (ALiBi, soft-cap, the
+  /// relative-position table, sinks, a `score_function`) and gives a
+  /// floating `attn_mask` its gradient, in its tiled loops. bfloat16 and
+  /// float16 are computed in float32.
   fused_cpu,
-  /// attn's CPU kernel that writes the weights as it goes. CPU only, for
-  /// inference: no gradients, no dropout.
+  /// attn's CPU kernel that writes the weights as it goes, score modifiers
+  /// included. CPU only, for inference: no gradients, no dropout.
   fused_cpu_weights,
   /// attn's CPU kernel for short sequences: every head's scores in one
   /// batched GEMM, masked and normalised in one pass, then one batched GEMM
   /// into V; the backward likewise from the kept probabilities. Holds the
   /// `(B, H, L, S)` probabilities; returns them as the weights when asked,
-  /// differentiable too. CPU only; no dropout; a mask must not need a
-  /// gradient. bfloat16 and float16 are computed in float32.
+  /// differentiable too. CPU only; no dropout, no score modifiers; a mask
+  /// must not need a gradient. bfloat16 and float16 are computed in float32.
   batched_cpu,
   /// LibTorch's own `at::scaled_dot_product_attention` (LibTorch 2.0 and
   /// later; a custom `scale` needs 2.1 and must be positive): flash and
   /// memory-efficient kernels on CUDA, a fused kernel on the CPU. No
-  /// weights, no gradient for `attn_mask`, grouped queries only with as many
+  /// weights, no score modifiers, no gradient for `attn_mask`, grouped queries only with as many
   /// key/value heads as query heads. An `attn_mask`, a `window` or a causal
   /// band other than the square one (`L == S`, no `query_offset`) reaches
   /// it as one explicit mask (bool, or additive with a floating
