@@ -89,12 +89,13 @@ void check_score_modifiers(
     check_head_tensor(caller, "alibi_slopes", options.alibi_slopes(), query, {H});
   }
   if (options.softcap()) {
+    // NaN, infinities and values that round to 0 or overflow in that dtype
+    // fail alike.
     const double cap = *options.softcap();
     const auto in_dtype = torch::scalar_tensor(cap, torch::kDouble).to(score_dtype(query));
     TORCH_CHECK(
-        std::isfinite(cap) && cap > 0.0 && torch::isfinite(in_dtype).item<bool>() &&
-            in_dtype.item<double>() > 0.0,
-        caller, ": softcap must be a positive finite number in ", score_dtype(query),
+        torch::isfinite(in_dtype).item<bool>() && in_dtype.item<double>() > 0.0, caller,
+        ": softcap must be a positive finite number in ", score_dtype(query),
         ", the dtype of the scores, got ", cap);
   }
   if (options.position_bias().defined()) {

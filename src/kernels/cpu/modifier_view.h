@@ -17,14 +17,20 @@
 
 namespace attn::detail {
 
+// t's data, or null where t is undefined.
+template <typename scalar_t>
+scalar_t* data_or_null(const torch::Tensor& t) {
+  return t.defined() ? t.data_ptr<scalar_t>() : nullptr;
+}
+
 template <typename scalar_t>
 struct ModifierView {
   explicit ModifierView(const AttentionParams& params)
       : softcap(static_cast<scalar_t>(params.modifiers.softcap)),
         offset_bias_memory(contiguous_or_undefined(params.modifiers.offset_bias)),
         sinks_memory(contiguous_or_undefined(params.modifiers.sinks)),
-        offset_bias(data_or_null(offset_bias_memory)),
-        sinks(data_or_null(sinks_memory)),
+        offset_bias(data_or_null<scalar_t>(offset_bias_memory)),
+        sinks(data_or_null<scalar_t>(sinks_memory)),
         user(params.modifiers.user.get()),
         offsets(std::max<int64_t>(params.L() + params.S() - 1, 0)),
         L(params.L()) {}
@@ -106,9 +112,6 @@ struct ModifierView {
 
   static torch::Tensor contiguous_or_undefined(const torch::Tensor& t) {
     return t.defined() ? t.contiguous() : t;
-  }
-  static const scalar_t* data_or_null(const torch::Tensor& t) {
-    return t.defined() ? t.data_ptr<scalar_t>() : nullptr;
   }
 };
 

@@ -132,12 +132,6 @@ struct TileBands {
   }
 };
 
-// t's data, or null where t is undefined.
-template <typename scalar_t>
-scalar_t* data_or_null(const torch::Tensor& t) {
-  return t.defined() ? t.data_ptr<scalar_t>() : nullptr;
-}
-
 // Zeroes a matrix whose rows have unit stride.
 template <typename scalar_t>
 void zero_matrix(const MatrixRef<scalar_t>& m) {
