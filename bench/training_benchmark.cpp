@@ -33,6 +33,7 @@
 #include "naive_attention.h"
 #include "peak_memory.h"
 #include "runtime/compat.h" // whether LibTorch has its own attention
+#include "timing.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -50,6 +51,14 @@
 #include <vector>
 
 namespace {
+
+using attn::bench::Clock;
+using attn::bench::fixed;
+using attn::bench::median;
+using attn::bench::peak_mib;
+using attn::bench::seconds_since;
+using attn::bench::Step;
+using attn::bench::time_interleaved;
 
 struct Case {
   std::string name;
@@ -72,55 +81,6 @@ double flops(const Case& c) {
   const double attention = 4.0 * c.B * c.T * c.T * c.E / (c.causal ? 2.0 : 1.0);
   const double projections = c.core_only ? 0.0 : 4 * 2.0 * c.B * c.T * c.E * c.E;
   return (attention + projections) * (c.backward ? 3.0 : 1.0);
-}
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
-// One implementation's call, forward or forward+backward.
-using Step = std::function<void()>;
-
-// Median seconds per call of each step, interleaved in rounds of a few
-// calls each whose order rotates, after a warm-up.
-std::vector<double> time_interleaved(const std::vector<Step>& steps, double budget_seconds) {
-  for (int i = 0; i < 2; ++i) {
-    for (const auto& step : steps) {
-      step();
-    }
-  }
-  const auto start = Clock::now();
-  for (const auto& step : steps) {
-    step();
-  }
-  const double all_seconds = std::max(seconds_since(start), 1e-6);
-  constexpr int kRounds = 9;
-  const int calls = std::max(1, static_cast<int>(budget_seconds / kRounds / all_seconds));
-  const size_t n = steps.size();
-  std::vector<std::vector<double>> times(n);
-  for (int round = 0; round < kRounds; ++round) {
-    for (size_t position = 0; position < n; ++position) {
-      const size_t which = (position + static_cast<size_t>(round)) % n;
-      const auto begin = Clock::now();
-      for (int i = 0; i < calls; ++i) {
-        steps[which]();
-      }
-      times[which].push_back(seconds_since(begin) / calls);
-    }
-  }
-  std::vector<double> medians;
-  for (const auto& samples : times) {
-    medians.push_back(median(samples));
-  }
-  return medians;
 }
 
 // A step that runs `forward` and, for a backward case, backward() of the
@@ -303,16 +263,6 @@ void compare_products(double budget, double sgemm) {
   }
 }
 
-// The peak of tensor memory of one call of `step`, in MiB, over what was
-// held before it (PeakTensorMemory, installed on first use).
-double peak_mib(const Step& step) {
-  static auto* const meter = new attn::bench::PeakTensorMemory(); // outlives every tensor
-  const int64_t before = meter->live_bytes();
-  meter->reset_peak();
-  step();
-  return static_cast<double>(meter->peak_bytes() - before) / (1 << 20);
-}
-
 // Training with dropout 0.1 on GPT-2 small's causal layer (E = 768, H =
 // 12), forward+backward: attn's module, whose fused kernel drops the
 // weights, against the built-in with the same dropout; and the attention
@@ -369,12 +319,6 @@ void compare_dropout(double budget) {
       std::fflush(stdout);
     }
   }
-}
-
-std::string fixed(double value, const char* format) {
-  char text[32];
-  std::snprintf(text, sizeof text, format, value);
-  return text;
 }
 
 // One attention of a published model, as its core (B, H, T, D) computes it.

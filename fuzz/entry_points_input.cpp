@@ -326,6 +326,16 @@ const char* name_of(Modifiers modifiers) {
   return names[static_cast<int>(modifiers)];
 }
 
+// The block mask a case sets (SDPAOptions::block_mask), the last built
+// for other sizes than the call's.
+enum class BlockMaskKind { none, documents, prefix_lm, per_head_predicate, causal, wrong_size };
+
+const char* name_of(BlockMaskKind kind) {
+  static const char* const names[] = {"none",   "documents",      "prefix-LM", "per-head predicate",
+                                      "causal", "of another size"};
+  return names[static_cast<int>(kind)];
+}
+
 struct FunctionCase {
   std::vector<int64_t> leading; // the query's; with enable_gqa the last are its heads
   int64_t kv_heads = 0;         // with enable_gqa (0: as many as the query)
@@ -339,6 +349,7 @@ struct FunctionCase {
   bool requires_grad = false;
   uint8_t seed = 0;
   Modifiers modifiers = Modifiers::none;
+  BlockMaskKind block_mask = BlockMaskKind::none;
 
   // The query heads, one entry each of the modifiers' tensors.
   int64_t heads() const { return leading.empty() ? 1 : leading.back(); }
@@ -365,7 +376,8 @@ struct FunctionCase {
         << ", dropout_p " << options.dropout_p() << ", training " << options.training()
         << ", need_weights " << options.need_weights() << ", backend "
         << (options.backend() ? backend_name(*options.backend()) : "chosen") << ", requires_grad "
-        << requires_grad << ", seed " << int{seed} << ", modifiers " << name_of(modifiers);
+        << requires_grad << ", seed " << int{seed} << ", modifiers " << name_of(modifiers)
+        << ", block mask " << name_of(block_mask);
     return out.str();
   }
 };
@@ -430,10 +442,46 @@ FunctionCase decode_function_case(Bytes& bytes) {
       {Modifiers::none, Modifiers::none, Modifiers::none, Modifiers::alibi, Modifiers::softcap,
        Modifiers::t5_table, Modifiers::sinks, Modifiers::all, Modifiers::clipped_table,
        Modifiers::slopes_of_another_length, Modifiers::softcap_zero, Modifiers::sinks_with_nan});
+  c.block_mask = bytes.pick(
+      {BlockMaskKind::none, BlockMaskKind::none, BlockMaskKind::documents, BlockMaskKind::prefix_lm,
+       BlockMaskKind::per_head_predicate, BlockMaskKind::causal, BlockMaskKind::wrong_size});
   if (huge) {
     c.modifiers = Modifiers::none; // tensors of 2^40 heads
+    c.block_mask = BlockMaskKind::none;
   }
   return c;
+}
+
+// Nondecreasing document ids of n positions, a new document at about one
+// position in five.
+torch::Tensor drawn_document_ids(int64_t n, at::Generator& generator) {
+  return (torch::rand({n}, generator) < 0.2).to(torch::kLong).cumsum(0);
+}
+
+// The case's block mask in its options, drawn from `generator`.
+void add_block_mask(FunctionCase& c, at::Generator& generator) {
+  const int64_t H = std::max<int64_t>(c.heads(), 1);
+  attn::MaskPredicate predicate = attn::causal_mask();
+  switch (c.block_mask) {
+    case BlockMaskKind::none: return;
+    case BlockMaskKind::documents:
+      predicate = attn::document_mask(
+          drawn_document_ids(c.L, generator), drawn_document_ids(c.S, generator));
+      break;
+    case BlockMaskKind::prefix_lm:
+    case BlockMaskKind::wrong_size:
+      predicate = attn::prefix_lm_mask(torch::tensor({int64_t{c.seed} % (c.S + 1)}));
+      break;
+    case BlockMaskKind::per_head_predicate:
+      predicate = attn::MaskPredicate(
+          [](int64_t, int64_t h, int64_t i, int64_t j) { return (i + 2 * j + h) % 3 != 0; });
+      break;
+    case BlockMaskKind::causal: break;
+  }
+  const bool wrong = c.block_mask == BlockMaskKind::wrong_size;
+  c.options.block_mask(attn::block_mask(
+      predicate, 1, c.block_mask == BlockMaskKind::per_head_predicate ? H : 1, c.L,
+      c.S + (wrong ? 1 : 0)));
 }
 
 // The case's score modifiers in its options, drawn from `generator`.
@@ -735,6 +783,7 @@ void run_function(Bytes& bytes) {
   const auto mask = make_mask(c, generator);
   c.options.attn_mask(mask);
   add_modifiers(c, generator);
+  add_block_mask(c, generator);
   const bool differentiable = c.requires_grad && torch::isFloatingType(c.dtype) &&
       c.key_dtype == c.dtype;
   if (differentiable) {

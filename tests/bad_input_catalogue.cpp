@@ -2,6 +2,7 @@
 
 #include "test_support.h"
 
+#include <attn/block_mask.h>
 #include <attn/device.h>
 #include <attn/functional.h>
 #include <attn/interop.h>
@@ -399,6 +400,199 @@ std::vector<BadInput> scaled_dot_product_attention_module_cases() {
              torch::ones({6, 4}, torch::kBool));
        },
        "attn_mask must be broadcastable to the scores' shape (..., L, S) = [2, 4, 6], got [6, 4]"},
+  };
+}
+
+std::vector<BadInput> block_mask_cases() {
+  torch::manual_seed(31);
+  const auto q = torch::randn({2, 4, 6, 8});
+  const auto ids = torch::tensor({0, 0, 1, 1, 1, 2});
+  const auto documents = attn::document_mask(ids);
+  const auto sdpa = [=](const SDPAOptions& options) {
+    return output_of(attn::scaled_dot_product_attention(q, q, q, options));
+  };
+  return {
+      {"window ≤ 0", [] { attn::sliding_window_mask(0); },
+       "sliding_window_mask: window must be positive, got 0"},
+      {"document ids not integers", [] { attn::document_mask(torch::ones({6})); },
+       "document_mask: document_ids must hold integers, got Float"},
+      {"document ids of 3 dims",
+       [] {
+         attn::document_mask(torch::zeros({1, 2, 6}, torch::kLong));
+       },
+       "document_mask: document_ids must be (T) or (B, T), got [1, 2, 6]"},
+      {"document ids not grouped",
+       [] {
+         attn::document_mask(torch::tensor({0, 1, 0}));
+       },
+       "document_ids must be nondecreasing along each row (each document's tokens together), got a "
+       "decrease at row 0, position 2"},
+      {"query and key document ids of different rows",
+       [] {
+         attn::document_mask(torch::zeros({2, 6}, torch::kLong), torch::zeros({6}, torch::kLong));
+       },
+       "document_mask: the query and key document ids must have as many rows, got 2 and 1"},
+      {"document ids of another length than the mask's",
+       [=] { attn::block_mask(documents, 1, 1, 5, 6); },
+       "block_mask: the document ids hold 6 query and 6 key positions, but the mask is for 5 "
+       "queries and 6 keys"},
+      {"document ids of another batch than the mask's",
+       [] {
+         attn::block_mask(attn::document_mask(torch::zeros({2, 6}, torch::kLong)), 3, 1, 6, 6);
+       },
+       "block_mask: the document ids have 2 rows, expected 1 or batch = 3"},
+      {"prefix length < 0",
+       [] {
+         attn::prefix_lm_mask(torch::tensor({3, -1}));
+       },
+       "prefix_lm_mask: prefix_lengths must be at least 0, got -1"},
+      {"prefix lengths of 2 dims",
+       [] {
+         attn::prefix_lm_mask(torch::zeros({2, 2}, torch::kLong));
+       },
+       "prefix_lm_mask: prefix_lengths must be (B) or (1), got [2, 2]"},
+      {"an empty user predicate", [] { attn::MaskPredicate(attn::MaskPredicate::Function()); },
+       "MaskPredicate: the function must not be empty"},
+      {"a user predicate that throws",
+       [] {
+         attn::block_mask(
+             attn::MaskPredicate([](int64_t, int64_t, int64_t i, int64_t) -> bool {
+               if (i == 3) {
+                 throw std::runtime_error("no query 3");
+               }
+               return true;
+             }),
+             1, 1, 6, 6);
+       },
+       "block_mask: the mask predicate threw: no query 3"},
+      {"block mask of batch 0", [=] { attn::block_mask(documents, 0, 1, 6, 6); },
+       "block_mask: batch and heads must be positive and the lengths at least 0, got (0, 1, 6, 6)"},
+      {"block mask built for other sizes than the call's",
+       [=] { sdpa(SDPAOptions().block_mask(attn::block_mask(documents, 1, 3, 6, 6))); },
+       "scaled_dot_product_attention: block_mask was built for scores (batch, heads, L, S) = (1, 3, "
+       "6, 6), but the call's are (2, 4, 6, 6) (a batch or heads of 1 serves any)"},
+      {"a block mask's band and is_causal with a window",
+       [=] {
+         sdpa(SDPAOptions()
+                  .block_mask(attn::block_mask(attn::causal_mask(), 1, 1, 6, 6))
+                  .is_causal(true)
+                  .window(2));
+       },
+       "block_mask holds a causal band (window 0, 0: none) and is_causal, window and query_offset "
+       "set another: set it in one place"},
+      {"a block mask of batch and heads 1 for any call: the dense mask's results",
+       [=] {
+         const auto mask = attn::block_mask(documents, 1, 1, 6, 6);
+         EXPECT_CLOSE(
+             sdpa(SDPAOptions().block_mask(mask)), sdpa(SDPAOptions().attn_mask(mask.to_dense())),
+             Tolerance{1e-6});
+       },
+       ""},
+      {"a block mask and is_causal alike",
+       [=] {
+         const auto mask = attn::block_mask(attn::causal_mask() & documents, 1, 1, 6, 6);
+         EXPECT_CLOSE(
+             sdpa(SDPAOptions().block_mask(mask).is_causal(true)),
+             sdpa(SDPAOptions().block_mask(mask)), Tolerance{1e-6});
+       },
+       ""},
+      {"a block mask of L = S = 0",
+       [] {
+         const auto empty = torch::randn({1, 0, 8});
+         const auto mask = attn::block_mask(attn::causal_mask(), 1, 1, 0, 0);
+         EXPECT_EQ(
+             output_of(attn::scaled_dot_product_attention(
+                           empty, empty, empty, SDPAOptions().block_mask(mask)))
+                 .sizes(),
+             torch::IntArrayRef({1, 0, 8}));
+       },
+       ""},
+  };
+}
+
+std::vector<BadInput> varlen_attention_cases() {
+  torch::manual_seed(32);
+  const auto q = torch::randn({10, 4, 8});
+  const auto kv = torch::randn({12, 2, 8});
+  const auto starts = torch::tensor({0, 4, 10});
+  const auto packed = [=](const attn::PackedSequences& sequences, const SDPAOptions& options = {}) {
+    return attn::varlen_attention(q, q, q, sequences, options);
+  };
+  return {
+      {"query of 2 dims",
+       [=] { attn::varlen_attention(q[0], q, q, attn::PackedSequences(starts)); },
+       "varlen_attention: query (total_q, H, E), key (total_k, Hkv, E) and value (total_k, Hkv, "
+       "Ev) must have 3 dims, got query [4, 8], key [10, 4, 8], value [10, 4, 8]"},
+      {"key heads not dividing the query's",
+       [=] {
+         attn::varlen_attention(
+             q, torch::randn({10, 3, 8}), torch::randn({10, 3, 8}), attn::PackedSequences(starts));
+       },
+       "varlen_attention: key and value must have the same heads Hkv, dividing the query's H, got "
+       "query [10, 4, 8], key [10, 3, 8], value [10, 3, 8]"},
+      {"sequence starts not from 0",
+       [=] {
+         packed(attn::PackedSequences(torch::tensor({1, 10})));
+       },
+       "varlen_attention: cu_seqlens_q must start at 0, got 1"},
+      {"sequence starts decreasing",
+       [=] {
+         packed(attn::PackedSequences(torch::tensor({0, 6, 4, 10})));
+       },
+       "varlen_attention: cu_seqlens_q must be nondecreasing, got 6 then 4 at index 2"},
+      {"sequence starts ending elsewhere than the total",
+       [=] {
+         packed(attn::PackedSequences(torch::tensor({0, 4, 9})));
+       },
+       "varlen_attention: cu_seqlens_q must end at the total length 10, got 9"},
+      {"sequence starts not integers",
+       [=] {
+         packed(attn::PackedSequences(torch::tensor({0.0, 10.0})));
+       },
+       "varlen_attention: cu_seqlens_q must hold integers, got Float"},
+      {"sequence starts of 2 dims",
+       [=] {
+         packed(attn::PackedSequences(torch::zeros({2, 2}, torch::kLong)));
+       },
+       "varlen_attention: cu_seqlens_q must be (N + 1) for N sequences, got [2, 2]"},
+      {"query and key starts of different counts",
+       [=] {
+         packed(attn::PackedSequences(starts, torch::tensor({0, 10})));
+       },
+       "varlen_attention: cu_seqlens_q and cu_seqlens_k must count as many sequences, got 2 and 1"},
+      {"a sequence longer than the stated maximum",
+       [=] { packed(attn::PackedSequences(starts).max_seqlen_k(5)); },
+       "varlen_attention: sequence 1 is 6 long by cu_seqlens_k, longer than the stated maximum 5"},
+      {"an attn_mask",
+       [=] {
+         packed(
+             attn::PackedSequences(starts),
+             SDPAOptions().attn_mask(torch::ones({10, 10}, torch::kBool)));
+       },
+       "varlen_attention: takes no attn_mask or block_mask: the sequences are the mask"},
+      {"a query_offset",
+       [=] { packed(attn::PackedSequences(starts), SDPAOptions().query_offset(1)); },
+       "varlen_attention: takes no query_offset (each sequence is aligned at its bottom-right corner), got 1"},
+      {"need_weights",
+       [=] { packed(attn::PackedSequences(starts), SDPAOptions().need_weights(true)); },
+       "varlen_attention: returns no weights: set need_weights(false)"},
+      {"ALiBi where queries and keys start apart",
+       [=] {
+         attn::varlen_attention(
+             q, kv, kv, attn::PackedSequences(starts, torch::tensor({0, 5, 12})),
+             SDPAOptions().alibi_slopes(attn::alibi_slopes(4)));
+       },
+       "varlen_attention: alibi_slopes and position_bias need each sequence's queries and keys to "
+       "start together (cu_seqlens_q equal to cu_seqlens_k)"},
+      {"sequences of 0 queries or 0 keys: zero output for queries without keys",
+       [=] {
+         const auto out = attn::varlen_attention(
+             q, kv, kv,
+             attn::PackedSequences(torch::tensor({0, 0, 4, 10}), torch::tensor({0, 5, 5, 12})));
+         EXPECT_TRUE(torch::equal(out.narrow(0, 0, 4), torch::zeros({4, 4, 8})));
+         EXPECT_TRUE(out.narrow(0, 4, 6).abs().sum().item<double>() > 0);
+       },
+       ""},
   };
 }
 

@@ -18,6 +18,14 @@ TEST(BadInputs, ScaledDotProductAttentionModule) {
   expect_catalogued_outcomes(attn::testing::scaled_dot_product_attention_module_cases());
 }
 
+TEST(BadInputs, BlockMask) {
+  expect_catalogued_outcomes(attn::testing::block_mask_cases());
+}
+
+TEST(BadInputs, VarlenAttention) {
+  expect_catalogued_outcomes(attn::testing::varlen_attention_cases());
+}
+
 TEST(BadInputs, MultiHeadAttentionConstruction) {
   expect_catalogued_outcomes(attn::testing::multi_head_attention_construction_cases());
 }

@@ -4,6 +4,7 @@
 /// The whole attn API: `#include <attn/attn.h>`.
 
 #include <attn/backend.h>
+#include <attn/block_mask.h>
 #include <attn/device.h>
 #include <attn/functional.h>
 #include <attn/interop.h>

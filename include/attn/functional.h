@@ -39,6 +39,37 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& value,
     const SDPAOptions& options = {});
 
+/// Attention over packed sequences (FlashAttention-2's variable-length
+/// form): query `(total_q, H, E)`, key `(total_k, Hkv, E)` and value
+/// `(total_k, Hkv, Ev)` hold the sequences one after the other, as
+/// `sequences` delimits them; sequence n's queries attend to its own keys
+/// only, and no padding is computed. `Hkv` must divide `H` (grouped-query
+/// heads, no copy). Returns `(total_q, H, Ev)`, differentiable in query,
+/// key, value and the score modifiers' tensors.
+///
+/// From `options`: `is_causal` and `window` apply within each sequence,
+/// aligned at its bottom-right corner where its query and key lengths
+/// differ (query i of a sequence of L queries and S keys stands at key
+/// position i + S - L); scale, dropout, soft cap, sinks, a score function
+/// (whose i and j are packed indices) and a backend (attn's; `libtorch`
+/// takes no block mask). ALiBi and a
+/// relative-position table need each sequence's queries and keys to start
+/// together (equal `cu_seqlens_q` and `cu_seqlens_k`). attn_mask,
+/// block_mask, query_offset and need_weights are refused.
+///
+/// Example: three documents of 3, 2 and 1 tokens, causal within each.
+/// ```
+/// const auto starts = torch::tensor({0, 3, 5, 6}, torch::kLong);
+/// auto out = attn::varlen_attention(
+///     q, k, v, attn::PackedSequences(starts), attn::SDPAOptions().is_causal(true));
+/// ```
+torch::Tensor varlen_attention(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const PackedSequences& sequences,
+    const SDPAOptions& options = {});
+
 /// The backend that `attn::scaled_dot_product_attention(query, key, value,
 /// options)` runs, under the current grad mode. Throws the `c10::Error` that
 /// call would throw for invalid arguments, including a requested

@@ -5,6 +5,7 @@
 /// `torch::nn`: every field is a chainable `TORCH_ARG` with a default.
 
 #include <attn/backend.h>
+#include <attn/block_mask.h>
 
 #include <torch/arg.h>
 #include <torch/types.h>
@@ -92,6 +93,13 @@ struct SDPAOptions {
   /// the pairs that *may attend* with `true`; a floating mask (same dtype as
   /// the query) is added to the scaled scores, `-inf` forbidding a pair.
   TORCH_ARG(torch::Tensor, attn_mask) = {};
+  /// A mask built once from a predicate (`attn::block_mask`), for scores of
+  /// its sizes: the fused CPU kernels skip its empty blocks and test no
+  /// element of its full ones. Combines with `attn_mask`, `is_causal` and
+  /// `window` (a pair must pass all of them); its own causal band, where
+  /// it has one, must then be theirs. LibTorch's kernel takes none; the
+  /// math path reads it as a dense mask. Undefined: none.
+  TORCH_ARG(BlockMask, block_mask);
   /// Query `i` attends only to keys `j <= i + query_offset` (aligned at the
   /// top-left corner when `L != S` and `query_offset` is 0). Combines with
   /// `attn_mask` and `window`: a pair must pass all of them.
@@ -161,6 +169,29 @@ struct SDPAOptions {
   /// soft cap and before the biases and the mask, on the fused CPU kernel
   /// forward and backward. Null: none.
   TORCH_ARG(std::shared_ptr<const ScoreFunction>, score_function) = nullptr;
+};
+
+/// Where the sequences of a packed batch start (`attn::varlen_attention`):
+/// sequence n holds queries `[cu_seqlens_q[n], cu_seqlens_q[n + 1])` and
+/// keys `[cu_seqlens_k[n], cu_seqlens_k[n + 1])`. Each is `(N + 1)` of
+/// integers, 0 first, nondecreasing, the total length last.
+///
+/// Example: `attn::PackedSequences(torch::tensor({0, 3, 5, 6}))`.
+struct PackedSequences {
+  /// Self-attention: the queries and keys of each sequence start together.
+  explicit PackedSequences(torch::Tensor cu_seqlens);
+  /// Queries and keys of each sequence apart (cross-attention, or keys
+  /// that a cache holds before the queries).
+  PackedSequences(torch::Tensor cu_seqlens_q, torch::Tensor cu_seqlens_k);
+
+  /// The queries' sequence starts `(N + 1)`.
+  TORCH_ARG(torch::Tensor, cu_seqlens_q);
+  /// The keys' sequence starts `(N + 1)`.
+  TORCH_ARG(torch::Tensor, cu_seqlens_k);
+  /// The longest sequence of queries and of keys allowed: a longer one is
+  /// an error. Unset: any.
+  TORCH_ARG(c10::optional<int64_t>, max_seqlen_q) = c10::nullopt;
+  TORCH_ARG(c10::optional<int64_t>, max_seqlen_k) = c10::nullopt;
 };
 
 /// Construction options of the module `attn::ScaledDotProductAttention`:

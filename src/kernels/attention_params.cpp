@@ -21,6 +21,9 @@ QkvHeads heads_of_projection(const torch::Tensor& qkv) {
 
 void AttentionParams::save_settings_to(torch::autograd::AutogradContext& ctx) const {
   ctx.saved_data["mask"] = mask;
+  ctx.saved_data["block_kinds"] = blocks.kinds;
+  ctx.saved_data["block_tile_of"] = blocks.tile_of;
+  ctx.saved_data["block_tiles"] = blocks.tiles;
   ctx.saved_data["scale"] = scale;
   ctx.saved_data["causal"] = causal;
   ctx.saved_data["query_offset"] = query_offset;
@@ -37,6 +40,9 @@ void AttentionParams::save_settings_to(torch::autograd::AutogradContext& ctx) co
 AttentionParams AttentionParams::restore_settings_from(torch::autograd::AutogradContext& ctx) {
   AttentionParams params;
   params.mask = ctx.saved_data.at("mask").toTensor();
+  params.blocks.kinds = ctx.saved_data.at("block_kinds").toTensor();
+  params.blocks.tile_of = ctx.saved_data.at("block_tile_of").toTensor();
+  params.blocks.tiles = ctx.saved_data.at("block_tiles").toTensor();
   params.scale = ctx.saved_data.at("scale").toDouble();
   params.causal = ctx.saved_data.at("causal").toBool();
   params.query_offset = ctx.saved_data.at("query_offset").toInt();

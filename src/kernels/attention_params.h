@@ -67,20 +67,25 @@ struct UserScoreFunction {
   Fn value, derivative;
 };
 
-// Runs `calls` (of a user's score function) and turns what they throw into
-// a c10::Error naming the function.
+// Runs `calls` (of a user's function, `what` in messages) and turns what
+// they throw into a c10::Error "<what> threw: ..."; a c10::Error passes.
 template <typename Calls>
-void calling_score_function(const Calls& calls) {
+void calling_user_function(const char* what, const Calls& calls) {
   try {
     calls();
   } catch (const c10::Error&) {
     throw;
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, "scaled_dot_product_attention: score_function threw: ", error.what());
+    TORCH_CHECK(false, what, " threw: ", error.what());
   } catch (...) {
-    TORCH_CHECK(
-        false, "scaled_dot_product_attention: score_function threw a non-standard exception");
+    TORCH_CHECK(false, what, " threw a non-standard exception");
   }
+}
+
+// Runs `calls` of a user's score function (calling_user_function).
+template <typename Calls>
+void calling_score_function(const Calls& calls) {
+  calling_user_function("scaled_dot_product_attention: score_function", calls);
 }
 
 // What changes the scaled scores besides the mask (the score modifiers of
@@ -101,6 +106,29 @@ struct ScoreModifiers {
   bool active() const {
     return softcap > 0.0 || offset_bias.defined() || sinks.defined() || user != nullptr;
   }
+};
+
+// Which blocks of the scores a mask leaves visible, so that the kernels
+// skip what no query of a block sees and test no element where every pair
+// of a block may attend. A block is kRows queries (a query tile of the
+// tiled loops, whose kQueryTile equals it) by kCols keys, from (0, 0).
+// `kinds` (Bm, Hm, Qm, ceil(S / kCols)) of uint8 holds a MaskBlockKind per
+// block; Bm is 1 or B, Hm 1 or H, Qm 1 (every query tile alike) or
+// ceil(L / kRows): a dimension of 1 holds for every index. The elements of
+// a partial block are those of `tiles` (n, kRows, kCols) at
+// `tile_of[block]` (int32, kinds' shape, -1 elsewhere) where tiles is
+// defined (a BlockMask's), else those of the request's bool mask.
+enum MaskBlockKind : uint8_t { kEmptyBlock = 0, kFullBlock = 1, kPartialBlock = 2 };
+
+struct MaskBlocks {
+  static constexpr int64_t kRows = 128, kCols = 64;
+  torch::Tensor kinds, tile_of, tiles;
+
+  // The rows of blocks of L queries, and the blocks of S keys.
+  static int64_t query_blocks(int64_t L) { return (L + kRows - 1) / kRows; }
+  static int64_t key_blocks(int64_t S) { return (S + kCols - 1) / kCols; }
+
+  bool defined() const { return kinds.defined(); }
 };
 
 // Queries, keys and values as heads (B, H, ·, ·).
@@ -125,6 +153,10 @@ struct AttentionParams {
   // of qkv's layout, which the projection's backward reads with no copy.
   torch::Tensor qkv;
   torch::Tensor mask;
+  // Where defined, the blocks of the scores that a BlockMask leaves
+  // visible (with tiles of its partial blocks; the mask applies besides),
+  // or those of the bool mask (no tiles). The band applies besides either.
+  MaskBlocks blocks;
   double scale = 1.0;
   // The band of keys each query sees (KeyBand).
   bool causal = false;

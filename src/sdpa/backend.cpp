@@ -124,6 +124,8 @@ std::string libtorch_reason(
     reason << "returns no weights: set need_weights(false)";
   } else if (has_score_modifiers(options)) {
     reason << "has no score modifiers (" << kScoreModifierNames << ")";
+  } else if (options.block_mask().defined()) {
+    reason << "takes no block_mask";
   } else if (mask_needs_grad(options)) {
     reason << "gives the attn_mask no gradient here, and it requires one";
   } else if (query.numel() == 0 || key.numel() == 0 || value.numel() == 0) {

@@ -3,9 +3,11 @@
 #include "kernels/attention_params.h"
 #include "kernels/cpu/batched_attention.h"
 #include "kernels/cpu/fused_attention.h"
+#include "kernels/cpu/mask_blocks.h"
 #include "kernels/cpu/tiled_attention.h"
 #include "runtime/compat.h"
 #include "sdpa/backend.h"
+#include "sdpa/block_mask.h"
 #include "sdpa/masks.h"
 #include "sdpa/math_attention.h"
 #include "sdpa/projection_attention.h"
@@ -172,8 +174,46 @@ detail::AttentionParams attention_params(
   params.query_offset = options.query_offset();
   params.window = std::min(options.window().value_or(0), detail::kUnboundedWindow);
   params.dropout.p = options.training() ? options.dropout_p() : 0.0;
+  if (options.block_mask().defined()) {
+    const auto& block_mask = *options.block_mask().data();
+    if (!block_mask.band_only) {
+      params.blocks = block_mask.blocks;
+    }
+    if (block_mask.band.causal) { // check_block_mask: the options' band, if any, is the same
+      params.causal = true;
+      params.window = block_mask.band.window;
+    }
+  }
   params.modifiers = detail::score_modifiers(
       options, params.H(), params.L(), params.S(), params.q.scalar_type());
+  return params;
+}
+
+// The fused kernel's loops for `params`, and params with the blocks of its
+// bool mask where the tiled loops run: they skip the blocks the mask hides
+// and test no element of those it leaves whole.
+std::pair<detail::FusedLoops, detail::AttentionParams> fused_cpu_request(
+    detail::AttentionParams params) {
+  const auto loops = detail::fused_cpu_loops(params);
+  if (loops == detail::FusedLoops::tiled && params.mask.defined() &&
+      params.mask.scalar_type() == torch::kBool && !params.blocks.defined()) {
+    params.blocks = detail::blocks_of_bool_mask(params.mask);
+  }
+  return {loops, std::move(params)};
+}
+
+// params for the math path, which reads every mask as one tensor: a block
+// mask's pairs (blocks and band) join the mask, expanded to (B, H, L, S).
+detail::AttentionParams with_dense_block_mask(
+    detail::AttentionParams params,
+    const SDPAOptions& options) {
+  if (!options.block_mask().defined()) {
+    return params;
+  }
+  const auto dense = options.block_mask().to_dense().to(params.q.device());
+  params.mask = detail::intersect_masks({params.mask, dense}, params.q.scalar_type())
+                    .expand({params.B(), params.H(), params.L(), params.S()});
+  params.blocks = {};
   return params;
 }
 
@@ -184,8 +224,10 @@ std::tuple<torch::Tensor, torch::Tensor> run_attn_backend(
     const detail::AttentionParams& params,
     bool need_weights) {
   switch (backend) {
-    case AttentionBackend::fused_cpu:
-      return {detail::fused_attention(detail::fused_cpu_loops(params), params), torch::Tensor()};
+    case AttentionBackend::fused_cpu: {
+      const auto [loops, request] = fused_cpu_request(params);
+      return {detail::fused_attention(loops, request), torch::Tensor()};
+    }
     case AttentionBackend::fused_cpu_weights: {
       const auto result = detail::tiled_forward_with_weights(params);
       return {result.out, need_weights ? result.weights : torch::Tensor()};
@@ -280,6 +322,9 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
   if (backend == AttentionBackend::fused_cpu && params.dropout.active()) {
     params.dropout.seed = next_dropout_seed();
   }
+  if (backend == AttentionBackend::math) {
+    params = with_dense_block_mask(std::move(params), options);
+  }
   const auto [output, weights] = run_attn_backend(backend, params, options.need_weights());
   const auto dtype = query.scalar_type();
   return {
@@ -300,6 +345,7 @@ AttentionBackend select_backend(
   check_attn_mask(query, key, options.attn_mask());
   check_option_values(options);
   detail::check_score_modifiers(kSdpaCaller, query, options);
+  detail::check_block_mask(kSdpaCaller, query, key, options);
   const auto& requested = options.backend();
   if (!requested) {
     return detail::choose_backend(query, key, value, options);

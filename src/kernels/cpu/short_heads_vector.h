@@ -172,7 +172,7 @@ ATTN_INLINE void scale_and_mask(
   for (int c = 0; c < C; ++c) {
     x[c] *= call.scale;
   }
-  if (call.mask.allowed != nullptr || call.mask.bias != nullptr) {
+  if (call.mask.tests_elements()) {
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       store(row + c * kLanes, x[c]);

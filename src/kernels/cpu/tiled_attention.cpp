@@ -22,6 +22,8 @@
 namespace attn::detail {
 namespace {
 
+static_assert(kQueryTile == MaskBlocks::kRows, "a query tile is a row of mask blocks");
+
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
@@ -306,8 +308,12 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
         const auto k_t_head = in.k_t_heads.head(b, h / in.group);
         const auto v_head = in.v_heads.head(b, h / in.group);
         const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
-        for (int64_t j0 = in.mask.tile_key_begin(tile.i0); j0 < key_end; j0 += in.key_block) {
-          const int64_t cols = std::min(in.key_block, key_end - j0);
+        const auto next_keys = [&](int64_t from) {
+          return in.mask.next_keys(tile.b, tile.h, tile.i0, from, key_end, in.key_block);
+        };
+        for (auto keys = next_keys(in.mask.tile_key_begin(tile.i0)); keys.begin < keys.end;
+             keys = next_keys(keys.end)) {
+          const int64_t j0 = keys.begin, cols = keys.end - keys.begin;
           const auto block = scratch.scores.matrix.row_block(0, rows).column_block(0, cols);
           const auto k_t_block = k_t_head.column_block(j0, cols);
           const auto& keys_of = scratch.bands.keys_of_query_block;
@@ -663,11 +669,11 @@ void flash_backward(
   const auto make_scratch = [&] { return backward_scratch(in); };
 
   // Each task writes its tiles' rows of dQ with their first key block and
-  // adds the others'. With one query tile per head, every row of dK and dV
-  // gets at most one share, which it writes; with more, the task zeroes
-  // its rows first and adds each tile's share. (Zeroing all three took 6 %
-  // of the step at T = 128.)
-  const bool one_query_tile = in.L > 0 && in.L <= kQueryTile;
+  // adds the others'. With one query tile per head and no blocks to skip,
+  // every row of dK and dV gets at most one share, which it writes; else
+  // the task zeroes its rows first and adds each tile's share. (Zeroing
+  // all three took 6 % of the step at T = 128.)
+  const bool writes_key_rows = in.L > 0 && in.L <= kQueryTile && in.mask.blocks.kinds == nullptr;
   // Five GEMMs of L·S·D per head.
   const double flops_per_task = 10.0 * in.L * in.S * in.q.size(3) / static_cast<double>(splits);
   parallel_units(
@@ -683,7 +689,7 @@ void flash_backward(
             zero_matrix(t.dv.head(b, h).row_block(first, last - first));
           }
         };
-        if (!one_query_tile) {
+        if (!writes_key_rows) {
           zero_key_rows(keys_begin, keys_end);
         }
         for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
@@ -692,11 +698,15 @@ void flash_backward(
           const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
           const int64_t end = std::max(
               begin, std::min(keys_end, in.mask.tile_key_end(i0, tile.rows)));
-          if (one_query_tile) { // the keys no query sees
+          const auto next_keys = [&](int64_t from) {
+            return in.mask.next_keys(b, h, i0, from, end, in.key_block);
+          };
+          const IndexRange first = next_keys(begin);
+          if (writes_key_rows) { // the keys no query sees
             zero_key_rows(keys_begin, begin);
             zero_key_rows(end, keys_end);
           }
-          if (begin == end) { // a tile that sees none of these keys
+          if (first.begin == first.end) { // a tile that sees none of these keys
             zero_matrix(dq_tile);
             continue;
           }
@@ -706,9 +716,10 @@ void flash_backward(
               compact_rows(t.grad_out.head(b, h).row_block(i0, tile.rows), scratch.grad_out_rows),
               dq_tile};
           fill_row_deltas(t, tile, scratch.delta);
-          for (int64_t j0 = begin; j0 < end; j0 += in.key_block) {
-            const GradientBetas betas{j0 == begin ? 0.0 : 1.0, one_query_tile ? 0.0 : 1.0};
-            backward_block(in, t, scratch, query_tile, j0, std::min(in.key_block, end - j0), betas);
+          for (auto keys = first; keys.begin < keys.end; keys = next_keys(keys.end)) {
+            const GradientBetas betas{
+                keys.begin == first.begin ? 0.0 : 1.0, writes_key_rows ? 0.0 : 1.0};
+            backward_block(in, t, scratch, query_tile, keys.begin, keys.end - keys.begin, betas);
           }
         }
       });
