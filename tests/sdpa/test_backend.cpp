@@ -7,6 +7,7 @@
 #include "kernels/cpu/fused_attention.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
+#include "runtime/compat.h"
 #include "sdpa/backend.h"
 
 #include <attn/attn.h>
@@ -414,6 +415,48 @@ TEST(BackendSelection, AMaskThatNeedsAGradientTakesTheFusedKernelOrWithWeightsTh
   params.k = in.k;
   params.v = in.v;
   params.mask = bias.expand({in.q.size(0), in.q.size(1), 40, 40});
+  EXPECT_EQ(attn::detail::fused_cpu_loops(params), attn::detail::FusedLoops::tiled);
+}
+
+// A block mask runs on attn's CPU kernels, as the rules choose them for
+// its request, and never on LibTorch's, which takes none; a bool mask's
+// blocks are skipped by the tiled loops, where it runs.
+TEST(BackendSelection, ABlockMaskTakesAttnsKernelsNeverLibTorchs) {
+  const int64_t T = 512;
+  const auto ids = torch::arange(T).div(100, "floor");
+  const auto mask = attn::block_mask(attn::document_mask(ids), 1, 1, T, T);
+  const auto options = SDPAOptions().block_mask(mask);
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    const auto make = [&](bool grad) {
+      return torch::randn({2, 8, T, 64}).to(dtype).requires_grad_(grad);
+    };
+    const auto q = make(true), k = make(true), v = make(true);
+    const auto frozen = make(false);
+    EXPECT_EQ(select_backend(q, k, v, options), AttentionBackend::fused_cpu) << dtype;
+    EXPECT_EQ(select_backend(frozen, frozen, frozen, options), AttentionBackend::fused_cpu)
+        << dtype;
+    EXPECT_EQ(
+        select_backend(frozen, frozen, frozen, SDPAOptions(options).need_weights(true)),
+        AttentionBackend::fused_cpu_weights)
+        << dtype;
+    EXPECT_EQ(
+        select_backend(q, k, v, SDPAOptions(options).need_weights(true)),
+        AttentionBackend::batched_cpu)
+        << dtype;
+    EXPECT_ATTN_ERROR(
+        select_backend(q, k, v, SDPAOptions(options).backend(AttentionBackend::libtorch)),
+        attn::detail::kHasNativeAttention
+            ? "backend libtorch was requested, but it takes no block_mask"
+            : "backend libtorch was requested, but it needs LibTorch 2.0");
+  }
+  // Key padding as a bool mask: the fused kernel's tiled loops.
+  const auto in = torch::randn({2, 8, T, 64});
+  const auto padding = (torch::arange(T) < 400).view({1, 1, 1, T});
+  EXPECT_EQ(
+      select_backend(in, in, in, SDPAOptions().attn_mask(padding)), AttentionBackend::fused_cpu);
+  auto params = attn::detail::AttentionParams();
+  params.q = params.k = params.v = in;
+  params.mask = padding.expand({2, 8, T, T});
   EXPECT_EQ(attn::detail::fused_cpu_loops(params), attn::detail::FusedLoops::tiled);
 }
 
