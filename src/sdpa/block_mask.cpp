@@ -82,8 +82,7 @@ class DocumentNode final : public MaskPredicateNode {
   void allows_row(int64_t b, int64_t /*h*/, int64_t i, int64_t j0, int64_t j1, uint8_t* out)
       const override {
     const int64_t own = query_id(b, i);
-    const int64_t* keys = key_ids_.data_ptr<int64_t>() +
-        (key_ids_.size(0) == 1 ? 0 : b) * key_ids_.size(1);
+    const int64_t* keys = row_of(key_ids_, b);
     for (int64_t j = j0; j < j1; ++j) {
       out[j - j0] = keys[j] == own ? 1 : 0;
     }
@@ -102,11 +101,11 @@ class DocumentNode final : public MaskPredicateNode {
   bool depends_on_batch() const override { return query_ids_.size(0) > 1; }
 
  private:
-  int64_t query_id(int64_t b, int64_t i) const { return id(query_ids_, b, i); }
-  int64_t key_id(int64_t b, int64_t j) const { return id(key_ids_, b, j); }
-  static int64_t id(const torch::Tensor& ids, int64_t b, int64_t i) {
-    const int64_t row = ids.size(0) == 1 ? 0 : b;
-    return ids.data_ptr<int64_t>()[row * ids.size(1) + i];
+  int64_t query_id(int64_t b, int64_t i) const { return row_of(query_ids_, b)[i]; }
+  int64_t key_id(int64_t b, int64_t j) const { return row_of(key_ids_, b)[j]; }
+  // Batch row b's ids (the one row where there is one).
+  static const int64_t* row_of(const torch::Tensor& ids, int64_t b) {
+    return ids.data_ptr<int64_t>() + (ids.size(0) == 1 ? 0 : b) * ids.size(1);
   }
 
   torch::Tensor query_ids_, key_ids_;
@@ -283,8 +282,7 @@ struct SplitPredicate {
 // elements of its partial blocks, one MaskBlocks::kRows × MaskBlocks::kCols tile each.
 struct BlockRow {
   std::vector<uint8_t> kinds;
-  std::vector<bool> partial; // per block: whether it owns the next tile
-  std::vector<uint8_t> tiles;
+  std::vector<uint8_t> tiles; // one per partial block, in order
 };
 
 // The tested kind of a block the predicate leaves undecided, its
@@ -313,7 +311,6 @@ BlockRow block_row(
   const int64_t key_blocks = MaskBlocks::key_blocks(S);
   BlockRow row;
   row.kinds.resize(key_blocks);
-  row.partial.resize(key_blocks);
   std::vector<uint8_t> tile(MaskBlocks::kRows * MaskBlocks::kCols);
   for (int64_t block = 0; block < key_blocks; ++block) {
     const int64_t j0 = block * MaskBlocks::kCols;
@@ -324,7 +321,6 @@ BlockRow block_row(
       kind = test_pairs(predicate, pairs, tile.data());
     }
     row.kinds[block] = kind;
-    row.partial[block] = kind == kPartialBlock;
     if (kind == kPartialBlock) {
       row.tiles.insert(row.tiles.end(), tile.begin(), tile.end());
     }
@@ -349,7 +345,7 @@ MaskBlocks assemble(const std::vector<BlockRow>& rows, at::IntArrayRef sizes) {
   for (const auto& row : rows) {
     for (size_t block = 0; block < row.kinds.size(); ++block, ++offset) {
       kinds[offset] = row.kinds[block];
-      if (row.partial[block]) {
+      if (row.kinds[block] == kPartialBlock) {
         tile_of[offset] = static_cast<int32_t>(next++);
       }
     }

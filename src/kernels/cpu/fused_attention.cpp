@@ -146,6 +146,18 @@ void run_backward(
   }
 }
 
+// `grads` writing the gradients of q, k and v into dq, dk and dv.
+InputGradients with_input_gradients(
+    InputGradients grads,
+    const torch::Tensor& dq,
+    const torch::Tensor& dk,
+    const torch::Tensor& dv) {
+  grads.dq = dq;
+  grads.dk = dk;
+  grads.dv = dv;
+  return grads;
+}
+
 // The gradient of params.qkv (B, L, 3, H, D), in qkv's layout; the scores'
 // gradients that `score_grads` defines are written into it. Where few
 // query tiles accumulate into each key row, the loops write the three
@@ -158,22 +170,20 @@ torch::Tensor projection_gradient(
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
-    InputGradients score_grads) {
+    const InputGradients& score_grads) {
   TORCH_INTERNAL_ASSERT(params.group() == 1, "the heads of one projection are as many for Q, K, V");
   if (query_tiles(params.L()) <= kMaxQueryTilesInPlace) {
     auto grad = torch::empty_like(params.qkv);
     const auto heads = heads_of_projection(grad);
-    score_grads.dq = heads.q;
-    score_grads.dk = heads.k;
-    score_grads.dv = heads.v;
-    run_backward(loops, params, forward, grad_out, score_grads);
+    run_backward(
+        loops, params, forward, grad_out,
+        with_input_gradients(score_grads, heads.q, heads.k, heads.v));
     return grad;
   }
   const auto fresh = input_gradients(params);
-  score_grads.dq = fresh.dq;
-  score_grads.dk = fresh.dk;
-  score_grads.dv = fresh.dv;
-  run_backward(loops, params, forward, grad_out, score_grads);
+  run_backward(
+      loops, params, forward, grad_out,
+      with_input_gradients(score_grads, fresh.dq, fresh.dk, fresh.dv));
   return torch::stack(
       {fresh.dq.transpose(1, 2), fresh.dk.transpose(1, 2), fresh.dv.transpose(1, 2)}, 2);
 }
