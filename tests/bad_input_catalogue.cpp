@@ -596,6 +596,96 @@ std::vector<BadInput> varlen_attention_cases() {
   };
 }
 
+// attn::MultiHeadAttention (E = 16, H = 4) on packed input: x (2, 6, 16)
+// with document ids, one row x1 (1, 6, 16) with sequence starts.
+std::vector<BadInput> packed_multi_head_attention_cases() {
+  torch::manual_seed(33);
+  MultiHeadAttention mha(MultiHeadAttentionOptions(16, 4));
+  MultiHeadAttention bias_kv(MultiHeadAttentionOptions(16, 4).add_bias_kv(true));
+  const auto x = torch::randn({2, 6, 16});
+  const auto x1 = torch::randn({1, 6, 16});
+  const auto ids = torch::tensor({{0, 0, 1, 1, 1, 2}, {0, 0, 0, 0, 1, 1}});
+  const auto starts = torch::tensor({0, 2, 6});
+  using Options = MultiHeadAttentionForwardOptions;
+  return {
+      {"document_ids and cu_seqlens together",
+       [=]() mutable { mha(x1, x1, x1, Options().document_ids(ids[0]).cu_seqlens(starts)); },
+       "MultiHeadAttention: give the packing as document_ids or as cu_seqlens, not both"},
+      {"document_ids with keys of another length",
+       [=]() mutable { mha(x, x.narrow(1, 0, 5), x.narrow(1, 0, 5), Options().document_ids(ids)); },
+       "MultiHeadAttention: document_ids pack self-attention: key and value must be as long as "
+       "the query (6 tokens), got 5"},
+      {"document_ids of another length",
+       [=]() mutable { mha(x, x, x, Options().document_ids(ids.narrow(1, 0, 5))); },
+       "MultiHeadAttention: document_ids must be (T) = (6) or (B, T) = (2, 6), got [2, 5]"},
+      {"document_ids not integers",
+       [=]() mutable { mha(x, x, x, Options().document_ids(ids.to(torch::kFloat))); },
+       "MultiHeadAttention: document_ids must hold integers, got Float"},
+      {"document_ids not grouped",
+       [=]() mutable {
+         mha(x, x, x, Options().document_ids(torch::tensor({0, 1, 0, 1, 2, 2})));
+       },
+       "document_mask: document_ids must be nondecreasing along each row (each document's tokens "
+       "together), got a decrease at row 0, position 2"},
+      {"document_ids with add_bias_kv",
+       [=]() mutable { bias_kv(x, x, x, Options().document_ids(ids)); },
+       "MultiHeadAttention: document_ids take no add_bias_kv or add_zero_attn (their extra keys "
+       "belong to no document)"},
+      {"document_ids with a kv_cache",
+       [=]() mutable {
+         torch::NoGradGuard no_grad;
+         KVCache cache;
+         mha(x, x, x, Options().document_ids(ids).kv_cache(&cache));
+       },
+       "MultiHeadAttention: document_ids take no kv_cache (a cache holds sequences: give their "
+       "cu_seqlens)"},
+      {"cu_seqlens for two rows", [=]() mutable { mha(x, x, x, Options().cu_seqlens(starts)); },
+       "MultiHeadAttention: cu_seqlens pack sequences into one row: the query must be (1, total, "
+       "E) (batch-first), got 2 rows"},
+      {"cu_seqlens ending elsewhere than the row",
+       [=]() mutable {
+         mha(x1, x1, x1, Options().cu_seqlens(torch::tensor({0, 2, 5})));
+       },
+       "MultiHeadAttention: cu_seqlens must end at the total length 6, got 5"},
+      {"cu_seqlens with a kv_cache and a mask",
+       [=]() mutable {
+         torch::NoGradGuard no_grad;
+         KVCache cache;
+         mha(x1, x1, x1,
+             Options().cu_seqlens(starts).kv_cache(&cache).key_padding_mask(
+                 torch::zeros({1, 6}, torch::kBool)));
+       },
+       "MultiHeadAttention: cu_seqlens with a kv_cache take no attn_mask, key_padding_mask or "
+       "need_weights (the sequences are the mask, and no padding is computed)"},
+      {"cu_seqlens counting other sequences than the kv_cache",
+       [=]() mutable {
+         torch::NoGradGuard no_grad;
+         KVCache cache;
+         mha(x1, x1, x1, Options().cu_seqlens(starts).kv_cache(&cache));
+         mha(x1, x1, x1, Options().cu_seqlens(torch::tensor({0, 1, 2, 6})).kv_cache(&cache));
+       },
+       "MultiHeadAttention: cu_seqlens must count the kv_cache's 2 sequences, got 3"},
+      {"a ragged kv_cache decoding another batch",
+       [=]() mutable {
+         torch::NoGradGuard no_grad;
+         KVCache cache;
+         mha(x1, x1, x1, Options().cu_seqlens(starts).kv_cache(&cache));
+         const auto token = torch::randn({3, 1, 16});
+         mha(token, token, token, Options().kv_cache(&cache));
+       },
+       "MultiHeadAttention: the kv_cache holds 2 sequences, got a batch of 3"},
+      {"packed documents, one of a single token, causal: each attends to itself",
+       [=]() mutable {
+         const auto [out, none] = mha(
+             x1, x1, x1, Options().cu_seqlens(torch::tensor({0, 1, 6})).is_causal(true));
+         const auto [alone, unused] = mha(
+             x1.narrow(1, 0, 1), x1.narrow(1, 0, 1), x1.narrow(1, 0, 1));
+         EXPECT_CLOSE(out.narrow(1, 0, 1), alone, kFloat32Tolerance);
+       },
+       ""},
+  };
+}
+
 std::vector<BadInput> multi_head_attention_construction_cases() {
   const auto make = [](const MultiHeadAttentionOptions& options) {
     MultiHeadAttention mha(options);

@@ -30,6 +30,7 @@ std::vector<BadInput> scaled_dot_product_attention_cases();
 std::vector<BadInput> scaled_dot_product_attention_module_cases();
 std::vector<BadInput> block_mask_cases();
 std::vector<BadInput> varlen_attention_cases();
+std::vector<BadInput> packed_multi_head_attention_cases();
 std::vector<BadInput> multi_head_attention_construction_cases();
 std::vector<BadInput> multi_head_attention_forward_cases();
 std::vector<BadInput> multi_head_attention_function_cases();

@@ -19,6 +19,11 @@
 #                         one-process model, which evaluates it alike. With
 #                         HALF, a parallel run resumed at HALF ends as the
 #                         uninterrupted one.
+#   CASE=packing          the short run with --lengths padded and with
+#                         --lengths packed: the loss falls in both, their
+#                         first losses agree to the printed digit (the same
+#                         strings and weights), and each reports its share
+#                         of padding.
 #   CASE=help             --help: exit code 0 and every flag listed.
 #   EXPECTED_ERROR set    exit code 2 and that text on a one-line stderr.
 # ARGS are passed to every run; files go to the working directory.
@@ -168,6 +173,21 @@ elseif(CASE STREQUAL "builtin")
     fail("the first losses differ:\n  attn:    ${attn_first}\n  builtin: ${first}")
   endif()
   message(STATUS "attn:    ${attn_first}\nbuiltin: ${first}\nbuiltin: ${last}")
+elseif(CASE STREQUAL "packing")
+  foreach(layout padded packed)
+    train(--lengths ${layout})
+    expect_success("the run with --lengths ${layout}")
+    expect_loss_falls()
+    if(NOT out MATCHES "\nStrings of 2 to [0-9]+ digits, ${layout}: [0-9.]+ % of the positions computed were padding")
+      fail("the run with --lengths ${layout} reports no padding share:\n${out}")
+    endif()
+    set(${layout}_first "${first}")
+    set(${layout}_loss "${first_loss}")
+  endforeach()
+  if(NOT packed_loss STREQUAL padded_loss)
+    fail("the first losses differ:\n  padded: ${padded_first}\n  packed: ${first}")
+  endif()
+  message(STATUS "padded: ${padded_first}\npacked: ${first}\npacked: ${last}")
 elseif(CASE STREQUAL "resume")
   set(resumed ${PREFIX}resumed.pt)
   set(straight ${PREFIX}straight.pt)
@@ -256,7 +276,7 @@ elseif(CASE STREQUAL "help")
   train(--help)
   expect_success("--help")
   foreach(flag device steps seed digits batch eval-every checkpoint resume tensor-parallel
-      attention dropout)
+      attention dropout modifier lengths)
     if(NOT out MATCHES "\n  --${flag} ")
       fail("--help does not list --${flag}:\n${out}")
     endif()

@@ -26,6 +26,10 @@ TEST(BadInputs, VarlenAttention) {
   expect_catalogued_outcomes(attn::testing::varlen_attention_cases());
 }
 
+TEST(BadInputs, PackedMultiHeadAttention) {
+  expect_catalogued_outcomes(attn::testing::packed_multi_head_attention_cases());
+}
+
 TEST(BadInputs, MultiHeadAttentionConstruction) {
   expect_catalogued_outcomes(attn::testing::multi_head_attention_construction_cases());
 }

@@ -55,6 +55,23 @@ void add_modifier_option(CLI::App& app, ScoreModifier& modifier) {
       ->default_str("none");
 }
 
+// --lengths fixed|padded|packed.
+void add_lengths_option(CLI::App& app, Lengths& lengths) {
+  std::map<std::string, Lengths> kinds;
+  std::vector<std::string> names;
+  for (const auto kind : {Lengths::kFixed, Lengths::kPadded, Lengths::kPacked}) {
+    kinds[lengths_name(kind)] = kind;
+    names.emplace_back(lengths_name(kind));
+  }
+  app.add_option_function<std::string>(
+         "--lengths", [&lengths, kinds](const std::string& name) { lengths = kinds.at(name); },
+         "training strings: fixed (--digits each),\nor of 2 to --digits digits, padded (a row\n"
+         "each, padded to the longest) or packed\n(rows of documents, positions restarting)")
+      ->type_name("L")
+      ->check(CLI::IsMember(names).description(""))
+      ->default_str("fixed");
+}
+
 void add_attention_option(CLI::App& app, AttentionKind& attention) {
   const std::map<std::string, AttentionKind> kinds = {
       {attention_name(AttentionKind::kAttn), AttentionKind::kAttn},
@@ -105,6 +122,7 @@ void add_options(CLI::App& app, TrainArguments& arguments) {
   apps::add_fraction_option(
       app, "--dropout", arguments.dropout, "attention dropout while training");
   add_modifier_option(app, arguments.modifier);
+  add_lengths_option(app, arguments.lengths);
 }
 
 // What the flags cannot do together, beyond what CLI11 checks.
@@ -120,6 +138,11 @@ void check_combination(const TrainArguments& arguments) {
         "--modifier {} runs on attn::MultiHeadAttention on one process only: expected "
         "--attention attn without --tensor-parallel",
         score_modifier_name(arguments.modifier)));
+  }
+  if (arguments.lengths == Lengths::kPacked && arguments.attention == AttentionKind::kBuiltin) {
+    throw apps::UsageError(
+        "--lengths packed attends within documents on attn::MultiHeadAttention only: expected "
+        "--attention attn, got builtin");
   }
 }
 

@@ -5,6 +5,7 @@
 // apps::UsageError.
 
 #include "model.h"
+#include "reversal_task.h"
 
 #include <cstdint>
 #include <optional>
@@ -37,6 +38,8 @@ struct TrainArguments {
   double dropout = 0.0;
   /// What every attention layer adds to its scores.
   ScoreModifier modifier = ScoreModifier::kNone;
+  /// The training strings' lengths and their layout in rows.
+  Lengths lengths = Lengths::kFixed;
 };
 
 /// Parses and checks `argv`. Returns nothing, having printed the help,

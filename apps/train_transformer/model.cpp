@@ -105,16 +105,25 @@ DecoderBlockImpl::DecoderBlockImpl(
           torch::nn::Linear(config.feed_forward_width, d_model)));
 }
 
-torch::Tensor DecoderBlockImpl::forward(const torch::Tensor& x, attn::KVCache* cache) {
-  const auto h = x + attend(attention_norm_(x), cache);
+torch::Tensor DecoderBlockImpl::forward(
+    const torch::Tensor& x,
+    attn::KVCache* cache,
+    const torch::Tensor& document_ids) {
+  const auto h = x + attend(attention_norm_(x), cache, document_ids);
   return h + feed_forward_->forward(feed_forward_norm_(h));
 }
 
-torch::Tensor DecoderBlockImpl::attend(const torch::Tensor& normed, attn::KVCache* cache) {
+torch::Tensor DecoderBlockImpl::attend(
+    const torch::Tensor& normed,
+    attn::KVCache* cache,
+    const torch::Tensor& document_ids) {
   wait_for_device(normed);
   const auto started = std::chrono::steady_clock::now();
+  TORCH_CHECK(
+      !builtin_attention_ || !document_ids.defined(),
+      "DecoderBlock: torch::nn::MultiheadAttention takes no packed documents");
   auto attended = builtin_attention_ ? attend_with_builtin(normed, cache)
-                                     : attend_with_attn(normed, cache);
+                                     : attend_with_attn(normed, cache, document_ids);
   wait_for_device(attended);
   attention_forward_seconds_ +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -123,11 +132,13 @@ torch::Tensor DecoderBlockImpl::attend(const torch::Tensor& normed, attn::KVCach
 
 torch::Tensor DecoderBlockImpl::attend_with_attn(
     const torch::Tensor& normed,
-    attn::KVCache* cache) {
+    attn::KVCache* cache,
+    const torch::Tensor& document_ids) {
   // No weights (the default): the fused kernel never materialises (T, T).
   return std::get<0>(attention_.forward<std::tuple<torch::Tensor, torch::Tensor>>(
       normed, normed, normed,
-      attn::MultiHeadAttentionForwardOptions().is_causal(true).kv_cache(cache)));
+      attn::MultiHeadAttentionForwardOptions().is_causal(true).kv_cache(cache).document_ids(
+          document_ids)));
 }
 
 torch::Tensor DecoderBlockImpl::attend_with_builtin(
@@ -175,6 +186,20 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
     x = block->as<DecoderBlock>()->forward(x);
   }
   return head_(final_norm_(x)); // (B, T, V)
+}
+
+torch::Tensor TransformerImpl::forward_rows(
+    const torch::Tensor& tokens,
+    const torch::Tensor& positions,
+    const torch::Tensor& document_ids) {
+  TORCH_CHECK(
+      positions.numel() == 0 || positions.max().item<int64_t>() < config_.max_length,
+      "Transformer: positions below ", config_.max_length, " expected");
+  auto x = token_embedding_(tokens) + position_embedding_(positions);
+  for (const auto& block : *blocks_) {
+    x = block->as<DecoderBlock>()->forward(x, nullptr, document_ids);
+  }
+  return head_(final_norm_(x)); // (R, T, V)
 }
 
 double TransformerImpl::attention_forward_seconds() const {

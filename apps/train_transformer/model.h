@@ -77,8 +77,13 @@ class DecoderBlockImpl : public torch::nn::Module {
 
   /// (B, T, E) -> (B, T, E); position t sees positions 0..t only. With a
   /// cache, x holds the tokens after the cached ones, which it also sees
+  /// (AttentionKind::kAttn only). With `document_ids` (B, T), each
+  /// position sees only the earlier ones of its own document
   /// (AttentionKind::kAttn only).
-  torch::Tensor forward(const torch::Tensor& x, attn::KVCache* cache = nullptr);
+  torch::Tensor forward(
+      const torch::Tensor& x,
+      attn::KVCache* cache = nullptr,
+      const torch::Tensor& document_ids = {});
 
   /// Wall time spent in the attention module's forward so far, on CUDA
   /// with the device synchronised around it.
@@ -87,8 +92,14 @@ class DecoderBlockImpl : public torch::nn::Module {
  private:
   // Causal self-attention of `normed` (B, T, E) by whichever module the
   // block holds, timed.
-  torch::Tensor attend(const torch::Tensor& normed, attn::KVCache* cache);
-  torch::Tensor attend_with_attn(const torch::Tensor& normed, attn::KVCache* cache);
+  torch::Tensor attend(
+      const torch::Tensor& normed,
+      attn::KVCache* cache,
+      const torch::Tensor& document_ids);
+  torch::Tensor attend_with_attn(
+      const torch::Tensor& normed,
+      attn::KVCache* cache,
+      const torch::Tensor& document_ids);
   // The built-in takes (T, B, E) and a float mask, and no cache.
   torch::Tensor attend_with_builtin(const torch::Tensor& normed, const attn::KVCache* cache);
 
@@ -110,6 +121,15 @@ class TransformerImpl : public torch::nn::Module {
 
   /// Token ids (B, T), T <= max_length -> next-token logits (B, T, V).
   torch::Tensor forward(const torch::Tensor& tokens);
+
+  /// Rows of several strings or padded ones: token ids (R, T) at
+  /// `positions` (R, T), each below max_length; with `document_ids`
+  /// (R, T), rows packing several documents, each attending to its own
+  /// (AttentionKind::kAttn only). Next-token logits (R, T, V).
+  torch::Tensor forward_rows(
+      const torch::Tensor& tokens,
+      const torch::Tensor& positions,
+      const torch::Tensor& document_ids = {});
 
   /// Incremental decoding: `tokens` (B, T) continue the sequence whose
   /// keys and values `caches` (one per block, created on the first call)

@@ -255,8 +255,12 @@ void Trainer::train() {
     ++step_;
     const auto started = Clock::now();
     const auto attention_before = model_->attention_forward_seconds();
-    window_.loss += train_step();
+    const auto result = train_step();
+    window_.loss += result.loss.item<double>();
+    window_.tokens += result.tokens;
     ++window_.steps;
+    training_tokens_ += result.tokens;
+    computed_positions_ += result.positions;
     const auto step_seconds = seconds_since(started);
     window_.seconds += step_seconds;
     training_seconds_ += step_seconds;
@@ -269,20 +273,36 @@ void Trainer::train() {
   }
 }
 
-double Trainer::train_step() {
+Trainer::StepResult Trainer::step_loss() {
+  const auto seed = batch_seed(arguments_.seed, step_);
+  if (arguments_.lengths == Lengths::kFixed) {
+    const auto batch = task_.batch(arguments_.batch, seed, Split::kTraining);
+    const auto logits = task_.answer_logits(model_(batch.inputs.to(device_)));
+    const auto loss = torch::nn::functional::cross_entropy(
+        logits.flatten(0, 1), batch.targets.to(device_).flatten());
+    return {loss, batch.inputs.numel(), batch.inputs.numel()};
+  }
+  const auto rows = task_.rows(arguments_.batch, seed, arguments_.lengths);
+  const auto document_ids = rows.document_ids.defined() ? rows.document_ids.to(device_)
+                                                        : torch::Tensor();
+  const auto logits = model_->forward_rows(
+      rows.inputs.to(device_), rows.positions.to(device_), document_ids);
+  const auto loss = torch::nn::functional::cross_entropy(
+      logits.flatten(0, 1), rows.targets.to(device_).flatten(),
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(ReversalTask::kIgnored));
+  return {loss, rows.tokens, rows.inputs.numel()};
+}
+
+Trainer::StepResult Trainer::train_step() {
   for (auto& group : optimizer_.param_groups()) {
     group.options().set_lr(learning_rate(step_));
   }
-  const auto batch = task_.batch(
-      arguments_.batch, batch_seed(arguments_.seed, step_), Split::kTraining);
-  const auto logits = task_.answer_logits(model_(batch.inputs.to(device_)));
-  const auto loss = torch::nn::functional::cross_entropy(
-      logits.flatten(0, 1), batch.targets.to(device_).flatten());
+  auto result = step_loss();
   optimizer_.zero_grad();
-  loss.backward();
+  result.loss.backward();
   parallelism_.clip_gradients(*model_, kMaxGradientNorm);
   optimizer_.step();
-  return loss.item<double>();
+  return result;
 }
 
 bool Trainer::is_milestone() const {
@@ -304,11 +324,7 @@ std::string Trainer::status() const {
   return fmt::format(
       "step {:>{}}/{}  loss {:.4f}  accuracy {:6.2f} %  {:>6.0f} tokens/s", step_, step_width,
       arguments_.steps, window_.loss / window_.steps, 100.0 * evaluation_.token_accuracy,
-      tokens_per_step() * window_.steps / window_.seconds);
-}
-
-int64_t Trainer::tokens_per_step() const {
-  return arguments_.batch * task_.input_length();
+      static_cast<double>(window_.tokens) / window_.seconds);
 }
 
 void Trainer::print_results() {
@@ -325,7 +341,14 @@ void Trainer::print_training_time() {
   const auto trained_steps = step_ - first_step_ + 1;
   progress_.line(fmt::format(
       "Trained steps {} to {} in {:.1f} s ({:.0f} tokens/s)", first_step_, step_, training_seconds_,
-      tokens_per_step() * trained_steps / training_seconds_));
+      static_cast<double>(training_tokens_) / training_seconds_));
+  if (arguments_.lengths != Lengths::kFixed) {
+    progress_.line(fmt::format(
+        "Strings of {} to {} digits, {}: {:.1f} % of the positions computed were padding",
+        ReversalTask::kMinDigits, arguments_.digits, lengths_name(arguments_.lengths),
+        100.0 * static_cast<double>(computed_positions_ - training_tokens_) /
+            static_cast<double>(computed_positions_)));
+  }
   progress_.line(fmt::format(
       "{:.2f} steps/s; attention forward: {:.1f} % of the step's time (the attention modules' "
       "forward only: their backward is not timed)",

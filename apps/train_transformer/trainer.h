@@ -48,7 +48,15 @@ class Trainer {
   struct Window {
     double loss = 0.0;
     int64_t steps = 0;
+    int64_t tokens = 0;
     double seconds = 0.0;
+  };
+
+  // One step's loss, the strings' tokens it trained on and the positions
+  // it computed (the tokens and any padding).
+  struct StepResult {
+    torch::Tensor loss;
+    int64_t tokens, positions;
   };
 
   struct Milestone {
@@ -56,8 +64,11 @@ class Trainer {
     double training_seconds;
   };
 
-  /// One optimizer step on a fresh batch; returns its loss.
-  double train_step();
+  /// One optimizer step on a fresh batch.
+  StepResult train_step();
+  /// The step's loss, on strings of --digits or of the lengths --lengths
+  /// draws.
+  StepResult step_loss();
   bool is_milestone() const;
   /// Evaluates, saves the checkpoint if asked, and reports.
   void reach_milestone();
@@ -67,7 +78,6 @@ class Trainer {
   /// Loads the checkpoint of the whole model and takes this rank's share.
   void load_whole_checkpoint();
   std::string status() const;
-  int64_t tokens_per_step() const;
   void print_training_time();
   void print_decoding();
 
@@ -86,6 +96,8 @@ class Trainer {
   int64_t first_step_ = 1;
   Window window_;
   double training_seconds_ = 0.0;
+  /// The strings' tokens trained on, and the positions computed for them.
+  int64_t training_tokens_ = 0, computed_positions_ = 0;
   /// The part of training_seconds_ spent in the attention modules' forward.
   double attention_forward_seconds_ = 0.0;
   Evaluation evaluation_{};

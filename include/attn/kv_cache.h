@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 namespace attn {
 
@@ -14,9 +15,9 @@ namespace attn {
 /// key/value head, so that each decoding step projects only its new tokens.
 /// `attn::MultiHeadAttention` appends to it when one is passed in
 /// `MultiHeadAttentionForwardOptions::kv_cache`; it is meant for
-/// self-attention, where each call's keys are the new tokens' own. Every
-/// sequence of a batch advances together: positions (for causal masking and
-/// rotary embeddings) are the cache's length, the same for all of them.
+/// self-attention, where each call's keys are the new tokens' own. Each
+/// sequence's new tokens stand after its cached ones: positions (for causal
+/// masking and rotary embeddings) start at its length.
 ///
 /// The first `append` fixes the batch size, heads, feature sizes, dtype and
 /// device until `reset()`; later appends must match them. Without a
@@ -24,6 +25,12 @@ namespace attn {
 /// once, for that many tokens, and an append that would exceed it fails.
 /// The cache holds inference state: appending tensors that require grad
 /// while grad mode is on is an error (decode under `torch::NoGradGuard`).
+///
+/// Prompts of different lengths are prefilled packed, with no padding:
+/// `append_packed` (or `MultiHeadAttention` given the prompts' `cu_seqlens`
+/// with the cache) gives each sequence its own length; later appends add
+/// the same number of tokens to each, after its own last one, and
+/// `MultiHeadAttention` masks each sequence's keys beyond its length.
 ///
 /// A cache is not thread-safe: calls that use one cache (an append, or a
 /// `MultiHeadAttention` forward given it) must not overlap. Decode each
@@ -43,6 +50,14 @@ namespace attn {
 ///   std::tie(out, w) = mha(token, token, token, options);
 /// }
 /// ```
+/// Every cached key and value of each sequence, packed one sequence after
+/// the other: `(total, H, D)` and `(total, H, Dv)`, sequence n's tokens
+/// from `cu_seqlens[n]` to `cu_seqlens[n + 1]` (int64, on the CPU), the
+/// form `attn::varlen_attention` takes.
+struct PackedKeysValues {
+  torch::Tensor keys, values, cu_seqlens;
+};
+
 class KVCache {
  public:
   /// A cache that grows on demand.
@@ -64,20 +79,36 @@ class KVCache {
   /// maximum length.
   KVCache clone() const;
 
-  /// Appends keys `(B, H, T, D)` and values `(B, H, T, Dv)` and returns
-  /// every cached key and value, `(B, H, length(), D)` and
-  /// `(B, H, length(), Dv)`: views of the cache's storage, valid until the
-  /// next append or reset.
+  /// Appends keys `(B, H, T, D)` and values `(B, H, T, Dv)` (sequence b's
+  /// T tokens after its own last) and returns every cached key and value,
+  /// `(B, H, length(), D)` and `(B, H, length(), Dv)`: views of the cache's
+  /// storage, valid until the next append or reset.
   std::pair<torch::Tensor, torch::Tensor> append(
       const torch::Tensor& keys,
       const torch::Tensor& values);
 
-  /// Tokens cached so far.
-  int64_t length() const { return length_; }
+  /// Appends packed keys `(total, H, D)` and values `(total, H, Dv)` of N
+  /// sequences, sequence n's from `cu_seqlens[n]` to `cu_seqlens[n + 1]`
+  /// (N + 1 integers, 0 first, nondecreasing, `total` last), each after
+  /// its own last token; the first append fixes B = N. Returns every
+  /// cached key and value of each sequence, packed (a copy).
+  PackedKeysValues append_packed(
+      const torch::Tensor& keys,
+      const torch::Tensor& values,
+      const torch::Tensor& cu_seqlens);
+
+  /// Tokens cached so far: the longest sequence's where they differ.
+  int64_t length() const;
+  /// Tokens cached so far in each sequence (B of them; none before the
+  /// first append and after `reset()`).
+  const std::vector<int64_t>& lengths() const { return lengths_; }
+  /// Whether the sequences hold different numbers of tokens.
+  bool ragged() const;
   /// The maximum length given at construction; 0 when it grows on demand.
   int64_t max_length() const { return max_length_; }
   /// The cached keys `(B, H, length(), D)`; undefined before the first
-  /// append, empty after `reset()`.
+  /// append, empty after `reset()`. Beyond a sequence's own length it holds
+  /// zeros or earlier tokens, which attention must mask.
   torch::Tensor keys() const;
   /// The cached values `(B, H, length(), Dv)`; undefined before the first
   /// append, empty after `reset()`.
@@ -88,8 +119,16 @@ class KVCache {
   void reset();
 
  private:
+  // Storage for `needed` tokens per sequence shaped like `keys` and
+  // `values` ((B, H, ·, F) sizes), keeping the cached tokens.
+  void reserve(
+      torch::IntArrayRef key_sizes,
+      torch::IntArrayRef value_sizes,
+      const torch::TensorOptions& options,
+      int64_t needed);
+
   torch::Tensor keys_, values_; // storage (B, H, capacity, ·)
-  int64_t length_ = 0;
+  std::vector<int64_t> lengths_;
   int64_t max_length_ = 0;
 };
 

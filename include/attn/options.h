@@ -316,13 +316,32 @@ struct MultiHeadAttentionForwardOptions {
   /// positions of its own; with `is_causal`, to its last `window` keys. See
   /// `SDPAOptions::window`. Unset: no window.
   TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
+  /// Packed documents in each row of a self-attention call (key and value
+  /// as long as the query): `(T)` or `(B, T)` integer ids of each token's
+  /// document, nondecreasing along each row. A query attends only to keys
+  /// of its own document (`is_causal` and `window` apply within it),
+  /// rotary positions restart at 0 at each document, and the masks apply
+  /// besides. Blocks between documents are skipped, not masked
+  /// (`attn::document_mask`). Takes no `kv_cache` (see `cu_seqlens`).
+  TORCH_ARG(torch::Tensor, document_ids) = {};
+  /// Packed sequences in one row (the query `(1, total, E)`, batch-first):
+  /// `(N + 1)` integer starts of N sequences, 0 first, nondecreasing,
+  /// `total` last (FlashAttention's `cu_seqlens`). Without a `kv_cache`, as
+  /// `document_ids` of one row. With one, the prompts of a ragged batch:
+  /// sequence n is the cache's sequence n, its tokens appended after its
+  /// own cached ones and attending to them (`is_causal` aligned at each
+  /// sequence's end), positions starting at its length; the call computes
+  /// no padding (`attn::varlen_attention`) and takes no masks or weights.
+  TORCH_ARG(torch::Tensor, cu_seqlens) = {};
 
  public:
   /// Incremental decoding: the call's keys and values are appended to this
   /// cache and the queries attend to every cached token, standing after
-  /// them (for `is_causal`, `window` and rotary positions). Not owned; null:
-  /// no cache. Masks then cover all cached keys: `(B, S_total)` and
-  /// `(L, S_total)`.
+  /// them (for `is_causal`, `window` and rotary positions), each sequence
+  /// after its own where their lengths differ (`KVCache::lengths()`; keys
+  /// beyond a sequence's length are masked). Not owned; null: no cache.
+  /// Masks then cover all cached keys: `(B, S_total)` and `(L, S_total)`,
+  /// S_total the longest sequence's length after the call.
   MultiHeadAttentionForwardOptions& kv_cache(KVCache* cache) {
     kv_cache_ = cache;
     return *this;

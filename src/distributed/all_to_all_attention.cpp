@@ -9,6 +9,7 @@
 #include "distributed/collectives.h"
 #include "distributed/context_parallel_inputs.h"
 
+#include <attn/block_mask.h>
 #include <attn/functional.h>
 
 #include <torch/torch.h>
@@ -121,6 +122,9 @@ torch::Tensor attend_whole_sequence(
                      .backend(AttentionBackend::fused_cpu);
   if (inputs.window > 0) {
     options.window(inputs.window);
+  }
+  if (const auto& ids = inputs.document_ids; ids.defined()) {
+    options.block_mask(block_mask(document_mask(ids), ids.size(0), 1, query.size(2), key.size(2)));
   }
   return std::get<0>(scaled_dot_product_attention(query, key, value, options));
 }

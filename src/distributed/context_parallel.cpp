@@ -3,6 +3,8 @@
 
 #include <attn/distributed/context_parallel.h>
 
+#include <attn/block_mask.h>
+
 #include "distributed/collectives.h"
 #include "distributed/context_parallel_inputs.h"
 #include "sdpa/masks.h"
@@ -109,6 +111,23 @@ torch::Tensor allowed_keys(const ContextParallelOptions& options, const torch::T
   return padding.logical_not().to(torch::kByte).contiguous();
 }
 
+// The whole sequence's document ids as (1 or B, T) int64, checked, or
+// undefined.
+torch::Tensor document_ids(const ContextParallelOptions& options, const torch::Tensor& query) {
+  const auto& ids = options.document_ids();
+  if (!ids.defined()) {
+    return {};
+  }
+  const int64_t B = query.size(0), T = options.sharding().length();
+  TORCH_CHECK(
+      (ids.dim() == 1 && ids.size(0) == T) ||
+          (ids.dim() == 2 && ids.size(0) == B && ids.size(1) == T),
+      kContextParallelAttentionCaller, ": document_ids must be the whole sequence's, (T) = (", T,
+      ") or (B, T) = (", B, ", ", T, "), got ", ids.sizes());
+  (void)document_mask(ids); // checks the values: integers, nondecreasing
+  return (ids.dim() == 1 ? ids.unsqueeze(0) : ids).to(torch::kCPU, torch::kLong).contiguous();
+}
+
 // This rank's inputs, checked, in the dtype they are computed in.
 detail::ContextParallelInputs checked_inputs(
     const torch::Tensor& query,
@@ -130,7 +149,8 @@ detail::ContextParallelInputs checked_inputs(
       options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(3)))),
       options.is_causal(),
       std::min(options.window().value_or(0), attn::detail::kUnboundedWindow),
-      options.query_offset()};
+      options.query_offset(),
+      document_ids(options, query)};
 }
 
 constexpr const char* kAgreed =
@@ -157,6 +177,15 @@ std::vector<int64_t> agreement(const c10::optional<detail::ContextParallelInputs
       {static_cast<int64_t>(inputs->query.scalar_type()), inputs->allowed_keys.defined() ? 1 : 0,
        sharding.length(), static_cast<int64_t>(sharding.layout()), inputs->causal ? 1 : 0,
        inputs->window, inputs->query_offset, scale_bits});
+  // The documents: their count of boundaries (-1: none given) and their
+  // ids' sum stand for them.
+  const auto& ids = inputs->document_ids;
+  const int64_t boundaries = !ids.defined() ? -1
+      : ids.size(1) > 1 ? (ids.narrow(1, 1, ids.size(1) - 1) != ids.narrow(1, 0, ids.size(1) - 1))
+                              .sum()
+                              .item<int64_t>()
+                        : 0;
+  numbers.insert(numbers.end(), {boundaries, ids.defined() ? ids.sum().item<int64_t>() : 0});
   return numbers;
 }
 

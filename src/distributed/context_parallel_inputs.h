@@ -24,6 +24,7 @@ struct ContextParallelInputs {
   bool causal = false;
   int64_t window = 0; // 0: none; at most detail::kUnboundedWindow
   int64_t query_offset = 0;
+  torch::Tensor document_ids; // (1 or B, T) int64 of the whole sequence; undefined: one document
 };
 
 // The strategies: this rank's output rows (B, H, N, Dv), differentiable.

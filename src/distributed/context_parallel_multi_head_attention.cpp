@@ -8,6 +8,7 @@
 
 #include "distributed/random_state.h"
 #include "modules/multi_head_attention_forward.h"
+#include "modules/sequence_layout.h"
 
 #include <torch/torch.h>
 
@@ -84,13 +85,23 @@ void check_dropout(const MultiHeadAttentionOptions& options, bool training) {
 
 // Queries and keys turned by the rotary embeddings at the positions in the
 // whole sequence of this rank's rows: segment by segment, since the zigzag
-// layout puts two distant stretches of the sequence side by side.
+// layout puts two distant stretches of the sequence side by side. With
+// packed documents, at their positions within their documents.
 ::attn::detail::ProjectedHeads rotate(
     ::attn::detail::ProjectedHeads heads,
     RotaryEmbedding rotary,
-    const SequenceSharding& sharding,
+    const ContextParallelForwardOptions& options,
     int64_t rank) {
   if (!rotary) {
+    return heads;
+  }
+  const auto& sharding = options.sharding();
+  if (options.document_ids().defined()) {
+    const auto whole = ::attn::detail::positions_in_documents(
+        options.document_ids().to(torch::kLong));
+    const auto positions = sharding.shard(whole, whole.dim() - 1, rank);
+    heads.q = rotary->rotate(heads.q, positions.to(heads.q.device()));
+    heads.k = rotary->rotate(heads.k, positions.to(heads.k.device()));
     return heads;
   }
   const auto at_global_positions = [&](const torch::Tensor& x) {
@@ -136,6 +147,7 @@ ContextParallelOptions context_parallel_options(const ContextParallelForwardOpti
       .key_padding_mask(options.key_padding_mask())
       .is_causal(options.is_causal())
       .window(options.window())
+      .document_ids(options.document_ids())
       .strategy(options.strategy());
 }
 
@@ -183,6 +195,7 @@ ContextParallelForwardOptions::ContextParallelForwardOptions(
   key_padding_mask_ = padding;
   is_causal_ = attention_options.is_causal();
   window_ = attention_options.window();
+  document_ids_ = attention_options.document_ids();
 }
 
 ContextParallelMultiHeadAttentionImpl::ContextParallelMultiHeadAttentionImpl(
@@ -231,7 +244,7 @@ std::tuple<torch::Tensor, torch::Tensor> ContextParallelMultiHeadAttentionImpl::
   const bool batch_first = options.batch_first();
   const auto x = batch_first ? x_local : x_local.transpose(0, 1);
   auto heads = ::attn::detail::project_heads(x, x, x, options, parameters);
-  heads = rotate(std::move(heads), rotary, sharding, group_.rank());
+  heads = rotate(std::move(heads), rotary, forward_options, group_.rank());
   const auto attended = context_parallel_attention(
       heads.q, heads.k, heads.v, group_, context_parallel_options(forward_options));
   const auto output = torch::nn::functional::linear(

@@ -6,9 +6,12 @@
 // backward passes the keys and values around again, with the gradients of
 // each block travelling behind it: after W passes they are home.
 
+#include <attn/block_mask.h>
+
 #include "distributed/collectives.h"
 #include "distributed/context_parallel_inputs.h"
 #include "sdpa/backend.h"
+#include "sdpa/block_mask.h"
 #include "sdpa/masks.h"
 
 #include <torch/torch.h>
@@ -87,10 +90,31 @@ Block key_value_block(const ContextParallelInputs& inputs) {
 
 // One kernel call: query rows [q_row, q_row + q_rows) against key rows
 // [k_row, k_row + k_rows) of the block held, with the key at local row
-// k_row standing `query_offset` positions before the query at q_row.
+// k_row standing `query_offset` positions before the query at q_row; the
+// rows start at q_start and k_start in the whole sequence.
 struct SegmentPair {
-  int64_t q_row, q_rows, k_row, k_rows, query_offset;
+  int64_t q_row, q_rows, k_row, k_rows, query_offset, q_start, k_start;
 };
+
+// Whether some row of the batch has a document among the queries
+// [q_start, q_start + q_rows) that is also among the keys [k_start,
+// k_start + k_rows): ids nondecreasing, each range is [first, last].
+bool documents_meet(
+    const torch::Tensor& document_ids,
+    int64_t q_start,
+    int64_t q_rows,
+    int64_t k_start,
+    int64_t k_rows) {
+  const auto ids = document_ids.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < document_ids.size(0); ++b) {
+    const int64_t q_first = ids[b][q_start], q_last = ids[b][q_start + q_rows - 1];
+    const int64_t k_first = ids[b][k_start], k_last = ids[b][k_start + k_rows - 1];
+    if (q_first <= k_last && k_first <= q_last) {
+      return true;
+    }
+  }
+  return false;
+}
 
 // The pairs of this rank's query segments and `key_rank`'s key segments in
 // which some query sees some key, padding (neither attending nor attended
@@ -111,8 +135,11 @@ std::vector<SegmentPair> visible_pairs(
       const KeyBand band{inputs.causal, offset, inputs.window, k_rows};
       // Both bounds grow with the row: no row sees a key when the last
       // row's end is at or before the first row's beginning.
-      if (q_rows > 0 && k_rows > 0 && band.end(q_rows - 1) > band.begin(0)) {
-        pairs.push_back({q_row, q_rows, k_row, k_rows, offset});
+      const bool visible = q_rows > 0 && k_rows > 0 && band.end(q_rows - 1) > band.begin(0);
+      if (visible &&
+          (!inputs.document_ids.defined() ||
+           documents_meet(inputs.document_ids, q_segment.start, q_rows, k_segment.start, k_rows))) {
+        pairs.push_back({q_row, q_rows, k_row, k_rows, offset, q_segment.start, k_segment.start});
       }
       k_row += k_segment.length;
     }
@@ -146,6 +173,11 @@ AttentionParams pair_params(
                       .to(torch::kBool)
                       .view({B, 1, 1, pair.k_rows})
                       .expand({B, H, pair.q_rows, pair.k_rows});
+  }
+  if (const auto& ids = inputs.document_ids; ids.defined()) {
+    const auto documents = document_mask(
+        ids.narrow(1, pair.q_start, pair.q_rows), ids.narrow(1, pair.k_start, pair.k_rows));
+    params.blocks = block_mask(documents, ids.size(0), 1, pair.q_rows, pair.k_rows).data()->blocks;
   }
   return params;
 }
@@ -252,6 +284,7 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
     }
     ctx->save_for_backward({query, key, value, out, lse});
     ctx->saved_data["allowed_keys"] = inputs.allowed_keys;
+    ctx->saved_data["document_ids"] = inputs.document_ids;
     save_settings(ctx, inputs);
     save_group(ctx, group);
     return out;
@@ -322,7 +355,8 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
         data.at("scale").toDouble(),
         data.at("causal").toBool(),
         data.at("window").toInt(),
-        data.at("query_offset").toInt()};
+        data.at("query_offset").toInt(),
+        data.at("document_ids").toTensor()};
   }
 };
 

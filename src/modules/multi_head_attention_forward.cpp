@@ -1,8 +1,10 @@
 #include "modules/multi_head_attention_forward.h"
 
+#include <attn/block_mask.h>
 #include <attn/functional.h>
 #include <attn/kv_cache.h>
 
+#include "modules/sequence_layout.h"
 #include "modules/stacked_projection.h"
 #include "sdpa/masks.h"
 #include "sdpa/projection_attention.h"
@@ -148,15 +150,18 @@ ProjectedHeads split_heads(
       v.view({B, v.size(1), H_kv, D}).transpose(1, 2)};
 }
 
-// Rotary positions start after the `past` cached tokens.
+// Rotary positions: the layout's, or after the `past` cached tokens.
 ProjectedHeads rotate(
     ProjectedHeads heads,
     const MultiHeadAttentionParameters& parameters,
-    int64_t past) {
+    const SequenceLayout& layout) {
   if (parameters.rotary) {
     auto rotary = parameters.rotary; // the module caches its tables: not const
-    heads.q = rotary(heads.q, past);
-    heads.k = rotary(heads.k, past);
+    const auto& positions = layout.positions;
+    heads.q = positions.defined() ? rotary->rotate(heads.q, positions)
+                                  : rotary(heads.q, layout.past);
+    heads.k = positions.defined() ? rotary->rotate(heads.k, positions)
+                                  : rotary(heads.k, layout.past);
     heads.qkv = torch::Tensor();
   }
   return heads;
@@ -206,12 +211,15 @@ SDPAOptions with_score_modifiers(
 // The module's masks as one SDPA mask over (B, H, L, S + extra keys), and
 // the options of the attention call. The appended keys are visible to
 // every query, whatever the causal and window rules say of their
-// positions: with them, those rules become part of the mask.
+// positions: with them, those rules become part of the mask; so they do
+// with a ragged cache, whose sequences' queries stand at their own
+// positions. Packed documents become a block mask.
 SDPAOptions attention_options(
     const MultiHeadAttentionOptions& options,
     const MultiHeadAttentionForwardOptions& forward_options,
     const torch::Tensor& query,
     const MaskShape& shape,
+    const SequenceLayout& layout,
     bool training) {
   const auto [B, H, L, S, past] = shape;
   const auto& attn_mask = forward_options.attn_mask();
@@ -231,19 +239,42 @@ SDPAOptions attention_options(
                           .dropout_p(options.dropout())
                           .training(training)
                           .need_weights(forward_options.need_weights());
+  if (layout.document_ids.defined()) {
+    sdpa_options.block_mask(
+        block_mask(document_mask(layout.document_ids), layout.document_ids.size(0), 1, L, S));
+  }
   const int64_t extra = extra_keys(options);
-  if (extra == 0) {
+  if (extra == 0 && layout.pasts.empty()) {
     return sdpa_options.attn_mask(intersect_masks({per_pair, per_key}, query.scalar_type()));
   }
-  const bool banded = forward_options.is_causal() || forward_options.window();
-  const auto band = banded
-      ? visible_band(
-            L, S, past, forward_options.is_causal(), forward_options.window(), query.device())
-      : torch::Tensor();
+  const bool causal = forward_options.is_causal();
+  const auto& window = forward_options.window();
+  const auto band = !layout.pasts.empty()
+      ? ragged_cache_band(layout.pasts, L, S, causal, window, query.device())
+      : causal || window ? visible_band(L, S, past, causal, window, query.device())
+                         : torch::Tensor();
   auto mask = intersect_masks({per_pair, per_key, band}, query.scalar_type());
   return sdpa_options.is_causal(false)
       .window(c10::nullopt)
-      .attn_mask(mask.defined() ? allow_extra_keys(mask, extra) : mask);
+      .query_offset(0)
+      .attn_mask(mask.defined() && extra > 0 ? allow_extra_keys(mask, extra) : mask);
+}
+
+// Packed sequences appended to the cache (cu_seqlens with a kv_cache): each
+// sequence's queries attend to its cached keys and its own, as
+// varlen_attention packs them, computing no padding. (1, H, L, Dv).
+torch::Tensor attend_packed_to_cache(
+    const ProjectedHeads& heads,
+    KVCache& cache,
+    const SequenceLayout& layout,
+    const SDPAOptions& sdpa_options) {
+  const auto packed = [](const torch::Tensor& t) { return t.squeeze(0).transpose(0, 1); };
+  const auto cached = cache.append_packed(
+      packed(heads.k), packed(heads.v), torch::tensor(layout.starts, torch::kLong));
+  const auto out = varlen_attention(
+      packed(heads.q), cached.keys, cached.values,
+      PackedSequences(torch::tensor(layout.starts, torch::kLong), cached.cu_seqlens), sdpa_options);
+  return out.transpose(0, 1).unsqueeze(0);
 }
 
 } // namespace
@@ -341,22 +372,38 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
   check_device_and_dtype(query, key, value, parameters.q_weight, caller);
   check_window_and_cache(options, forward_options, caller);
   // Everything is checked before the cache changes. Cached tokens stand
-  // before the call's: queries start at position `past`, and the masks
-  // cover S keys, the cached ones and the call's.
+  // before the call's: queries start at position `past` (each sequence's
+  // own in a ragged cache), and the masks cover S keys, the cached ones
+  // and the call's.
   KVCache* cache = forward_options.kv_cache();
-  const int64_t past = cache != nullptr ? cache->length() : 0;
+  const auto layout = sequence_layout(
+      forward_options, inputs.query, inputs.B, inputs.L, inputs.key.size(1), extra_keys(options),
+      caller.name);
   const MaskShape mask_shape{
-      inputs.B, parameters.num_heads, inputs.L, past + inputs.key.size(1), past};
+      inputs.B, parameters.num_heads, inputs.L, layout.past + inputs.key.size(1), layout.past};
   check_masks(forward_options, query, mask_shape, caller);
 
-  auto heads = project_heads(inputs.query, inputs.key, inputs.value, options, parameters);
-  heads = append_keys(rotate(std::move(heads), parameters, past), cache, options, parameters);
-  const auto sdpa_options = with_score_modifiers(
-      attention_options(options, forward_options, query, mask_shape, training), options,
-      parameters);
-  auto [attended, weights] = heads.qkv.defined()
-      ? attention_over_projection(heads.qkv, sdpa_options)
-      : scaled_dot_product_attention(heads.q, heads.k, heads.v, sdpa_options);
+  auto heads = rotate(
+      project_heads(inputs.query, inputs.key, inputs.value, options, parameters), parameters,
+      layout);
+  torch::Tensor attended, weights;
+  if (layout.packs_cache()) {
+    const auto sdpa_options = SDPAOptions()
+                                  .is_causal(forward_options.is_causal())
+                                  .window(forward_options.window())
+                                  .dropout_p(options.dropout())
+                                  .training(training);
+    attended = attend_packed_to_cache(
+        heads, *cache, layout, with_score_modifiers(sdpa_options, options, parameters));
+  } else {
+    heads = append_keys(std::move(heads), cache, options, parameters);
+    const auto sdpa_options = with_score_modifiers(
+        attention_options(options, forward_options, query, mask_shape, layout, training), options,
+        parameters);
+    std::tie(attended, weights) = heads.qkv.defined()
+        ? attention_over_projection(heads.qkv, sdpa_options)
+        : scaled_dot_product_attention(heads.q, heads.k, heads.v, sdpa_options);
+  }
 
   auto output = torch::nn::functional::linear(
       merge_heads(attended, options.batch_first()), parameters.out_weight, parameters.out_bias);

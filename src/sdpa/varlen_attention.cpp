@@ -6,6 +6,7 @@
 #include <attn/functional.h>
 
 #include "sdpa/block_mask.h"
+#include "sdpa/sequence_starts.h"
 
 #include <torch/torch.h>
 
@@ -23,38 +24,6 @@ PackedSequences::PackedSequences(torch::Tensor cu_seqlens_q, torch::Tensor cu_se
 namespace {
 
 constexpr const char* kVarlenCaller = "varlen_attention";
-
-// Sequence starts `name` as int64 on the CPU, checked: (N + 1) integers, 0
-// first, nondecreasing, `total` last, no sequence longer than `longest`.
-std::vector<int64_t> sequence_starts(
-    const torch::Tensor& starts,
-    const char* name,
-    int64_t total,
-    const c10::optional<int64_t>& longest) {
-  TORCH_CHECK(starts.defined(), kVarlenCaller, ": ", name, " must be a defined tensor");
-  TORCH_CHECK(
-      starts.dim() == 1 && starts.numel() >= 1, kVarlenCaller, ": ", name,
-      " must be (N + 1) for N sequences, got ", starts.sizes());
-  detail::check_integers(kVarlenCaller, name, starts);
-  const auto copy = starts.to(torch::kCPU, torch::kLong).contiguous();
-  const std::vector<int64_t> values(
-      copy.data_ptr<int64_t>(), copy.data_ptr<int64_t>() + copy.numel());
-  TORCH_CHECK(
-      values.front() == 0, kVarlenCaller, ": ", name, " must start at 0, got ", values.front());
-  for (size_t n = 1; n < values.size(); ++n) {
-    const int64_t length = values[n] - values[n - 1];
-    TORCH_CHECK(
-        length >= 0, kVarlenCaller, ": ", name, " must be nondecreasing, got ", values[n - 1],
-        " then ", values[n], " at index ", n);
-    TORCH_CHECK(
-        !longest || length <= *longest, kVarlenCaller, ": sequence ", n - 1, " is ", length,
-        " long by ", name, ", longer than the stated maximum ", *longest);
-  }
-  TORCH_CHECK(
-      values.back() == total, kVarlenCaller, ": ", name, " must end at the total length ", total,
-      ", got ", values.back());
-  return values;
-}
 
 // Sequence by sequence: query i of sequence n sees its keys, causal and
 // windowed as KeyBand says with the query at key position
@@ -144,17 +113,6 @@ void check_packed_options(const SDPAOptions& options, bool starts_together) {
       "start together (cu_seqlens_q equal to cu_seqlens_k)");
 }
 
-// Sequence n's index for each of its positions: the document ids of
-// sequence_starts.
-torch::Tensor document_ids(const std::vector<int64_t>& starts) {
-  auto ids = torch::empty({starts.back()}, torch::kLong);
-  auto* data = ids.data_ptr<int64_t>();
-  for (size_t n = 0; n + 1 < starts.size(); ++n) {
-    std::fill(data + starts[n], data + starts[n + 1], static_cast<int64_t>(n));
-  }
-  return ids;
-}
-
 } // namespace
 
 torch::Tensor varlen_attention(
@@ -165,10 +123,10 @@ torch::Tensor varlen_attention(
     const SDPAOptions& options) {
   check_packed_shapes(query, key, value);
   const int64_t total_q = query.size(0), total_k = key.size(0);
-  auto q_starts = sequence_starts(
-      sequences.cu_seqlens_q(), "cu_seqlens_q", total_q, sequences.max_seqlen_q());
-  auto k_starts = sequence_starts(
-      sequences.cu_seqlens_k(), "cu_seqlens_k", total_k, sequences.max_seqlen_k());
+  auto q_starts = detail::sequence_starts(
+      kVarlenCaller, "cu_seqlens_q", sequences.cu_seqlens_q(), total_q, sequences.max_seqlen_q());
+  auto k_starts = detail::sequence_starts(
+      kVarlenCaller, "cu_seqlens_k", sequences.cu_seqlens_k(), total_k, sequences.max_seqlen_k());
   TORCH_CHECK(
       q_starts.size() == k_starts.size(), kVarlenCaller,
       ": cu_seqlens_q and cu_seqlens_k must count as many sequences, got ", q_starts.size() - 1,
@@ -180,7 +138,8 @@ torch::Tensor varlen_attention(
   call.enable_gqa(query.size(1) != key.size(1));
   if (starts_together) {
     // Each sequence's band is the call's own: causal and window as given.
-    call.block_mask(block_mask(document_mask(document_ids(q_starts)), 1, 1, total_q, total_k));
+    call.block_mask(
+        block_mask(document_mask(detail::document_ids_of(q_starts)), 1, 1, total_q, total_k));
   } else {
     const int64_t window = std::min(options.window().value_or(0), detail::kUnboundedWindow);
     call.block_mask(block_mask(

@@ -4,6 +4,7 @@
 // gathered output and gradients are compared with attn's fused attention
 // over the whole sequence in one process.
 
+#include <attn/block_mask.h>
 #include <attn/distributed/context_parallel.h>
 #include <attn/distributed/mappings.h>
 #include <attn/functional.h>
@@ -39,6 +40,7 @@ struct Case {
   int64_t query_offset = 0;
   bool key_padding = false;
   bool second_sequence_all_padding = false; // its queries see no key
+  bool documents = false;                   // packed: document_ids of the whole sequence
   SequenceLayout layout = SequenceLayout::zigzag;
   ContextParallelStrategy strategy = ContextParallelStrategy::ring;
 };
@@ -104,6 +106,21 @@ std::vector<Case> ring_cases() {
     c.value_dim = 6;
     c.is_causal = true;
   });
+  add("causal_documents", [](Case& c) {
+    c.is_causal = true;
+    c.documents = true;
+  });
+  add("documents_key_padding_contiguous", [](Case& c) {
+    c.documents = true;
+    c.key_padding = true;
+    c.layout = SequenceLayout::contiguous;
+  });
+  add("uneven_causal_window_documents", [](Case& c) {
+    c.length = 23;
+    c.is_causal = true;
+    c.window = 4;
+    c.documents = true;
+  });
   add("a_sequence_all_padding", [](Case& c) {
     c.key_padding = true;
     c.second_sequence_all_padding = true;
@@ -132,6 +149,7 @@ std::vector<Case> all_to_all_cases() {
 // The whole problem, drawn alike on every rank.
 struct WholeSequence {
   torch::Tensor query, key, value, padding, grad_out;
+  torch::Tensor document_ids = {}; // (B, T)
 };
 
 WholeSequence draw(const Case& test_case, torch::ScalarType dtype) {
@@ -148,6 +166,11 @@ WholeSequence draw(const Case& test_case, torch::ScalarType dtype) {
   }
   if (test_case.second_sequence_all_padding) {
     whole.padding[1].fill_(true);
+  }
+  if (test_case.documents) {
+    // Row 0: documents of 7 tokens; row 1: one token, then two documents.
+    const auto t = torch::arange(T, torch::kLong);
+    whole.document_ids = torch::stack({t.div(7, "floor"), t.ge(1).to(torch::kLong) + t.ge(15)});
   }
   return whole;
 }
@@ -171,6 +194,10 @@ Result one_process(const Case& test_case, const WholeSequence& whole) {
   if (whole.padding.defined()) {
     options.attn_mask(whole.padding.logical_not().view({whole.padding.size(0), 1, 1, -1}));
   }
+  if (whole.document_ids.defined()) {
+    const int64_t T = test_case.length;
+    options.block_mask(block_mask(document_mask(whole.document_ids), 2, 1, T, T));
+  }
   auto out = std::get<0>(scaled_dot_product_attention(q, k, v, options));
   (out * whole.grad_out).sum().backward();
   return {out.detach(), q.grad(), k.grad(), v.grad()};
@@ -192,6 +219,7 @@ Result context_parallel(const Case& test_case, const WholeSequence& whole) {
   if (whole.padding.defined()) {
     options.key_padding_mask(local(whole.padding, 1));
   }
+  options.document_ids(whole.document_ids); // the whole sequence's
   auto out = dist::context_parallel_attention(q, k, v, group(), options);
   (out * local(whole.grad_out, 2)).sum().backward();
   const auto gathered = [&](const torch::Tensor& part) {
@@ -418,6 +446,18 @@ TEST(ContextParallelErrors, InputsThatDoNotFitTheShardingAreRefused) {
       dist::context_parallel_attention(
           x, x, x, group(), ContextParallelOptions(sharding).window(0)),
       "window must be a positive number of keys, got 0");
+  const int64_t T = sharding.length();
+  EXPECT_ATTN_ERROR(
+      dist::context_parallel_attention(
+          x, x, x, group(),
+          ContextParallelOptions(sharding).document_ids(torch::zeros({8}, torch::kLong))),
+      "document_ids must be the whole sequence's, (T) = (" + std::to_string(T) +
+          ") or (B, T) = (1, " + std::to_string(T) + "), got [8]");
+  EXPECT_ATTN_ERROR(
+      dist::context_parallel_attention(
+          x, x, x, group(),
+          ContextParallelOptions(sharding).document_ids(torch::arange(T, 0, -1, torch::kLong))),
+      "document_ids must be nondecreasing along each row");
   EXPECT_ATTN_ERROR(
       dist::context_parallel_attention(
           x, x, x, group(),

@@ -47,6 +47,8 @@ struct ModuleCase {
   SequenceLayout layout = SequenceLayout::zigzag;
   // The masks given as a MultiHeadAttention call's options, converted.
   bool from_attention_options = false;
+  // Packed: document ids of the whole sequence.
+  bool documents = false;
 };
 
 void PrintTo(const ModuleCase& test_case, std::ostream* stream) {
@@ -95,6 +97,17 @@ std::vector<ModuleCase> cases() {
     c.from_attention_options = true;
   });
   add("window", [](ModuleCase& c) { c.window = 5; });
+  add("causal_rotary_documents", [&](ModuleCase& c) {
+    c.options = rotary;
+    c.is_causal = true;
+    c.documents = true;
+  });
+  add("uneven_rotary_documents_from_attention_options", [&](ModuleCase& c) {
+    c.options = rotary;
+    c.length = 23;
+    c.documents = true;
+    c.from_attention_options = true;
+  });
   add("causal_window_rotary", [&](ModuleCase& c) {
     c.options = rotary;
     c.is_causal = true;
@@ -140,6 +153,7 @@ int64_t sequence_dim(const MultiHeadAttentionOptions& options) {
 // The whole problem, drawn alike on every rank.
 struct ModuleSequence {
   torch::Tensor x, padding, upstream;
+  torch::Tensor document_ids = {}; // (B, T)
 };
 
 ModuleSequence draw_module_sequence(const ModuleCase& test_case, torch::ScalarType dtype) {
@@ -149,6 +163,11 @@ ModuleSequence draw_module_sequence(const ModuleCase& test_case, torch::ScalarTy
   ModuleSequence whole{torch::randn(shape, dtype), {}, torch::randn(shape, dtype)};
   if (test_case.key_padding) {
     whole.padding = torch::rand({B, T}) < 0.3;
+  }
+  if (test_case.documents) {
+    // Row 0: documents of 7 tokens; row 1: one token, then two documents.
+    const auto t = torch::arange(T, torch::kLong);
+    whole.document_ids = torch::stack({t.div(7, "floor"), t.ge(1).to(torch::kLong) + t.ge(15)});
   }
   return whole;
 }
@@ -164,6 +183,7 @@ std::tuple<torch::Tensor, torch::Tensor> one_process(
                            .is_causal(test_case.is_causal)
                            .window(test_case.window)
                            .key_padding_mask(whole.padding)
+                           .document_ids(whole.document_ids)
                            .need_weights(false);
   const auto out = std::get<0>(full(x, x, x, options));
   (out * whole.upstream).sum().backward();
@@ -174,6 +194,7 @@ ContextParallelForwardOptions forward_options(
     const ModuleCase& test_case,
     const SequenceSharding& sharding,
     const torch::Tensor& local_padding,
+    const torch::Tensor& document_ids,
     ContextParallelStrategy strategy) {
   if (test_case.from_attention_options) {
     return ContextParallelForwardOptions(
@@ -181,13 +202,15 @@ ContextParallelForwardOptions forward_options(
                MultiHeadAttentionForwardOptions()
                    .is_causal(test_case.is_causal)
                    .window(test_case.window)
-                   .key_padding_mask(local_padding))
+                   .key_padding_mask(local_padding)
+                   .document_ids(document_ids))
         .strategy(strategy);
   }
   return ContextParallelForwardOptions(sharding)
       .is_causal(test_case.is_causal)
       .window(test_case.window)
       .key_padding_mask(local_padding)
+      .document_ids(document_ids)
       .strategy(strategy);
 }
 
@@ -204,7 +227,8 @@ std::tuple<torch::Tensor, torch::Tensor> context_parallel(
   };
   const auto x = local(whole.x, dim).requires_grad_();
   const auto padding = whole.padding.defined() ? local(whole.padding, 1) : torch::Tensor();
-  const auto [out, weights] = parallel(x, forward_options(test_case, sharding, padding, strategy));
+  const auto [out, weights] = parallel(
+      x, forward_options(test_case, sharding, padding, whole.document_ids, strategy));
   EXPECT_EQ(out.sizes(), x.sizes());
   EXPECT_FALSE(weights.defined());
   (out * local(whole.upstream, dim)).sum().backward();

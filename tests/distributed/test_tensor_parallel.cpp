@@ -41,6 +41,8 @@ struct Case {
   c10::optional<int64_t> window;
   // 0: no attn_mask; 3: (B·H, L, S); 4: (B, H, L, S), with key padding.
   int mask_dims = 0;
+  // Rows packing several documents (document_ids).
+  bool documents = false;
 };
 
 // gtest names a failing case by this instead of its bytes.
@@ -49,9 +51,8 @@ void PrintTo(const Case& test_case, std::ostream* stream) {
 }
 
 Case make_case(std::string name, MultiHeadAttentionOptions options) {
-  return {
-      std::move(name), std::move(options), /*is_causal=*/false, /*window=*/c10::nullopt,
-      /*mask_dims=*/0};
+  return {std::move(name), std::move(options), /*is_causal=*/false, /*window=*/c10::nullopt,
+          /*mask_dims=*/0, /*documents=*/false};
 }
 
 std::vector<Case> cases() {
@@ -65,6 +66,10 @@ std::vector<Case> cases() {
   masked.mask_dims = 4;
   auto masked_flat = make_case("masked_flat_heads", base);
   masked_flat.mask_dims = 3;
+  auto packed_documents = make_case(
+      "packed_documents", MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(8)));
+  packed_documents.is_causal = true;
+  packed_documents.documents = true;
   return {
       make_case("plain", base),
       causal,
@@ -73,6 +78,7 @@ std::vector<Case> cases() {
       masked_flat,
       make_case("grouped_query", MultiHeadAttentionOptions(32, 8).num_kv_heads(2)),
       make_case("rotary", MultiHeadAttentionOptions(32, 4).rotary(RotaryEmbeddingOptions(8))),
+      packed_documents,
       make_case(
           "bias_kv_zero_attn",
           MultiHeadAttentionOptions(32, 4).add_bias_kv(true).add_zero_attn(true))};
@@ -101,6 +107,9 @@ TEST_P(TensorParallelAttention, OutputAndGatheredGradientsMatchOneProcess) {
     forward_options.attn_mask(torch::rand({B, H, L, L}, dtype))
         .key_padding_mask(torch::tensor(
             {{false, false, false, true, true}, {false, false, false, false, false}}));
+  }
+  if (test_case.documents) {
+    forward_options.document_ids(torch::tensor({{0, 0, 1, 1, 1}, {0, 1, 1, 1, 2}}));
   }
   const auto [expected, expected_weights] = full(x, x, x, forward_options);
   const auto [actual, actual_weights] = parallel(

@@ -102,6 +102,39 @@ TEST(KVCache, StorageFromInferenceModeIsReplacedWhenAppendedToOutsideIt) {
   EXPECT_TRUE(torch::equal(keys, k));
 }
 
+TEST(KVCache, PackedAppendsGiveEachSequenceItsOwnLength) {
+  torch::NoGradGuard no_grad;
+  KVCache cache;
+  const auto k = torch::randn({9, 2, 4}), v = torch::randn({9, 2, 3}); // (total, H, ·)
+  const auto packed = cache.append_packed(k, v, torch::tensor({0, 6, 6, 9}));
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{6, 0, 3}));
+  EXPECT_TRUE(cache.ragged());
+  EXPECT_EQ(cache.length(), 6);
+  EXPECT_TRUE(torch::equal(packed.keys, k));
+  EXPECT_TRUE(torch::equal(packed.values, v));
+  EXPECT_TRUE(torch::equal(packed.cu_seqlens, torch::tensor({0, 6, 6, 9}, torch::kLong)));
+  // (B, H, T, ·): sequence 1 empty, sequence 2 its 3 tokens, zeros after.
+  const auto keys = cache.keys();
+  EXPECT_EQ(keys.sizes(), torch::IntArrayRef({3, 2, 6, 4}));
+  EXPECT_TRUE(torch::equal(keys[0], k.narrow(0, 0, 6).transpose(0, 1)));
+  EXPECT_TRUE(torch::equal(keys[2].narrow(1, 0, 3), k.narrow(0, 6, 3).transpose(0, 1)));
+  EXPECT_EQ(keys[1].abs().sum().item<float>(), 0.0F);
+  EXPECT_EQ(keys[2].narrow(1, 3, 3).abs().sum().item<float>(), 0.0F);
+  // A token per sequence lands after each one's own last.
+  const auto step = torch::randn({3, 2, 1, 4});
+  const auto [after, unused] = cache.append(step, torch::randn({3, 2, 1, 3}));
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{7, 1, 4}));
+  EXPECT_TRUE(torch::equal(after[0].narrow(1, 6, 1), step[0]));
+  EXPECT_TRUE(torch::equal(after[1].narrow(1, 0, 1), step[1]));
+  EXPECT_TRUE(torch::equal(after[2].narrow(1, 3, 1), step[2]));
+  // A second packed append continues each sequence.
+  const auto more = cache.append_packed(
+      torch::randn({2, 2, 4}), torch::randn({2, 2, 3}), torch::tensor({0, 0, 2, 2}));
+  EXPECT_EQ(cache.lengths(), (std::vector<int64_t>{7, 3, 4}));
+  EXPECT_TRUE(torch::equal(more.cu_seqlens, torch::tensor({0, 7, 10, 14}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(more.keys.narrow(0, 0, 7), after[0].transpose(0, 1)));
+}
+
 TEST(KVCacheErrors, NameWhatWasExpectedAndWhatArrived) {
   torch::NoGradGuard no_grad;
   EXPECT_ATTN_ERROR(KVCache(0), "KVCache: max_length must be positive, got 0");
@@ -112,6 +145,22 @@ TEST(KVCacheErrors, NameWhatWasExpectedAndWhatArrived) {
       cache.append(torch::randn({3, 3, 1, 8}), torch::randn({3, 3, 1, 8})),
       "KVCache: keys must be (B, H, T, D) = (2, 3, T, 8) and values (B, H, T, Dv) with "
       "Dv = 8 as the cached ones (reset() to start another batch), got keys [3, 3, 1, 8]");
+  EXPECT_ATTN_ERROR(
+      cache.append_packed(torch::randn({4, 3, 8}), torch::randn({4, 3, 8}), torch::tensor({0, 4})),
+      "KVCache: cu_seqlens must count the cache's 2 sequences, got 1");
+  EXPECT_ATTN_ERROR(
+      cache.append_packed(
+          torch::randn({4, 1, 8}), torch::randn({4, 1, 8}), torch::tensor({0, 1, 4})),
+      "KVCache: packed keys must be (total, H, D) = (total, 3, 8) and values (total, H, Dv) with "
+      "Dv = 8 as the cached ones, got keys [4, 1, 8]");
+  EXPECT_ATTN_ERROR(
+      cache.append_packed(
+          torch::randn({4, 3, 8}), torch::randn({4, 3, 8}), torch::tensor({0, 1, 3})),
+      "KVCache: cu_seqlens must end at the total length 4, got 3");
+  EXPECT_ATTN_ERROR(
+      cache.append_packed(
+          torch::randn({2, 4, 3, 8}), torch::randn({2, 4, 3, 8}), torch::tensor({0, 4})),
+      "KVCache: packed keys must be (total, H, D) and values (total, H, Dv), got keys [2, 4, 3, 8]");
   EXPECT_ATTN_ERROR(
       cache.append(k.to(torch::kDouble), k.to(torch::kDouble)),
       "KVCache: keys and values must have the cached dtype Float and device cpu, got Double on cpu");

@@ -117,6 +117,29 @@ TEST(RotaryEmbedding, OffsetContinuesThePositionsOfAnEarlierCall) {
   }
 }
 
+TEST(RotaryEmbedding, PositionsPlaceEachTokenWhereTheyPoint) {
+  // Per-token positions (packed documents restart at 0; a ragged cache
+  // continues each row from its own length), some past the cached tables.
+  torch::manual_seed(7);
+  RotaryEmbedding rope(RotaryEmbeddingOptions(6).interleaved(true));
+  const auto x = torch::randn({2, 3, 5, 10}, torch::kDouble);
+  const auto rows = torch::tensor({{0, 1, 2, 0, 1}, {7, 70000, 3, 3, 0}}, torch::kLong);
+  const auto by_row = rope->rotate(x, rows);
+  const auto shared = rope->rotate(x, rows[0]);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t t = 0; t < 5; ++t) {
+      const auto token = x[b].narrow(1, t, 1); // (3, 1, F)
+      EXPECT_CLOSE(
+          by_row[b].narrow(1, t, 1),
+          rope_by_formula(token, 6, 10000.0, true, rows[b][t].item<int64_t>()), kFloat64Tolerance)
+          << "b=" << b << " t=" << t;
+      EXPECT_CLOSE(
+          shared[b].narrow(1, t, 1),
+          rope_by_formula(token, 6, 10000.0, true, rows[0][t].item<int64_t>()), kFloat64Tolerance);
+    }
+  }
+}
+
 TEST(RotaryEmbedding, GradientIsTheInverseRotation) {
   // y = R x with R orthogonal, so dL/dx = Rᵀ dL/dy = rotation by -θ.
   torch::manual_seed(4);
@@ -168,6 +191,17 @@ TEST(RotaryEmbeddingErrors, NameWhatWasExpectedAndWhatArrived) {
       "RotaryEmbedding: x must have a floating-point dtype, got Long");
   EXPECT_ATTN_ERROR(rope(torch::randn({2, 8}), -1), "RotaryEmbedding: offset must be >= 0, got -1");
   EXPECT_ATTN_ERROR(rope(torch::Tensor()), "RotaryEmbedding: x must be a defined tensor");
+  const auto x = torch::randn({2, 3, 4, 8});
+  EXPECT_ATTN_ERROR(
+      rope->rotate(x, torch::zeros({3, 4}, torch::kLong)),
+      "RotaryEmbedding: positions must be (T) = (4) or (B, T) = (2, 4) for x [2, 3, 4, 8], got [3, 4]");
+  EXPECT_ATTN_ERROR(
+      rope->rotate(x, torch::zeros({4})), "RotaryEmbedding: positions must be integers, got Float");
+  EXPECT_ATTN_ERROR(
+      rope->rotate(x, torch::tensor({0, 1, -1, 2})),
+      "RotaryEmbedding: positions must lie in [0, 2^53) (exact in float64), got -1 to 2");
+  EXPECT_ATTN_ERROR(
+      rope->rotate(x, torch::Tensor()), "RotaryEmbedding: positions must be a defined tensor");
 }
 
 } // namespace

@@ -158,6 +158,12 @@ struct ContextParallelOptions {
   /// convention). The ring passes it on with the keys; the all-to-all
   /// strategy gathers it whole.
   TORCH_ARG(torch::Tensor, key_padding_mask) = {};
+  /// Packed documents: `(T)` or `(B, T)` integer ids of the *whole*
+  /// sequence's tokens (every rank passes the same), nondecreasing along
+  /// each row. A query attends only to keys of its own document; the ring
+  /// skips the pairs of blocks whose documents differ, and scores only the
+  /// blocks of 128 queries × 64 keys that a document spans.
+  TORCH_ARG(torch::Tensor, document_ids) = {};
   /// How attention crosses the ranks.
   TORCH_ARG(ContextParallelStrategy, strategy) = ContextParallelStrategy::ring;
 };

@@ -36,11 +36,11 @@ struct ContextParallelForwardOptions {
   /// Options for a sequence laid out as `sharding` says; no mask.
   explicit ContextParallelForwardOptions(SequenceSharding sharding);
   /// The options of a `MultiHeadAttention` call carried over: `is_causal`,
-  /// `window` and `key_padding_mask` (which must then hold this rank's keys,
-  /// as below). `need_weights` and `average_attn_weights` do not apply (no
-  /// weights are computed). Throws a c10::Error for what cannot be split
-  /// by sequence: an `attn_mask` (arbitrary pairs of the whole sequence)
-  /// and a `kv_cache`.
+  /// `window`, `key_padding_mask` (which must then hold this rank's keys,
+  /// as below) and `document_ids` (the whole sequence's, as below). `need_weights` and
+  /// `average_attn_weights` do not apply (no weights are computed). Throws a c10::Error for what
+  /// cannot be split by sequence: an `attn_mask` (arbitrary pairs of the whole sequence) and a
+  /// `kv_cache`.
   ContextParallelForwardOptions(
       SequenceSharding sharding,
       const MultiHeadAttentionForwardOptions& attention_options);
@@ -55,6 +55,11 @@ struct ContextParallelForwardOptions {
   /// Token `i` attends only to tokens `j` with `|i - j| < window`; with
   /// `is_causal`, to its last `window` tokens. Unset: no window.
   TORCH_ARG(c10::optional<int64_t>, window) = c10::nullopt;
+  /// Packed documents: `(T)` or `(B, T)` integer ids of the whole
+  /// sequence's tokens, nondecreasing (every rank passes the same). Each
+  /// token attends only to its own document's, and rotary positions
+  /// restart at 0 at each document (`ContextParallelOptions::document_ids`).
+  TORCH_ARG(torch::Tensor, document_ids) = {};
   /// How attention crosses the ranks (see `ContextParallelStrategy`).
   TORCH_ARG(ContextParallelStrategy, strategy) = ContextParallelStrategy::ring;
 };

@@ -9,6 +9,7 @@
 
 #include <iosfwd>
 #include <memory>
+#include <utility>
 
 namespace attn {
 
@@ -40,6 +41,14 @@ class RotaryEmbeddingImpl : public torch::nn::Cloneable<RotaryEmbeddingImpl> {
   /// respect to `x`.
   torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0);
 
+  /// As `forward`, with each token at its own position: `positions` is
+  /// `(T)` (every row alike) or `(B, T)` (row by row, for `x (B, ..., T,
+  /// F)`), integers in `[0, 2^53)` on `x`'s device. Packed documents pass
+  /// each token's index within its own document, so that positions restart
+  /// at every document, as packed training with per-document position ids
+  /// does.
+  torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& positions);
+
   /// Checks the options and empties the table cache.
   void reset() override;
 
@@ -54,6 +63,11 @@ class RotaryEmbeddingImpl : public torch::nn::Cloneable<RotaryEmbeddingImpl> {
 
  private:
   struct Tables;
+  // The (cos, sin) tables of x's dtype and device (`target`), holding at
+  // least positions [0, length), from the cache or computed into it.
+  std::pair<torch::Tensor, torch::Tensor> cached_angles(
+      int64_t length,
+      const torch::TensorOptions& target);
   // Shared by copies of the holder, replaced by reset() (and so by clone()).
   std::shared_ptr<Tables> tables_;
 };
