@@ -821,6 +821,9 @@ struct ModuleCase {
   // the module's parameters; 2: the same with a query projection one row
   // short, which the function must refuse.
   int call = 0;
+  // Packed input (make_packing): 0 none; document ids (B, L), (L); sequence
+  // starts; ids that decrease; ids one too long.
+  int packing = 0;
 
   MultiHeadAttentionOptions options() const {
     auto o = MultiHeadAttentionOptions(E, H)
@@ -851,7 +854,7 @@ struct ModuleCase {
         << " (keep " << mask_keep << "), is_causal " << forward.is_causal() << ", window "
         << optional_text(forward.window()) << ", need_weights " << forward.need_weights()
         << ", average_attn_weights " << forward.average_attn_weights() << ", seed " << int{seed}
-        << ", call " << call;
+        << ", call " << call << ", packing " << packing;
     return out.str();
   }
 };
@@ -939,6 +942,31 @@ void make_module_masks(ModuleCase& c, at::Generator& generator) {
     case 4: c.forward.attn_mask(additive(keep({c.B, c.H, c.L, c.S}))); break;
     case 5: c.forward.attn_mask(keep({1, c.H, c.L, c.S})); break;
     case 6: c.forward.attn_mask(keep({c.L, c.S + 1})); break;
+    default: break;
+  }
+}
+
+// Nondecreasing ids of `length` tokens in `rows` rows: a new document
+// after each token with probability 1/4.
+torch::Tensor random_document_ids(int64_t rows, int64_t length, at::Generator& generator) {
+  return (torch::rand({rows, length}, generator) < 0.25).to(torch::kLong).cumsum(1);
+}
+
+// The packing of c.packing, drawn after the case's bytes (older seeds
+// decode as before, unpacked).
+void make_packing(ModuleCase& c, at::Generator& generator) {
+  switch (c.packing) {
+    case 1: c.forward.document_ids(random_document_ids(c.B, c.L, generator)); break;
+    case 2: c.forward.document_ids(random_document_ids(1, c.L, generator)[0]); break;
+    case 3: {
+      const auto ids = random_document_ids(1, c.L, generator)[0];
+      const auto last = c.L > 0 ? ids[-1].item<int64_t>() : -1;
+      const auto starts = torch::searchsorted(ids, torch::arange(last + 2, torch::kLong));
+      c.forward.cu_seqlens(starts);
+      break;
+    }
+    case 4: c.forward.document_ids(random_document_ids(c.B, c.L, generator).flip({1})); break;
+    case 5: c.forward.document_ids(random_document_ids(c.B, c.L + 1, generator)); break;
     default: break;
   }
 }
@@ -1106,6 +1134,7 @@ MultiHeadAttention make_module(const ModuleCase& c, at::Generator& generator) {
 void run_module(Bytes& bytes) {
   auto c = decode_module_case(bytes);
   c.call = bytes.next() % 3;
+  c.packing = bytes.next() % 6;
   if (!within_bounds(c)) {
     return;
   }
@@ -1116,6 +1145,7 @@ void run_module(Bytes& bytes) {
   const auto key = c.self_attention ? query : make_module_input(c, c.S, c.kdim, generator);
   const auto value = c.self_attention ? query : make_module_input(c, c.S, c.vdim, generator);
   make_module_masks(c, generator);
+  make_packing(c, generator);
   torch::NoGradGuard no_grad;
   const auto [output, weights] = call_module(c, module, query, key, value);
   check_module_result(c, module, query, key, value, output, weights);

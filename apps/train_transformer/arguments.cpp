@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -36,59 +37,28 @@ CLI::Validator non_empty() {
   return CLI::Validator(check, /*validator_desc=*/"");
 }
 
-// --attention attn|builtin.
-void add_modifier_option(CLI::App& app, ScoreModifier& modifier) {
-  std::map<std::string, ScoreModifier> kinds;
+// An option `flag` that takes one of `choices` by the name `name_of`
+// gives it, and sets `value` to it; `value`'s own name is the default.
+template <typename Choice>
+void add_choice_option(
+    CLI::App& app,
+    const char* flag,
+    Choice& value,
+    std::initializer_list<Choice> choices,
+    const char* (*name_of)(Choice),
+    const char* type_name,
+    const char* description) {
+  std::map<std::string, Choice> kinds;
   std::vector<std::string> names;
-  for (const auto kind :
-       {ScoreModifier::kNone, ScoreModifier::kAlibi, ScoreModifier::kSoftcap,
-        ScoreModifier::kRelativeBias, ScoreModifier::kSinks}) {
-    kinds[score_modifier_name(kind)] = kind;
-    names.emplace_back(score_modifier_name(kind));
+  for (const auto kind : choices) {
+    kinds[name_of(kind)] = kind;
+    names.emplace_back(name_of(kind));
   }
   app.add_option_function<std::string>(
-         "--modifier", [&modifier, kinds](const std::string& name) { modifier = kinds.at(name); },
-         "what attention adds to its scores:\nnone, alibi, softcap (5), t5 (a learned\n"
-         "relative-position table) or sinks")
-      ->type_name("M")
+         flag, [&value, kinds](const std::string& name) { value = kinds.at(name); }, description)
+      ->type_name(type_name)
       ->check(CLI::IsMember(names).description(""))
-      ->default_str("none");
-}
-
-// --lengths fixed|padded|packed.
-void add_lengths_option(CLI::App& app, Lengths& lengths) {
-  std::map<std::string, Lengths> kinds;
-  std::vector<std::string> names;
-  for (const auto kind : {Lengths::kFixed, Lengths::kPadded, Lengths::kPacked}) {
-    kinds[lengths_name(kind)] = kind;
-    names.emplace_back(lengths_name(kind));
-  }
-  app.add_option_function<std::string>(
-         "--lengths", [&lengths, kinds](const std::string& name) { lengths = kinds.at(name); },
-         "training strings: fixed (--digits each),\nor of 2 to --digits digits, padded (a row\n"
-         "each, padded to the longest) or packed\n(rows of documents, positions restarting)")
-      ->type_name("L")
-      ->check(CLI::IsMember(names).description(""))
-      ->default_str("fixed");
-}
-
-void add_attention_option(CLI::App& app, AttentionKind& attention) {
-  const std::map<std::string, AttentionKind> kinds = {
-      {attention_name(AttentionKind::kAttn), AttentionKind::kAttn},
-      {attention_name(AttentionKind::kBuiltin), AttentionKind::kBuiltin}};
-  std::vector<std::string> names;
-  names.reserve(kinds.size());
-  for (const auto& entry : kinds) {
-    names.push_back(entry.first);
-  }
-  app.add_option_function<std::string>(
-         "--attention",
-         [&attention, kinds](const std::string& name) { attention = kinds.at(name); },
-         "attn: attn::MultiHeadAttention; builtin:\n"
-         "torch::nn::MultiheadAttention from the\nsame initial weights, without KV cache")
-      ->type_name("A")
-      ->check(CLI::IsMember(names).description(""))
-      ->default_str(attention_name(attention));
+      ->default_str(name_of(value));
 }
 
 void add_options(CLI::App& app, TrainArguments& arguments) {
@@ -118,11 +88,25 @@ void add_options(CLI::App& app, TrainArguments& arguments) {
       "--tensor-parallel", arguments.tensor_parallel,
       "split the attention heads over the ranks\nthat attn_launch_ranks or torchrun started\n"
       "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)");
-  add_attention_option(app, arguments.attention);
+  add_choice_option(
+      app, "--attention", arguments.attention, {AttentionKind::kAttn, AttentionKind::kBuiltin},
+      attention_name, "A",
+      "attn: attn::MultiHeadAttention; builtin:\n"
+      "torch::nn::MultiheadAttention from the\nsame initial weights, without KV cache");
   apps::add_fraction_option(
       app, "--dropout", arguments.dropout, "attention dropout while training");
-  add_modifier_option(app, arguments.modifier);
-  add_lengths_option(app, arguments.lengths);
+  add_choice_option(
+      app, "--modifier", arguments.modifier,
+      {ScoreModifier::kNone, ScoreModifier::kAlibi, ScoreModifier::kSoftcap,
+       ScoreModifier::kRelativeBias, ScoreModifier::kSinks},
+      score_modifier_name, "M",
+      "what attention adds to its scores:\nnone, alibi, softcap (5), t5 (a learned\n"
+      "relative-position table) or sinks");
+  add_choice_option(
+      app, "--lengths", arguments.lengths, {Lengths::kFixed, Lengths::kPadded, Lengths::kPacked},
+      lengths_name, "L",
+      "training strings: fixed (--digits each),\nor of 2 to --digits digits, padded (a row\n"
+      "each, padded to the longest) or packed\n(rows of documents, positions restarting)");
 }
 
 // What the flags cannot do together, beyond what CLI11 checks.

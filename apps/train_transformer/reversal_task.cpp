@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace train {
@@ -61,14 +62,18 @@ struct Placement {
   int64_t row, column;
 };
 
-// Strings of `lengths` (2N tokens each) in order into rows of `width`
-// tokens, a new row where one does not fit.
-std::vector<Placement> pack(const std::vector<std::vector<int64_t>>& strings, int64_t width) {
+// The strings (2N tokens each) in order: packed into rows of `width`
+// tokens, a new row where one does not fit, or one per row.
+std::vector<Placement> place(
+    const std::vector<std::vector<int64_t>>& strings,
+    bool packed,
+    int64_t width) {
   std::vector<Placement> places;
+  places.reserve(strings.size());
   int64_t row = 0, column = 0;
   for (const auto& digits : strings) {
     const auto tokens = 2 * static_cast<int64_t>(digits.size());
-    if (column + tokens > width) {
+    if (!places.empty() && (!packed || column + tokens > width)) {
       ++row;
       column = 0;
     }
@@ -125,13 +130,7 @@ LabelledRows ReversalTask::rows(int64_t size, uint64_t seed, Lengths lengths) co
   }
   const bool packed = lengths == Lengths::kPacked;
   const int64_t width = packed ? kStringsPerRow * input_length() : 2 * longest;
-  std::vector<Placement> places;
-  for (int64_t s = 0; s < size; ++s) {
-    places.push_back({s, 0});
-  }
-  if (packed) {
-    places = pack(strings, width);
-  }
+  const auto places = place(strings, packed, width);
   const int64_t row_count = places.empty() ? 0 : places.back().row + 1;
   LabelledRows rows;
   rows.inputs = torch::zeros({row_count, width}, torch::kLong);
@@ -159,7 +158,7 @@ LabelledRows ReversalTask::rows(int64_t size, uint64_t seed, Lengths lengths) co
     }
   }
   if (packed) {
-    rows.document_ids = document_ids;
+    rows.document_ids = std::move(document_ids);
   }
   rows.tokens = tokens;
   return rows;

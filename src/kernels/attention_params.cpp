@@ -24,6 +24,7 @@ void AttentionParams::save_settings_to(torch::autograd::AutogradContext& ctx) co
   ctx.saved_data["block_kinds"] = blocks.kinds;
   ctx.saved_data["block_tile_of"] = blocks.tile_of;
   ctx.saved_data["block_tiles"] = blocks.tiles;
+  ctx.saved_data["block_key_bounds"] = blocks.key_bounds;
   ctx.saved_data["scale"] = scale;
   ctx.saved_data["causal"] = causal;
   ctx.saved_data["query_offset"] = query_offset;
@@ -43,6 +44,7 @@ AttentionParams AttentionParams::restore_settings_from(torch::autograd::Autograd
   params.blocks.kinds = ctx.saved_data.at("block_kinds").toTensor();
   params.blocks.tile_of = ctx.saved_data.at("block_tile_of").toTensor();
   params.blocks.tiles = ctx.saved_data.at("block_tiles").toTensor();
+  params.blocks.key_bounds = ctx.saved_data.at("block_key_bounds").toTensor();
   params.scale = ctx.saved_data.at("scale").toDouble();
   params.causal = ctx.saved_data.at("causal").toBool();
   params.query_offset = ctx.saved_data.at("query_offset").toInt();

@@ -120,9 +120,17 @@ struct ScoreModifiers {
 // defined (a BlockMask's), else those of the request's bool mask.
 enum MaskBlockKind : uint8_t { kEmptyBlock = 0, kFullBlock = 1, kPartialBlock = 2 };
 
+//
+// `key_bounds` (Bm, L, 2) int64, where defined (a BlockMask of packed
+// documents or sequences): for each query, keys [begin, end) outside which
+// the blocks allow none (every head alike), both ends nondecreasing along
+// the queries, so that the tiled loops score each block of
+// kProductRowBlock queries against its own rows' keys only, not every key
+// of a block that a document boundary crosses.
 struct MaskBlocks {
   static constexpr int64_t kRows = 128, kCols = 64;
   torch::Tensor kinds, tile_of, tiles;
+  torch::Tensor key_bounds;
 
   // The rows of blocks of L queries, and the blocks of S keys.
   static int64_t query_blocks(int64_t L) { return (L + kRows - 1) / kRows; }

@@ -59,6 +59,16 @@ torch::Tensor id_rows(const torch::Tensor& ids, const char* name) {
   return rows.contiguous();
 }
 
+// Key bounds (L rows of [begin, end)) of two predicates combined into
+// `into`: their intersection (`both`) or the smallest range holding both.
+// Each stays nondecreasing at both ends.
+void combine_bounds(int64_t* into, const int64_t* other, int64_t L, bool both) {
+  for (int64_t i = 0; i < 2 * L; i += 2) {
+    into[i] = both ? std::max(into[i], other[i]) : std::min(into[i], other[i]);
+    into[i + 1] = both ? std::min(into[i + 1], other[i + 1]) : std::max(into[i + 1], other[i + 1]);
+  }
+}
+
 // Same document: ids nondecreasing, so a block's queries hold the ids
 // [first row's, last row's] and its keys likewise.
 class DocumentNode final : public MaskPredicateNode {
@@ -99,6 +109,17 @@ class DocumentNode final : public MaskPredicateNode {
   }
 
   bool depends_on_batch() const override { return query_ids_.size(0) > 1; }
+
+  // Query i's keys are those of its id: ids nondecreasing, one run.
+  bool key_bounds(int64_t b, int64_t L, int64_t S, int64_t* out) const override {
+    const int64_t* keys = row_of(key_ids_, b);
+    for (int64_t i = 0; i < L; ++i) {
+      const auto [first, last] = std::equal_range(keys, keys + S, query_id(b, i));
+      out[2 * i] = first - keys;
+      out[2 * i + 1] = last - keys;
+    }
+    return true;
+  }
 
  private:
   int64_t query_id(int64_t b, int64_t i) const { return row_of(query_ids_, b)[i]; }
@@ -212,6 +233,22 @@ class PairNode final : public MaskPredicateNode {
     return first_->depends_on_heads() || second_->depends_on_heads();
   }
 
+  // Both: the narrower of the bounds (either's where one has none);
+  // either: the wider, where both have them.
+  bool key_bounds(int64_t b, int64_t L, int64_t S, int64_t* out) const override {
+    std::vector<int64_t> other(2 * L);
+    const bool first = first_->key_bounds(b, L, S, out);
+    const bool second = second_->key_bounds(b, L, S, other.data());
+    if (!first || !second) {
+      if (both_ && second) {
+        std::copy(other.begin(), other.end(), out);
+      }
+      return both_ && (first || second);
+    }
+    combine_bounds(out, other.data(), L, both_);
+    return true;
+  }
+
   void add_conjuncts(std::vector<const MaskPredicateNode*>& into) const override {
     if (!both_) {
       into.push_back(this);
@@ -263,6 +300,24 @@ struct SplitPredicate {
       }
     }
     return kind;
+  }
+
+  // The key bounds of the rest's conjunction for batch row b: (L, 2), or
+  // undefined where no conjunct bounds the keys.
+  torch::Tensor key_bounds(int64_t b, int64_t L, int64_t S) const {
+    torch::Tensor bounds;
+    std::vector<int64_t> own(2 * L);
+    for (const auto* node : rest) {
+      if (!node->key_bounds(b, L, S, own.data())) {
+        continue;
+      }
+      if (!bounds.defined()) {
+        bounds = torch::tensor(own, torch::kLong).view({L, 2});
+      } else {
+        combine_bounds(bounds.data_ptr<int64_t>(), own.data(), L, /*both=*/true);
+      }
+    }
+    return bounds;
   }
 
   // The conjunction of the rest over keys [j0, j1) (at most kCols).
@@ -518,6 +573,34 @@ torch::Tensor BlockMask::to_dense() const {
 
 namespace {
 
+// The key bounds of `predicate`'s conjunction for each of `Bm` batch rows:
+// (Bm, L, 2), or undefined where none bounds the keys. Each row's ranges
+// are widened until both ends are nondecreasing (an earlier begin lowered
+// to a later one, a later end raised to an earlier one), which the kernels
+// rely on; a wider range only makes them test more pairs.
+torch::Tensor key_bounds_of(
+    const detail::SplitPredicate& predicate,
+    int64_t Bm,
+    int64_t L,
+    int64_t S) {
+  std::vector<torch::Tensor> rows;
+  for (int64_t b = 0; b < Bm; ++b) {
+    auto row = predicate.key_bounds(b, L, S);
+    if (!row.defined()) {
+      return {};
+    }
+    auto* bounds = row.data_ptr<int64_t>();
+    for (int64_t i = L - 2; i >= 0; --i) {
+      bounds[2 * i] = std::min(bounds[2 * i], bounds[2 * i + 2]);
+    }
+    for (int64_t i = 1; i < L; ++i) {
+      bounds[2 * i + 1] = std::max(bounds[2 * i + 1], bounds[2 * i - 1]);
+    }
+    rows.push_back(std::move(row));
+  }
+  return rows.empty() ? torch::Tensor() : torch::stack(rows);
+}
+
 // What the int32 tile indices and a tensor per mask can hold.
 constexpr int64_t kMaxBlockMaskLength = int64_t{1} << 40;
 constexpr double kMostBlocks = 2147483648.0;
@@ -568,6 +651,7 @@ BlockMask block_mask(
     });
   });
   data->blocks = detail::assemble(rows, {Bm, Hm, Q, detail::MaskBlocks::key_blocks(key_length)});
+  data->blocks.key_bounds = key_bounds_of(split, Bm, query_length, key_length);
   return BlockMask(std::move(data));
 }
 

@@ -37,6 +37,13 @@ struct MaskPredicateNode {
   // MaskBlocks::kCols of them: out[j - j0] is 1 or 0.
   virtual void allows_row(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1, uint8_t* out)
       const = 0;
+  // For each query i in [0, L) of batch row b, keys [out[2i], out[2i + 1])
+  // outside which the predicate allows none, both ends nondecreasing in i
+  // (a row whose begin reaches its end allows none); false where the
+  // predicate bounds no row so (any key may be allowed).
+  virtual bool key_bounds(int64_t /*b*/, int64_t /*L*/, int64_t /*S*/, int64_t* /*out*/) const {
+    return false;
+  }
   // Checks the predicate's tensors against a BlockMask's sizes.
   virtual void check_sizes(int64_t /*batch*/, int64_t /*L*/, int64_t /*S*/) const {}
   virtual bool depends_on_batch() const { return false; }

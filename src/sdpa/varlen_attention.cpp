@@ -52,6 +52,17 @@ class SequencesNode final : public detail::MaskPredicateNode {
     return detail::band_block_kind(band_of(first), block);
   }
 
+  // Query i sees keys of its own sequence only, within its band.
+  bool key_bounds(int64_t /*b*/, int64_t L, int64_t /*S*/, int64_t* out) const override {
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t n = sequence_of(i);
+      const auto band = band_of(n);
+      out[2 * i] = std::max(k_starts_[n], band.begin(i));
+      out[2 * i + 1] = std::min(k_starts_[n + 1], band.end(i));
+    }
+    return true;
+  }
+
   void allows_row(int64_t /*b*/, int64_t /*h*/, int64_t i, int64_t j0, int64_t j1, uint8_t* out)
       const override {
     const int64_t n = sequence_of(i);

@@ -339,6 +339,9 @@ std::vector<PackedCase> packed_cases() {
       {"more_keys", {100, 3, 140}, {160, 70, 141}, 4, 4, false},
       {"more_keys_causal", {100, 3, 140, 5}, {160, 70, 141, 0}, 4, 1, true},
       {"fewer_keys_causal_window", {150, 80}, {90, 80}, 4, 2, true, 50},
+      // 30 queries without keys between two sequences: blocks of queries
+      // that see no key inside a tile whose other queries do.
+      {"queries_without_keys", {40, 30, 60}, {50, 0, 70}, 2, 2, false},
   };
 }
 

@@ -31,6 +31,8 @@ struct BlockView {
   const int32_t* tile_of = nullptr;
   const bool* tiles = nullptr; // may be null where there are no partial blocks
   int64_t stride_b = 0, stride_h = 0, stride_q = 0;
+  const int64_t* key_bounds = nullptr; // (Bm, L, 2), or null
+  int64_t bounds_stride_b = 0;
 
   explicit BlockView(const MaskBlocks& blocks) {
     if (!blocks.defined()) {
@@ -46,6 +48,11 @@ struct BlockView {
     if (own_tiles) {
       tile_of = blocks.tile_of.data_ptr<int32_t>();
       tiles = blocks.tiles.data_ptr<bool>();
+    }
+    if (blocks.key_bounds.defined()) {
+      const auto& bounds = blocks.key_bounds;
+      key_bounds = bounds.data_ptr<int64_t>();
+      bounds_stride_b = bounds.size(0) == 1 ? 0 : bounds.stride(0);
     }
   }
 
@@ -96,6 +103,21 @@ struct MaskView {
   int64_t tile_key_end(int64_t i0, int64_t rows) const {
     return std::max(tile_key_begin(i0), band.end(i0 + rows - 1));
   }
+
+  // Keys [begin, end) that some query of rows [first, last] of batch row b
+  // may see: the band's, narrowed by the block mask's key bounds.
+  IndexRange rows_keys(int64_t b, int64_t first, int64_t last) const {
+    int64_t begin = band.begin(first), end = band.end(last);
+    if (blocks.key_bounds != nullptr) {
+      const int64_t* bounds = blocks.key_bounds + b * blocks.bounds_stride_b;
+      begin = std::max(begin, bounds[2 * first]);
+      end = std::min(end, bounds[2 * last + 1]);
+    }
+    return {begin, end};
+  }
+
+  // Whether rows_keys narrows the band by key bounds.
+  bool bounds_keys() const { return blocks.key_bounds != nullptr; }
 
   // The next keys that the query tile of head (b, h) from row i0 scores,
   // from `from` on and before `end`: at most `most` consecutive keys from

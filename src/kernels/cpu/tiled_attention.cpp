@@ -99,8 +99,9 @@ struct TileBands {
     for (size_t block = 0; block < keys_of_query_block.size(); ++block) {
       const int64_t first = tile.i0 + static_cast<int64_t>(block) * kProductRowBlock;
       const int64_t last = std::min(tile.i0 + tile.rows, first + kProductRowBlock) - 1;
-      const int64_t begin = std::clamp<int64_t>(mask.band.begin(first) - j0, 0, cols);
-      const int64_t end = std::clamp<int64_t>(mask.band.end(last) - j0, 0, cols);
+      const auto keys = mask.rows_keys(tile.b, first, last);
+      const int64_t begin = std::clamp<int64_t>(keys.begin - j0, 0, cols);
+      const int64_t end = std::clamp<int64_t>(keys.end - j0, 0, cols);
       if (!banded) {
         keys_of_query_block[block] = {0, cols};
       } else if (begin >= end) {
@@ -109,6 +110,29 @@ struct TileBands {
         keys_of_query_block[block] = {
             begin / kProductColumnPanel * kProductColumnPanel,
             std::min(cols, ceil_div(end, kProductColumnPanel) * kProductColumnPanel)};
+      }
+    }
+    if (banded && mask.bounds_keys()) {
+      fill_inner_gaps();
+    }
+  }
+
+  // Key bounds may leave a query block between two others empty (a
+  // sequence without keys): it takes its predecessor's keys, all hidden
+  // from its rows, so that the blocks that compute any one key stay
+  // consecutive, as fit_keys needs.
+  void fill_inner_gaps() {
+    const auto empty = [](const IndexRange& range) { return range.begin >= range.end; };
+    const auto first = std::find_if_not(
+        keys_of_query_block.begin(), keys_of_query_block.end(), empty);
+    const auto last = std::find_if_not(
+        keys_of_query_block.rbegin(), keys_of_query_block.rend(), empty);
+    if (first == keys_of_query_block.end()) {
+      return;
+    }
+    for (auto block = first + 1; block < last.base(); ++block) {
+      if (empty(*block)) {
+        *block = *(block - 1);
       }
     }
   }
