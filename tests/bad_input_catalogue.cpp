@@ -641,7 +641,7 @@ std::vector<BadInput> packed_multi_head_attention_cases() {
        "cu_seqlens)"},
       {"cu_seqlens for two rows", [=]() mutable { mha(x, x, x, Options().cu_seqlens(starts)); },
        "MultiHeadAttention: cu_seqlens pack sequences into one row: the query must be (1, total, "
-       "E) (batch-first), got 2 rows"},
+       "E) ((total, 1, E) sequence-first), got 2 rows"},
       {"cu_seqlens ending elsewhere than the row",
        [=]() mutable {
          mha(x1, x1, x1, Options().cu_seqlens(torch::tensor({0, 2, 5})));
@@ -674,13 +674,45 @@ std::vector<BadInput> packed_multi_head_attention_cases() {
          mha(token, token, token, Options().kv_cache(&cache));
        },
        "MultiHeadAttention: the kv_cache holds 2 sequences, got a batch of 3"},
-      {"packed documents, one of a single token, causal: each attends to itself",
+      {"packed documents, one of a single token, causal: each attends to its own",
        [=]() mutable {
+         const auto causal = Options().is_causal(true);
+         auto packed = causal;
+         const auto [out, none] = mha(x1, x1, x1, packed.cu_seqlens(torch::tensor({0, 1, 6})));
+         const auto first = x1.narrow(1, 0, 1), rest = x1.narrow(1, 1, 5);
+         EXPECT_CLOSE(
+             out.narrow(1, 0, 1), std::get<0>(mha(first, first, first)), kFloat32Tolerance);
+         EXPECT_CLOSE(
+             out.narrow(1, 1, 5), std::get<0>(mha(rest, rest, rest, causal)), kFloat32Tolerance);
+       },
+       ""},
+      {"a ragged kv_cache with alibi",
+       [=]() mutable {
+         torch::NoGradGuard no_grad;
+         MultiHeadAttention alibi(MultiHeadAttentionOptions(16, 4).alibi(true));
+         KVCache cache;
+         alibi(x1, x1, x1, Options().cu_seqlens(starts).kv_cache(&cache));
+         const auto token = torch::randn({2, 1, 16});
+         alibi(token, token, token, Options().kv_cache(&cache));
+       },
+       "MultiHeadAttention: alibi and a position table need every sequence's queries to stand "
+       "where its keys start, but a kv_cache of sequences of different lengths, or packed "
+       "sequences after cached tokens, places them apart (decode such sequences with caches of "
+       "their own)"},
+      {"cu_seqlens of no sequence with a kv_cache",
+       [=]() mutable {
+         torch::NoGradGuard no_grad;
+         KVCache cache;
+         const auto none = x1.narrow(1, 0, 0);
+         mha(none, none, none, Options().cu_seqlens(torch::tensor({0})).kv_cache(&cache));
+       },
+       "MultiHeadAttention: cu_seqlens with a kv_cache must hold at least one sequence, got [0]"},
+      {"empty batch with document ids",
+       [=]() mutable {
+         const auto empty = x.narrow(0, 0, 0);
          const auto [out, none] = mha(
-             x1, x1, x1, Options().cu_seqlens(torch::tensor({0, 1, 6})).is_causal(true));
-         const auto [alone, unused] = mha(
-             x1.narrow(1, 0, 1), x1.narrow(1, 0, 1), x1.narrow(1, 0, 1));
-         EXPECT_CLOSE(out.narrow(1, 0, 1), alone, kFloat32Tolerance);
+             empty, empty, empty, Options().document_ids(ids.narrow(0, 0, 0)));
+         EXPECT_EQ(out.sizes(), torch::IntArrayRef({0, 6, 16}));
        },
        ""},
   };

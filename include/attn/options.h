@@ -324,7 +324,8 @@ struct MultiHeadAttentionForwardOptions {
   /// besides. Blocks between documents are skipped, not masked
   /// (`attn::document_mask`). Takes no `kv_cache` (see `cu_seqlens`).
   TORCH_ARG(torch::Tensor, document_ids) = {};
-  /// Packed sequences in one row (the query `(1, total, E)`, batch-first):
+  /// Packed sequences in one row (the query `(1, total, E)`, or `(total,
+  /// 1, E)` sequence-first):
   /// `(N + 1)` integer starts of N sequences, 0 first, nondecreasing,
   /// `total` last (FlashAttention's `cu_seqlens`). Without a `kv_cache`, as
   /// `document_ids` of one row. With one, the prompts of a ragged batch:
@@ -332,6 +333,8 @@ struct MultiHeadAttentionForwardOptions {
   /// own cached ones and attending to them (`is_causal` aligned at each
   /// sequence's end), positions starting at its length; the call computes
   /// no padding (`attn::varlen_attention`) and takes no masks or weights.
+  /// Where sequences then stand at different positions (cached lengths that
+  /// differ), ALiBi and a position table are refused.
   TORCH_ARG(torch::Tensor, cu_seqlens) = {};
 
  public:

@@ -111,23 +111,6 @@ torch::Tensor allowed_keys(const ContextParallelOptions& options, const torch::T
   return padding.logical_not().to(torch::kByte).contiguous();
 }
 
-// The whole sequence's document ids as (1 or B, T) int64, checked, or
-// undefined.
-torch::Tensor document_ids(const ContextParallelOptions& options, const torch::Tensor& query) {
-  const auto& ids = options.document_ids();
-  if (!ids.defined()) {
-    return {};
-  }
-  const int64_t B = query.size(0), T = options.sharding().length();
-  TORCH_CHECK(
-      (ids.dim() == 1 && ids.size(0) == T) ||
-          (ids.dim() == 2 && ids.size(0) == B && ids.size(1) == T),
-      kContextParallelAttentionCaller, ": document_ids must be the whole sequence's, (T) = (", T,
-      ") or (B, T) = (", B, ", ", T, "), got ", ids.sizes());
-  (void)document_mask(ids); // checks the values: integers, nondecreasing
-  return (ids.dim() == 1 ? ids.unsqueeze(0) : ids).to(torch::kCPU, torch::kLong).contiguous();
-}
-
 // This rank's inputs, checked, in the dtype they are computed in.
 detail::ContextParallelInputs checked_inputs(
     const torch::Tensor& query,
@@ -150,7 +133,10 @@ detail::ContextParallelInputs checked_inputs(
       options.is_causal(),
       std::min(options.window().value_or(0), attn::detail::kUnboundedWindow),
       options.query_offset(),
-      document_ids(options, query)};
+      options.document_ids().defined()
+          ? detail::checked_document_ids(
+                options.document_ids(), query.size(0), options.sharding().length())
+          : torch::Tensor()};
 }
 
 constexpr const char* kAgreed =
@@ -192,6 +178,17 @@ std::vector<int64_t> agreement(const c10::optional<detail::ContextParallelInputs
 } // namespace
 
 ContextParallelOptions::ContextParallelOptions(SequenceSharding sharding) : sharding_(sharding) {}
+
+torch::Tensor detail::checked_document_ids(const torch::Tensor& ids, int64_t B, int64_t T) {
+  TORCH_CHECK(
+      ids.defined() &&
+          ((ids.dim() == 1 && ids.size(0) == T) ||
+           (ids.dim() == 2 && ids.size(0) == B && ids.size(1) == T)),
+      kContextParallelAttentionCaller, ": document_ids must be the whole sequence's, (T) = (", T,
+      ") or (B, T) = (", B, ", ", T, "), got ", ids.defined() ? ids.sizes() : torch::IntArrayRef{});
+  (void)document_mask(ids); // checks the values: integers, nondecreasing
+  return (ids.dim() == 1 ? ids.unsqueeze(0) : ids).to(torch::kCPU, torch::kLong).contiguous();
+}
 
 torch::Tensor context_parallel_attention(
     const torch::Tensor& query,

@@ -27,6 +27,10 @@ struct ContextParallelInputs {
   torch::Tensor document_ids; // (1 or B, T) int64 of the whole sequence; undefined: one document
 };
 
+// The whole sequence's document ids, `(T)` or `(B, T)` nondecreasing
+// integers, checked, as (1 or B, T) int64 on the CPU.
+torch::Tensor checked_document_ids(const torch::Tensor& ids, int64_t B, int64_t T);
+
 // The strategies: this rank's output rows (B, H, N, Dv), differentiable.
 torch::Tensor ring_attention_of(const ContextParallelInputs& inputs, const Group& group);
 torch::Tensor all_to_all_attention_of(const ContextParallelInputs& inputs, const Group& group);

@@ -6,6 +6,7 @@
 
 #include <attn/distributed/mappings.h>
 
+#include "distributed/context_parallel_inputs.h"
 #include "distributed/random_state.h"
 #include "modules/multi_head_attention_forward.h"
 #include "modules/sequence_layout.h"
@@ -97,9 +98,13 @@ void check_dropout(const MultiHeadAttentionOptions& options, bool training) {
   }
   const auto& sharding = options.sharding();
   if (options.document_ids().defined()) {
-    const auto whole = ::attn::detail::positions_in_documents(
-        options.document_ids().to(torch::kLong));
-    const auto positions = sharding.shard(whole, whole.dim() - 1, rank);
+    // (1 or B, T) positions of the whole sequence, this rank's columns.
+    const auto ids = detail::checked_document_ids(
+        options.document_ids(), heads.q.size(0), sharding.length());
+    auto positions = sharding.shard(::attn::detail::positions_in_documents(ids), 1, rank);
+    if (positions.size(0) == 1) {
+      positions = positions[0]; // every row alike
+    }
     heads.q = rotary->rotate(heads.q, positions.to(heads.q.device()));
     heads.k = rotary->rotate(heads.k, positions.to(heads.k.device()));
     return heads;
@@ -187,6 +192,10 @@ ContextParallelForwardOptions::ContextParallelForwardOptions(
   TORCH_CHECK(
       attention_options.kv_cache() == nullptr, kContextParallelCaller,
       ": a kv_cache cannot be split by sequence, expected none, got one");
+  TORCH_CHECK(
+      !attention_options.cu_seqlens().defined(), kContextParallelCaller,
+      ": cu_seqlens pack one row, which is split by sequence here: give the whole sequence's ",
+      "document_ids instead");
   const auto& padding = attention_options.key_padding_mask();
   TORCH_CHECK(
       !padding.defined() || padding.scalar_type() == torch::kBool, kContextParallelCaller,

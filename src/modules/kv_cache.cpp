@@ -15,8 +15,9 @@ constexpr int64_t kFirstCapacity = 64;
 
 // Zeroed storage (B, H, capacity, F) for tokens of `sizes` (B, H, ·, F),
 // the first `length` of each sequence copied from `old` when it is
-// defined. Zeros, not garbage, stand beyond a shorter sequence's tokens:
-// a masked key's weight is 0, and 0 times a NaN would not be.
+// defined. Zeros, not uninitialised memory, stand beyond a shorter
+// sequence's tokens (or, after reset(), earlier tokens): a masked key's
+// weight is 0, and 0 times a NaN would not be.
 torch::Tensor allocate(
     torch::IntArrayRef sizes,
     const torch::TensorOptions& options,
@@ -105,10 +106,6 @@ void KVCache::reserve(
         keys_.device(), ", got ", options.dtype().toScalarType(), " on ", options.device());
   }
   const int64_t cached = length();
-  TORCH_CHECK(
-      max_length_ == 0 || needed <= max_length_, kKVCacheCaller, ": appending ", needed - cached,
-      " tokens to the ", cached, " cached would exceed max_length ", max_length_,
-      " (reset() to start another sequence)");
 
   // Storage that does not fit the new tokens (or no longer matches their
   // shape and dtype after a reset, or was made under InferenceMode, which
@@ -142,11 +139,17 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
       kKVCacheCaller, ": keys must be (B, H, T, D) and values (B, H, T, Dv), got keys ",
       keys.sizes(), " and values ", values.sizes());
   const int64_t T = keys.size(2);
+  TORCH_CHECK(
+      max_length_ == 0 || length() + T <= max_length_, kKVCacheCaller, ": appending ", T,
+      " tokens to the ", length(), " cached would exceed max_length ", max_length_,
+      " (reset() to start another sequence)");
   reserve(keys.sizes(), values.sizes(), keys.options(), length() + T);
   if (lengths_.empty()) {
     lengths_.assign(keys.size(0), 0);
   }
-  if (!ragged()) {
+  if (lengths_.empty()) {
+    // B = 0: nothing to hold.
+  } else if (!ragged()) {
     keys_.narrow(2, lengths_.front(), T).copy_(keys);
     values_.narrow(2, lengths_.front(), T).copy_(values);
   } else {
@@ -190,7 +193,12 @@ PackedKeysValues KVCache::append_packed(
   auto lengths = lengths_.empty() ? std::vector<int64_t>(N, 0) : lengths_;
   int64_t needed = 0;
   for (int64_t n = 0; n < N; ++n) {
-    needed = std::max(needed, lengths[n] + starts[n + 1] - starts[n]);
+    const int64_t after = lengths[n] + starts[n + 1] - starts[n];
+    TORCH_CHECK(
+        max_length_ == 0 || after <= max_length_, kKVCacheCaller, ": appending ",
+        starts[n + 1] - starts[n], " tokens to sequence ", n, "'s ", lengths[n],
+        " cached would exceed max_length ", max_length_, " (reset() to start another sequence)");
+    needed = std::max(needed, after);
   }
   reserve(
       {N, keys.size(1), 0, keys.size(2)}, {N, keys.size(1), 0, values.size(2)}, keys.options(),

@@ -239,7 +239,7 @@ SDPAOptions attention_options(
                           .dropout_p(options.dropout())
                           .training(training)
                           .need_weights(forward_options.need_weights());
-  if (layout.document_ids.defined()) {
+  if (layout.document_ids.defined() && layout.document_ids.size(0) > 0) {
     sdpa_options.block_mask(
         block_mask(document_mask(layout.document_ids), layout.document_ids.size(0), 1, L, S));
   }
@@ -377,7 +377,9 @@ std::tuple<torch::Tensor, torch::Tensor> multi_head_attention_forward(
   // and the call's.
   KVCache* cache = forward_options.kv_cache();
   const auto layout = sequence_layout(
-      forward_options, inputs.query, inputs.B, inputs.L, inputs.key.size(1), extra_keys(options),
+      forward_options, inputs.query, inputs.B, inputs.L, inputs.key.size(1),
+      {extra_keys(options),
+       parameters.alibi_slopes.defined() || parameters.position_bias.defined()},
       caller.name);
   const MaskShape mask_shape{
       inputs.B, parameters.num_heads, inputs.L, layout.past + inputs.key.size(1), layout.past};

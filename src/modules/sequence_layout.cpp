@@ -6,6 +6,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+
 namespace attn::detail {
 namespace {
 
@@ -67,7 +69,7 @@ SequenceLayout sequence_starts_layout(
     const char* caller) {
   TORCH_CHECK(
       B == 1, caller, ": cu_seqlens pack sequences into one row: the query must be (1, total, E) ",
-      "(batch-first), got ", B, " rows");
+      "((total, 1, E) sequence-first), got ", B, " rows");
   SequenceLayout layout;
   layout.starts = sequence_starts(caller, "cu_seqlens", forward_options.cu_seqlens(), L);
   const KVCache* cache = forward_options.kv_cache();
@@ -77,6 +79,8 @@ SequenceLayout sequence_starts_layout(
     return layout;
   }
   const auto N = static_cast<int64_t>(layout.starts.size()) - 1;
+  TORCH_CHECK(
+      N > 0, caller, ": cu_seqlens with a kv_cache must hold at least one sequence, got [0]");
   TORCH_CHECK(
       cache->lengths().empty() || static_cast<int64_t>(cache->lengths().size()) == N, caller,
       ": cu_seqlens must count the kv_cache's ", cache->lengths().size(), " sequences, got ", N);
@@ -124,12 +128,12 @@ SequenceLayout sequence_layout(
     int64_t B,
     int64_t L,
     int64_t S,
-    int64_t extra_keys,
+    const LayoutLimits& limits,
     const char* caller) {
   const KVCache* cache = forward_options.kv_cache();
   SequenceLayout layout;
   if (forward_options.document_ids().defined() || forward_options.cu_seqlens().defined()) {
-    check_packed_call(forward_options, L, S, extra_keys, caller);
+    check_packed_call(forward_options, L, S, limits.extra_keys, caller);
     layout = forward_options.document_ids().defined()
         ? document_layout(forward_options.document_ids(), B, L, caller)
         : sequence_starts_layout(forward_options, B, L, caller);
@@ -138,6 +142,15 @@ SequenceLayout sequence_layout(
   } else if (cache != nullptr) {
     layout.past = cache->length();
   }
+  const bool positions_differ = std::any_of(
+                                    layout.pasts.begin(), layout.pasts.end(),
+                                    [&](int64_t past) { return past != layout.pasts.front(); }) ||
+      (layout.packs_cache() && layout.past > 0);
+  TORCH_CHECK(
+      !(positions_differ && limits.positional_modifiers), caller,
+      ": alibi and a position table need every sequence's queries to stand where its keys ",
+      "start, but a kv_cache of sequences of different lengths, or packed sequences after ",
+      "cached tokens, places them apart (decode such sequences with caches of their own)");
   if (layout.positions.defined()) {
     layout.positions = layout.positions.to(query.device());
   }

@@ -34,18 +34,29 @@ struct SequenceLayout {
   bool packs_cache() const { return !starts.empty() && !pasts.empty(); }
 };
 
+// What of the module's options the layout depends on.
+struct LayoutLimits {
+  // Keys appended after the call's (add_bias_kv, add_zero_attn).
+  int64_t extra_keys = 0;
+  // Whether a score modifier reads positions (ALiBi, a position table).
+  bool positional_modifiers = false;
+};
+
 // The layout of a call of `L` queries and `S` keys in `B` rows that
-// `forward_options` describes, checked: packed input is self-attention
-// (S == L) with no extra keys (`extra_keys`), cu_seqlens one row and
-// no masks or weights with a cache, document ids of the call's rows and
-// length and no cache. `caller` prefixes the messages.
+// `forward_options` describes, checked before anything changes: packed
+// input is self-attention (S == L) with no extra keys, cu_seqlens one row
+// of at least one sequence and no masks or weights with a cache, document
+// ids of the call's rows and length and no cache; queries that stand at
+// different positions per sequence (a ragged cache, packed sequences after
+// cached ones) take no positional modifiers. `caller` prefixes the
+// messages.
 SequenceLayout sequence_layout(
     const MultiHeadAttentionForwardOptions& forward_options,
     const torch::Tensor& query,
     int64_t B,
     int64_t L,
     int64_t S,
-    int64_t extra_keys,
+    const LayoutLimits& limits,
     const char* caller);
 
 // Each token's index within its document: t minus the index where the run

@@ -445,6 +445,11 @@ TEST_F(ContextParallelModuleErrors, AttnMaskAndKVCacheAreRefused) {
       "a kv_cache cannot be split by sequence, expected none, got one");
   EXPECT_ATTN_ERROR(
       ContextParallelForwardOptions(
+          sharding, MultiHeadAttentionForwardOptions().cu_seqlens(torch::tensor({0, 8}))),
+      "cu_seqlens pack one row, which is split by sequence here: give the whole sequence's "
+      "document_ids instead");
+  EXPECT_ATTN_ERROR(
+      ContextParallelForwardOptions(
           sharding, MultiHeadAttentionForwardOptions().key_padding_mask(torch::zeros({1, 8}))),
       "key_padding_mask must be bool (true = padding) to be split by sequence, got Float");
 }

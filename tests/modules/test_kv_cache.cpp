@@ -148,6 +148,13 @@ TEST(KVCacheErrors, NameWhatWasExpectedAndWhatArrived) {
   EXPECT_ATTN_ERROR(
       cache.append_packed(torch::randn({4, 3, 8}), torch::randn({4, 3, 8}), torch::tensor({0, 4})),
       "KVCache: cu_seqlens must count the cache's 2 sequences, got 1");
+  KVCache short_cache(6);
+  EXPECT_ATTN_ERROR(
+      short_cache.append_packed(
+          torch::randn({13, 3, 8}), torch::randn({13, 3, 8}), torch::tensor({0, 6, 13})),
+      "KVCache: appending 7 tokens to sequence 1's 0 cached would exceed max_length 6 (reset() to "
+      "start another sequence)");
+  EXPECT_TRUE(short_cache.lengths().empty()); // refused before anything changed
   EXPECT_ATTN_ERROR(
       cache.append_packed(
           torch::randn({4, 1, 8}), torch::randn({4, 1, 8}), torch::tensor({0, 1, 4})),

@@ -39,8 +39,8 @@ struct ContextParallelForwardOptions {
   /// `window`, `key_padding_mask` (which must then hold this rank's keys,
   /// as below) and `document_ids` (the whole sequence's, as below). `need_weights` and
   /// `average_attn_weights` do not apply (no weights are computed). Throws a c10::Error for what
-  /// cannot be split by sequence: an `attn_mask` (arbitrary pairs of the whole sequence) and a
-  /// `kv_cache`.
+  /// cannot be split by sequence: an `attn_mask` (arbitrary pairs of the whole sequence), a
+  /// `kv_cache` and `cu_seqlens` (give the whole sequence's `document_ids` instead).
   ContextParallelForwardOptions(
       SequenceSharding sharding,
       const MultiHeadAttentionForwardOptions& attention_options);
@@ -93,8 +93,8 @@ struct ContextParallelForwardOptions {
 ///
 /// Not split by sequence, and refused with a c10::Error: `add_bias_kv`,
 /// `add_zero_attn`, `kdim` or `vdim` other than `embed_dim` (at
-/// construction), dropout while training (at the forward), an `attn_mask`
-/// and a `kv_cache` (see `ContextParallelForwardOptions`).
+/// construction), dropout while training (at the forward), an `attn_mask`,
+/// a `kv_cache` and `cu_seqlens` (see `ContextParallelForwardOptions`).
 ///
 /// Example:
 /// ```
