@@ -33,7 +33,7 @@ MultiHeadAttention packed_module(torch::ScalarType dtype) {
 }
 
 // The document ids of rows packing documents of `lengths`, written out.
-torch::Tensor ids_of(const std::vector<std::vector<int64_t>>& lengths) {
+torch::Tensor packed_document_ids(const std::vector<std::vector<int64_t>>& lengths) {
   std::vector<torch::Tensor> rows;
   for (const auto& row : lengths) {
     std::vector<int64_t> ids;
@@ -72,7 +72,8 @@ TEST_P(PackedDocuments, EachDocumentIsAttendedAsIfAlone) {
   const auto upstream = torch::randn({2, 300, kEmbed}, c.dtype);
   const auto options = MultiHeadAttentionForwardOptions().is_causal(c.causal).window(c.window);
   auto packed_options = options;
-  const auto [packed, none] = mha(x, x, x, packed_options.document_ids(ids_of(lengths)));
+  const auto [packed, none] = mha(
+      x, x, x, packed_options.document_ids(packed_document_ids(lengths)));
   (packed * upstream).sum().backward();
   const auto packed_grads = parameter_gradients(mha);
 
@@ -114,7 +115,8 @@ TEST(PackedSequences, SequenceStartsPackOneRowAsDocumentIdsDo) {
   auto with_ids = options;
   const auto [by_starts, none] = mha(
       x, x, x, with_starts.cu_seqlens(torch::tensor({0, 130, 150, 150, 300})));
-  const auto [by_ids, none2] = mha(x, x, x, with_ids.document_ids(ids_of({{130, 20, 150}})));
+  const auto [by_ids, none2] = mha(
+      x, x, x, with_ids.document_ids(packed_document_ids({{130, 20, 150}})));
   EXPECT_TRUE(torch::equal(by_starts, by_ids));
 }
 
