@@ -108,7 +108,7 @@ class KVCache {
   int64_t max_length() const { return max_length_; }
   /// The cached keys `(B, H, length(), D)`; undefined before the first
   /// append, empty after `reset()`. Beyond a sequence's own length it holds
-  /// zeros or earlier tokens, which attention must mask.
+  /// zeros, which attention must mask.
   torch::Tensor keys() const;
   /// The cached values `(B, H, length(), Dv)`; undefined before the first
   /// append, empty after `reset()`.
@@ -126,6 +126,11 @@ class KVCache {
       torch::IntArrayRef value_sizes,
       const torch::TensorOptions& options,
       int64_t needed);
+
+  // Where sequences differ in length, zeros past each one's tokens up to
+  // the longest's: keys() then holds no uninitialised memory (a masked
+  // key's weight is 0, and 0 times a NaN would not be).
+  void zero_past_each_sequence();
 
   torch::Tensor keys_, values_; // storage (B, H, capacity, ·)
   std::vector<int64_t> lengths_;

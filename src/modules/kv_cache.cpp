@@ -13,18 +13,15 @@ namespace {
 constexpr const char* kKVCacheCaller = "KVCache";
 constexpr int64_t kFirstCapacity = 64;
 
-// Zeroed storage (B, H, capacity, F) for tokens of `sizes` (B, H, ·, F),
-// the first `length` of each sequence copied from `old` when it is
-// defined. Zeros, not uninitialised memory, stand beyond a shorter
-// sequence's tokens (or, after reset(), earlier tokens): a masked key's
-// weight is 0, and 0 times a NaN would not be.
+// Storage (B, H, capacity, F) for tokens of `sizes` (B, H, ·, F), the
+// first `length` of each sequence copied from `old` when it is defined.
 torch::Tensor allocate(
     torch::IntArrayRef sizes,
     const torch::TensorOptions& options,
     int64_t capacity,
     const torch::Tensor& old,
     int64_t length) {
-  auto storage = torch::zeros({sizes[0], sizes[1], capacity, sizes[3]}, options);
+  auto storage = torch::empty({sizes[0], sizes[1], capacity, sizes[3]}, options);
   if (old.defined() && length > 0) {
     storage.narrow(2, 0, length).copy_(old.narrow(2, 0, length));
   }
@@ -162,6 +159,7 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
   for (auto& length : lengths_) {
     length += T;
   }
+  zero_past_each_sequence();
   return {this->keys(), this->values()};
 }
 
@@ -218,7 +216,20 @@ PackedKeysValues KVCache::append_packed(
     all_values.push_back(values_[n].narrow(1, 0, lengths_[n]).transpose(0, 1));
     cached_starts.push_back(cached_starts.back() + lengths_[n]);
   }
+  zero_past_each_sequence();
   return {torch::cat(all_keys), torch::cat(all_values), torch::tensor(cached_starts, torch::kLong)};
+}
+
+void KVCache::zero_past_each_sequence() {
+  if (!ragged()) {
+    return;
+  }
+  const int64_t longest = length();
+  for (size_t b = 0; b < lengths_.size(); ++b) {
+    const auto row = static_cast<int64_t>(b);
+    keys_[row].narrow(1, lengths_[b], longest - lengths_[b]).zero_();
+    values_[row].narrow(1, lengths_[b], longest - lengths_[b]).zero_();
+  }
 }
 
 KVCache KVCache::clone() const {
