@@ -98,7 +98,7 @@ class KVCache {
       const torch::Tensor& cu_seqlens);
 
   /// Tokens cached so far: the longest sequence's where they differ.
-  int64_t length() const;
+  int64_t length() const { return length_; }
   /// Tokens cached so far in each sequence (B of them; none before the
   /// first append and after `reset()`).
   const std::vector<int64_t>& lengths() const { return lengths_; }
@@ -134,6 +134,7 @@ class KVCache {
 
   torch::Tensor keys_, values_; // storage (B, H, capacity, ·)
   std::vector<int64_t> lengths_;
+  int64_t length_ = 0; // the longest of lengths_ (and the count of a batch of 0)
   int64_t max_length_ = 0;
 };
 

@@ -64,18 +64,16 @@ KVCache::KVCache(KVCache&& other) noexcept
     : keys_(std::move(other.keys_)),
       values_(std::move(other.values_)),
       lengths_(std::exchange(other.lengths_, {})),
+      length_(std::exchange(other.length_, 0)),
       max_length_(other.max_length_) {}
 
 KVCache& KVCache::operator=(KVCache&& other) noexcept {
   keys_ = std::move(other.keys_);
   values_ = std::move(other.values_);
   lengths_ = std::exchange(other.lengths_, {});
+  length_ = std::exchange(other.length_, 0);
   max_length_ = other.max_length_;
   return *this;
-}
-
-int64_t KVCache::length() const {
-  return lengths_.empty() ? 0 : *std::max_element(lengths_.begin(), lengths_.end());
 }
 
 bool KVCache::ragged() const {
@@ -88,7 +86,7 @@ void KVCache::reserve(
     torch::IntArrayRef value_sizes,
     const torch::TensorOptions& options,
     int64_t needed) {
-  if (!lengths_.empty()) {
+  if (length_ > 0 || !lengths_.empty()) {
     const auto cached_keys = keys_.sizes(), cached_values = values_.sizes();
     TORCH_CHECK(
         key_sizes[0] == cached_keys[0] && key_sizes[1] == cached_keys[1] &&
@@ -159,6 +157,7 @@ std::pair<torch::Tensor, torch::Tensor> KVCache::append(
   for (auto& length : lengths_) {
     length += T;
   }
+  length_ += T;
   zero_past_each_sequence();
   return {this->keys(), this->values()};
 }
@@ -202,6 +201,7 @@ PackedKeysValues KVCache::append_packed(
       {N, keys.size(1), 0, keys.size(2)}, {N, keys.size(1), 0, values.size(2)}, keys.options(),
       needed);
   lengths_ = std::move(lengths);
+  length_ = std::max(length_, needed);
 
   std::vector<torch::Tensor> all_keys, all_values;
   std::vector<int64_t> cached_starts{0};
@@ -236,6 +236,7 @@ KVCache KVCache::clone() const {
   KVCache copy;
   copy.max_length_ = max_length_;
   copy.lengths_ = lengths_;
+  copy.length_ = length_;
   if (keys_.defined()) {
     copy.keys_ = keys_.clone();
     copy.values_ = values_.clone();
@@ -253,6 +254,7 @@ torch::Tensor KVCache::values() const {
 
 void KVCache::reset() {
   lengths_.clear();
+  length_ = 0;
 }
 
 } // namespace attn
