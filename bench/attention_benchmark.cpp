@@ -1,4 +1,4 @@
-// attn against torch::nn::MultiheadAttention and the reference text's naive
+// attn against torch::nn::MultiheadAttention and the textbook naive
 // composite (and, on CUDA, LibTorch's own at::scaled_dot_product_attention),
 // side by side in one process at one fixed thread count.
 //

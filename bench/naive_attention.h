@@ -1,6 +1,6 @@
 #pragma once
 
-// The reference text's attention, in C++ as its Python writes it: matmul,
+// The textbook attention, in C++ as a few lines of Python would write it: matmul,
 // masked_fill, softmax, matmul. The benchmarks' baseline for the core.
 
 #include <torch/torch.h>

@@ -133,7 +133,7 @@ std::vector<Step> module_steps(const Case& c) {
       })};
 }
 
-// The attention core: attn's default choice against the reference text's
+// The attention core: attn's default choice against the textbook
 // composite, on (B, H, T, D).
 std::vector<Step> core_steps(const Case& c) {
   torch::manual_seed(0);

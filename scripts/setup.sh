@@ -38,7 +38,7 @@ source scripts/lib/install_missing.sh
 # for attn::distributed; Debian's LibTorch and the PyPI wheel both have Gloo
 # compiled in but ship no headers for it.
 packages=(libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas0-openmp
-          libcli11-dev nlohmann-json3-dev libgloo-dev cmake ninja-build g++)
+          libcli11-dev nlohmann-json3-dev libgloo-dev cmake ninja-build g++ python3)
 [ "$libtorch" = debian ] && packages+=(libtorch-dev)
 install_missing "${packages[@]}"
 use_openmp_openblas

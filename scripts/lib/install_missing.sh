@@ -21,7 +21,7 @@ install_missing() {
 # One thread pool for the CPU: Debian's OpenMP build of OpenBLAS runs its
 # threads in libgomp's pool, the one ATen's loops and attn's kernels use,
 # where the pthreads build keeps a second pool whose spinning threads
-# compete for the same cores (docs/BENCHMARKS.md, "Thread pools"). Selects
+# compete for the same cores (docs/design/cpu-kernels.md, "Thread pools"). Selects
 # it for the three names LibTorch links: BLAS, LAPACK and OpenBLAS itself.
 use_openmp_openblas() {
   local multiarch name target as_root=()

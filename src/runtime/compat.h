@@ -25,7 +25,7 @@ constexpr bool kNativeAttentionTakesScale = TORCH_VERSION_MAJOR > 2 ||
     (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1);
 
 // The LibTorch version whose CPU attention attn's backend rule was measured
-// against (docs/BENCHMARKS.md); the rule applies from there on.
+// against (docs/BACKENDS.md, cpu-libtorch-faster); the rule applies from there on.
 constexpr bool kLibTorchCpuRuleMeasured = TORCH_VERSION_MAJOR > 2 ||
     (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 

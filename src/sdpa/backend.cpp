@@ -151,20 +151,9 @@ bool libtorch_fused_cpu_kernel_applies(
       value.stride(-1) == 1;
 }
 
-// Where LibTorch's fused CPU kernel outruns attn's, for a request both can
-// run. Measured with LibTorch 2.15 on 2 cores of a Xeon with AVX-512 and
-// AMX (docs/BENCHMARKS.md, "Choosing the CPU backend"): in float32
-// LibTorch's kernel is faster up to 64 keys than attn's batched kernel
-// (its forward up to 1.5x; with backward, GPT-2-small's layer and
-// train_transformer's trained 1.0-1.1x faster through it), which it
-// replaces where the fused kernel's short loops do not run, and from 2048
-// keys without a causal mask where batch x heads is 32 or more (forward
-// 1.04-1.18x, backward level); in between, and causal from 128 keys at every length,
-// attn's tiled kernel is faster (1.05-1.25x at 1024 keys without a mask,
-// 1.05-1.6x causal), forward and backward.
-// In bfloat16 LibTorch multiplies on the AMX units and is 2-5x faster,
-// except that training on 128 keys runs 1.5-1.7x faster through attn's
-// float32 kernels. Other versions, CPUs and dtypes: attn.
+// The condition of the rule `cpu-libtorch-faster` (docs/BACKENDS.md, which
+// states it and links the measurements behind it): where LibTorch's fused
+// CPU kernel outran attn's, for a request both can run.
 bool libtorch_faster_on_cpu(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -199,22 +188,10 @@ torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
   return query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
-// Where attn's batched kernel outruns its tiled one: short sequences, whose
-// per-head products are too small to pay for a loop each. Measured on 2
-// cores (docs/BENCHMARKS.md, "Short sequences"), forward and backward,
-// D = 16 and 64, 32 to 256 heads. With LibTorch 2.15 and MKL the batched
-// kernel is level to 1.3x as fast up to 64 queries and keys. With LibTorch
-// 1.13, where the tiled kernel multiplies in attn's loops (float,
-// AVX-512), it is up to 1.2x as fast forward up to 32, and the tiled
-// kernel 1.15-1.25x as fast with backward from 48 (with AVX2's loops, on a
-// Zen 2: the batched one 1.0-1.3x as fast up to 32, level at 64, slower
-// from 96); where BLAS multiplies for the tiled kernel, the batched one is
-// as fast up to 64. From 96 to 128 queries and keys without a causal mask
-// at D = 64 it is the faster again (a Xeon with AVX-512,
-// attn_training_bench --kernels: on 2.15 forward 1.28x and with backward
-// 1.23x at 8 heads, 1.02x and 1.08x at 96; on 1.13 1.08x and 1.04x at 8
-// heads, 0.93x at 96), but not at D = 16 (0.88-0.93x at 96 heads) nor with
-// a causal mask. Other versions: as 1.13.
+// The condition of the rule `cpu-short-sequences` (docs/BACKENDS.md; the
+// measurements in docs/design/cpu-kernels.md, "Short sequences"): where
+// attn's batched kernel outran its tiled one, whose per-head products are
+// too small there to pay for a loop each.
 bool batched_cpu_faster(
     const torch::Tensor& query,
     const torch::Tensor& key,
@@ -227,17 +204,9 @@ bool batched_cpu_faster(
       (!options.is_causal() && L <= 128 && S <= 128 && query.size(-1) >= 64);
 }
 
-// Where the fused kernel's short loops run (kernels/cpu/short_heads.h), they
-// are the fastest of the CPU kernels without weights in nearly every case
-// measured (L = S = 16 to 64). Measured on 2 cores
-// of an AMD EPYC (Zen 4), LibTorch 2.15 and 1.13 (docs/BENCHMARKS.md, "Short
-// heads"): at 16-64 tokens, D = 16 and 64, forward 1.3-2.6x the batched
-// kernel and 1.05-2.2x LibTorch's; with backward 1.0-1.9x and 1.2-2.3x
-// (on 1.13 the batched kernel was up to 1.27x faster at 32 tokens, D = 64,
-// 96 heads; with AVX2 forced on that CPU, up to 1.2x at 64 keys, D = 64).
-// In the module, train_transformer's layer ran forward + backward 1.2-1.4x
-// as fast as the built-in, against 0.9-1.0x through LibTorch's kernel, and
-// no short shape lost.
+// The condition of the rule `cpu-short-heads` (docs/BACKENDS.md; the
+// measurements in docs/design/cpu-kernels.md, "Short heads"): wherever the
+// fused kernel's short loops run (kernels/cpu/short_heads.h).
 bool short_heads_faster(const torch::Tensor& query, const torch::Tensor& key) {
   return short_heads_run(computed_on_cpu(query), query.size(-2), key.size(-2));
 }

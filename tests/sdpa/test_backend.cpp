@@ -37,7 +37,7 @@ using attn::testing::tolerance_for;
 constexpr bool kLibTorch2 = TORCH_VERSION_MAJOR >= 2;
 
 // Whether the CPU has `flag`, as Linux names it in /proc/cpuinfo: the
-// features under which docs/BENCHMARKS.md measured LibTorch's kernel
+// features under which docs/BENCHMARKS.md ("Choosing the CPU backend") measured LibTorch's kernel
 // faster (the library's rule keeps attn's kernel elsewhere). Read from the
 // operating system, so that a build by any compiler expects the same.
 bool cpu_has(const char* flag) {
@@ -146,8 +146,8 @@ TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
   EXPECT_EQ(select_backend(d.q, d.k, d.v, no_weights), AttentionBackend::fused_cpu);
 }
 
-// The measured rules of docs/BENCHMARKS.md, "Short heads" and "Short
-// sequences": without weights, heads of up to 128 queries and 64 keys
+// The measured rules of docs/BACKENDS.md, cpu-short-heads and
+// cpu-short-sequences: without weights, heads of up to 128 queries and 64 keys
 // take the fused kernel's short loops where they run; with weights, up to
 // batched_longest() queries and keys take the batched kernel, with or
 // without gradients (and so do requests without weights where the short
@@ -295,7 +295,7 @@ TEST(BackendSelection, TheFusedKernelTakesTheShortLoopsWithinTheirBounds) {
   EXPECT_EQ(loops(16, 16, torch::kDouble), FusedLoops::tiled);
 }
 
-// The measured rule of docs/BENCHMARKS.md: LibTorch's kernel where it was
+// The measured rule of docs/BACKENDS.md, cpu-libtorch-faster: LibTorch's kernel where it was
 // measured faster (LibTorch 2.15 on, AVX-512 or AMX CPUs), attn's elsewhere.
 TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   const auto no_weights = SDPAOptions().need_weights(false);

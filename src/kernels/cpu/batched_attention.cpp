@@ -47,7 +47,8 @@ struct BatchedShape {
 // Products of matrices this small (m·n·k multiply-adds) run in loops of
 // attn's own over the batch, where a BLAS call per matrix costs more than
 // the arithmetic: 1.5-1.6x faster end to end at 16 tokens of 16 features
-// (docs/BENCHMARKS.md); at 20 × 20 × 64 BLAS measured faster again.
+// (docs/design/cpu-kernels.md, "The batched kernel's products"); at
+// 20 × 20 × 64 BLAS measured faster again.
 constexpr int64_t kSmallProduct = int64_t{16} * 16 * 32;
 
 // One small product, c (m, n) = a (m, k) · b (k, n) with b row-major and a

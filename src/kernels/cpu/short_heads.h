@@ -10,7 +10,7 @@
 // block and a pass over each row of scores in memory, for a few thousand
 // multiply-adds. On 2 cores these loops ran 1.3-2.6x as fast as the
 // batched kernel forward and 1.0-1.9x with backward, at 16-64 tokens
-// (docs/BENCHMARKS.md, "Short heads").
+// (docs/design/cpu-kernels.md, "Short heads").
 //
 // The same results as the tiled loops up to rounding, with the same
 // shape (tiled_attention.h): the forward writes the output and the row

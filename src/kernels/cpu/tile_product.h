@@ -6,7 +6,7 @@
 // FMA, attn's own register-tiled loops (micro_tile.h) compute them: a
 // score tile is 128 × 512 × D, small enough that a BLAS call's packing of
 // both operands and its set-up on every call show (the forward measured
-// 1.00-1.07× with attn's loops against OpenBLAS's, docs/BENCHMARKS.md).
+// 1.00-1.07× with attn's loops against OpenBLAS's, docs/design/cpu-kernels.md).
 // Other dtypes, CPUs and layouts go to at::addmm_out, and so do large
 // products called outside a parallel region, which the BLAS shares
 // between threads.
