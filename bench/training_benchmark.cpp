@@ -10,7 +10,8 @@
 //                                               # instruction set (tile_product.h)
 //   build/bench/attn_training_bench --products  # the tiled kernel's products:
 //                                               # attn's loops per instruction
-//                                               # set against BLAS
+//                                               # set against BLAS, and the bfloat16
+//                                               # products against float32 and at::mm
 //   build/bench/attn_training_bench --dropout   # training with dropout: time
 //                                               # and peak tensor memory
 //   build/bench/attn_training_bench --modifiers # published models' attention
@@ -29,6 +30,8 @@
 
 #include <attn/attn.h>
 
+#include "kernels/cpu/amx_products.h" // bfloat16 products on AMX tiles
+#include "kernels/cpu/isa.h"          // whether AMX tiles are granted
 #include "kernels/cpu/tile_product.h" // the tiled kernel's products, attn's loops or BLAS's
 #include "naive_attention.h"
 #include "peak_memory.h"
@@ -41,6 +44,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -261,6 +265,82 @@ void compare_products(double budget, double sgemm) {
       }
     }
   }
+}
+
+// "123.4" and "1.23×", for table cells.
+std::string fmt_rate(double gflops) {
+  char cell[32];
+  std::snprintf(cell, sizeof cell, "%.1f", gflops);
+  return cell;
+}
+std::string fmt_ratio(double ratio) {
+  char cell[32];
+  std::snprintf(cell, sizeof cell, "%.2f×", ratio);
+  return cell;
+}
+
+// attn's bfloat16 products, accumulated in float (AVX512-BF16's micro-tiles
+// and AMX tiles, where this CPU runs them), against its float32 loops and
+// LibTorch's own bfloat16 GEMM (at::mm), at the shapes of the tiled
+// kernel's products (m × n × depth: scores 128 × 512 × 64, P·V
+// 128 × 64 × 512, the backward's dK and dV 512 × 64 × 128), on one thread
+// as a kernel's task runs them: GFLOP/s. b is packed in pairs once, as the
+// kernels would pack K and V once per call.
+void compare_bf16_products(double budget) {
+  using attn::detail::Bf16GemmOperands;
+  const bool avx512_bf16 = attn::detail::bf16_products_run();
+  const bool amx = attn::detail::amx_tiles_granted();
+  const int previous_threads = at::get_num_threads();
+  at::set_num_threads(1);
+  std::printf(
+      "bfloat16 products, one thread each (GFLOP/s; AVX512-BF16 %s, AMX %s):\n\n"
+      "| m × n × depth | float32 loops | AVX512-BF16 loops | AMX tiles | at::mm bfloat16 | AMX "
+      "÷ float32 loops | AMX ÷ at::mm |\n|---|---|---|---|---|---|---|\n",
+      avx512_bf16 ? "runs" : "absent", amx ? "granted" : "absent");
+  for (const auto& [m, n, depth] :
+       std::vector<std::array<int64_t, 3>>{{128, 512, 64}, {128, 64, 512}, {512, 64, 128}}) {
+    const auto a = torch::randn({m, depth}), b = torch::randn({depth, n});
+    const auto a16 = a.to(torch::kBFloat16), b16 = b.to(torch::kBFloat16);
+    const auto packed = torch::empty({(depth + 1) / 2, 2 * n}, torch::kBFloat16);
+    attn::detail::pack_bf16_pairs(
+        depth, n, b16.data_ptr<c10::BFloat16>(), n, 1, packed.data_ptr<c10::BFloat16>(), 2 * n);
+    const auto c = torch::empty({m, n});
+    const Bf16GemmOperands g{
+        depth,
+        1.0F,
+        reinterpret_cast<const uint16_t*>(a16.data_ptr<c10::BFloat16>()),
+        depth,
+        reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+        2 * n,
+        c.data_ptr<float>(),
+        n,
+        false};
+    const std::vector<Step> steps{
+        [&] {
+          attn::detail::tile_gemm_float(
+              m, n, depth, 1.0F, a.data_ptr<float>(), depth, 1, b.data_ptr<float>(), n,
+              c.data_ptr<float>(), n, false);
+        },
+        [&] {
+          attn::detail::tile_gemm_bf16(
+              m, n, depth, 1.0F, a16.data_ptr<c10::BFloat16>(), depth,
+              packed.data_ptr<c10::BFloat16>(), 2 * n, c.data_ptr<float>(), n, false);
+        },
+        [&] { attn::detail::amx_gemm_bf16(m, n, g); }, [&] { torch::mm(a16, b16); }};
+    const auto seconds = time_interleaved(steps, budget);
+    const double gflop = 2.0 * static_cast<double>(m * n * depth) / 1e9;
+    const auto rate = [&](size_t step, bool runs) {
+      return runs ? fmt_rate(gflop / seconds[step]) : std::string("–");
+    };
+    std::printf(
+        "| %lld × %lld × %lld | %s | %s | %s | %s | %s | %s |\n", static_cast<long long>(m),
+        static_cast<long long>(n), static_cast<long long>(depth), rate(0, true).c_str(),
+        rate(1, avx512_bf16).c_str(), rate(2, amx).c_str(), rate(3, true).c_str(),
+        amx ? fmt_ratio(seconds[0] / seconds[2]).c_str() : "–",
+        amx ? fmt_ratio(seconds[3] / seconds[2]).c_str() : "–");
+    std::fflush(stdout);
+  }
+  at::set_num_threads(previous_threads);
 }
 
 // Training with dropout 0.1 on GPT-2 small's causal layer (E = 768, H =
@@ -623,6 +703,8 @@ int main(int argc, char** argv) {
   }
   if (products) {
     compare_products(budget, sgemm);
+    std::printf("\n");
+    compare_bf16_products(budget);
     return 0;
   }
   if (dropout) {

@@ -6,9 +6,11 @@
 
 #include <attn/functional.h>
 
+#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/batched_attention.h"
 #include "kernels/cpu/fused_attention.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/micro_tile.h"
 #include "kernels/cpu/row_ops.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -278,6 +281,93 @@ TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
       }
     }
   });
+}
+
+// attn's bfloat16 products, accumulated in float (AVX512-BF16's vdpbf16ps
+// micro-tiles, AMX tiles), against the float64 product of the same
+// bfloat16 values: around every edge of the micro-tiles (8 × 32) and of
+// AMX's blocks (32 × 32 × 32 of the depth, copied zero-padded where not
+// whole), at odd depths (whose last depth the micro-tiles multiply alone),
+// with b packed in pairs from rows or from columns as the kernels hold keys
+// and values; the packing against its definition.
+TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
+  using attn::detail::Bf16GemmOperands;
+  const auto flags = attn::testing::linux_cpu_flags();
+  EXPECT_EQ(attn::detail::bf16_products_run(), flags.count("avx512_bf16") > 0);
+  std::vector<
+      std::pair<std::string, std::function<bool(int64_t, int64_t, const Bf16GemmOperands&)>>>
+      products;
+  if (attn::detail::bf16_products_run()) {
+    products.emplace_back("AVX512-BF16", [](int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
+      return attn::detail::tile_gemm_bf16(
+          rows, cols, g.depth, g.alpha, reinterpret_cast<const c10::BFloat16*>(g.a), g.a_row_stride,
+          reinterpret_cast<const c10::BFloat16*>(g.b), g.ldb, g.c, g.ldc, g.accumulate);
+    });
+  }
+  if (attn::detail::amx_tiles_granted()) {
+    products.emplace_back("AMX", attn::detail::amx_gemm_bf16);
+  } else if (flags.count("amx_bf16") > 0) {
+    ADD_FAILURE() << "/proc/cpuinfo lists amx_bf16, but Linux did not grant the tile state";
+  }
+  if (products.empty()) {
+    GTEST_SKIP() << "neither AVX512-BF16 nor AMX here: attn's bfloat16 products do not run";
+  }
+  torch::manual_seed(11);
+  const auto bf16 = torch::kBFloat16;
+  for (const int64_t rows : {1, 3, 8, 9, 17, 32, 33}) {
+    for (const int64_t cols : {1, 15, 16, 17, 32, 33, 64, 70}) {
+      for (const int64_t depth : {1, 2, 5, 64, 65}) {
+        for (const bool b_transposed : {false, true}) {
+          SCOPED_TRACE(
+              "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
+              " depth=" + std::to_string(depth) + " b_transposed=" + std::to_string(b_transposed));
+          const auto a = torch::randn({rows, depth + 3}).to(bf16).narrow(1, 0, depth);
+          const auto b = b_transposed ? torch::randn({cols, depth}).to(bf16).t()
+                                      : torch::randn({depth, cols}).to(bf16);
+          const int64_t ld = 2 * cols + 6;
+          const auto packed = torch::full({(depth + 1) / 2, ld}, 7.0, bf16);
+          attn::detail::pack_bf16_pairs(
+              depth, cols, b.data_ptr<c10::BFloat16>(), b.stride(0), b.stride(1),
+              packed.data_ptr<c10::BFloat16>(), ld);
+          auto expected_packed = torch::full({(depth + 1) / 2, ld}, 7.0, torch::kDouble);
+          expected_packed.narrow(1, 0, 2 * cols).zero_();
+          for (int64_t i = 0; i < depth; ++i) {
+            expected_packed[i / 2]
+                .narrow(0, i % 2, 2 * cols - i % 2)
+                .slice(0, 0, c10::nullopt, 2)
+                .copy_(b[i].to(torch::kDouble));
+          }
+          ASSERT_TRUE(torch::equal(packed.to(torch::kDouble), expected_packed));
+          const auto a64 = a.to(torch::kDouble), b64 = b.to(torch::kDouble);
+          // Float accumulation: a few units of float's rounding per term.
+          const auto bound = 4e-7 * (depth + 1) * a64.abs().mm(b64.abs()) + 1e-6;
+          for (const auto& [name, product] : products) {
+            for (const bool accumulate : {false, true}) {
+              SCOPED_TRACE(name + " accumulate=" + std::to_string(accumulate));
+              const auto buffer = torch::randn({rows, cols + 3});
+              const auto c = buffer.narrow(1, 0, cols);
+              const auto before = buffer.clone();
+              const float alpha = 0.125F;
+              ASSERT_TRUE(product(
+                  rows, cols,
+                  Bf16GemmOperands{
+                      depth, alpha, reinterpret_cast<const uint16_t*>(a.data_ptr<c10::BFloat16>()),
+                      a.stride(0),
+                      reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), ld,
+                      c.data_ptr<float>(), c.stride(0), accumulate}));
+              const auto expected = before.narrow(1, 0, cols).to(torch::kDouble) *
+                      (accumulate ? 1 : 0) +
+                  alpha * a64.mm(b64);
+              const auto error = (c.to(torch::kDouble) - expected).abs();
+              EXPECT_TRUE((error <= bound).all().item<bool>())
+                  << "largest error " << error.max().item<double>();
+              EXPECT_TRUE(torch::equal(buffer.narrow(1, cols, 3), before.narrow(1, cols, 3)));
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 // One banded product against the float64 product, row block by row block:

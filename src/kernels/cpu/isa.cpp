@@ -9,6 +9,11 @@
 #include <xmmintrin.h>
 #endif
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace attn::detail {
 namespace {
 
@@ -142,6 +147,26 @@ ScopedSubnormalsAsZero::~ScopedSubnormalsAsZero() {
 ScopedSubnormalsAsZero::ScopedSubnormalsAsZero() = default;
 ScopedSubnormalsAsZero::~ScopedSubnormalsAsZero() = default;
 #endif
+
+bool amx_tiles_granted() {
+  static const bool granted = [] {
+    if (!cpu_features().amx_bf16) {
+      return false;
+    }
+#if defined(__linux__) && defined(__x86_64__)
+    constexpr long kRequestComponentPermission = 0x1023; // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;                       // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestComponentPermission, kTileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+
+const Bf16MicroTiles* bf16_micro_tiles() {
+  return cpu_features().avx512_bf16 ? avx512_bf16_micro_tiles() : nullptr;
+}
 
 const IsaLoops* widest_isa_loops() {
   static const IsaLoops* const widest = [] {

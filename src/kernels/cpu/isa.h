@@ -12,6 +12,7 @@
 namespace attn::detail {
 
 struct MicroTiles;
+struct Bf16MicroTiles;
 struct ShortHeadsLoops;
 struct DropoutRow;
 
@@ -78,6 +79,15 @@ const IsaLoops* isa_loops(InstructionSet set);
 
 // The widest set this CPU runs, or null.
 const IsaLoops* widest_isa_loops();
+
+// Whether this process may use AMX tiles: the CPU has AMX-BF16 and Linux
+// granted the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM), asked once for
+// the whole process). False elsewhere.
+bool amx_tiles_granted();
+
+// The bfloat16 products (micro_tile.h) where this build compiled them and
+// this CPU runs them (AVX512-BF16 and the OS's AVX-512 state), else null.
+const Bf16MicroTiles* bf16_micro_tiles();
 
 // While alive, the calling thread's float arithmetic treats subnormal
 // inputs and results as zero (x86: MXCSR's FTZ and DAZ; elsewhere

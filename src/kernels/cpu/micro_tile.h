@@ -49,10 +49,41 @@ struct MicroTiles {
   TransposeBlockFn transpose;
 };
 
+// The operands of one bfloat16 product with float accumulation: c (rows,
+// cols; row stride ldc) = alpha·A·B (+ c when `accumulate`), where A(r, i)
+// = a[r·a_row_stride + i] and B is held in pairs along the depth, as
+// AVX512-BF16's vdpbf16ps reads it: B(i, j) = b[(i / 2)·ldb + 2j + i % 2]
+// (pack_bf16_pairs in tile_product.h writes it). bfloat16 as its bits.
+struct Bf16GemmOperands {
+  int64_t depth;
+  float alpha;
+  const uint16_t* a;
+  int64_t a_row_stride;
+  const uint16_t* b;
+  int64_t ldb; // elements between pairs of rows: at least 2·cols
+  float* c;
+  int64_t ldc;
+  bool accumulate;
+};
+
+// c[r0, r0 + n) × [c0, c0 + width) of a bfloat16 product.
+using Bf16MicroTileFn = void (*)(const Bf16GemmOperands& g, int64_t r0, int64_t c0, int64_t width);
+
+// The bfloat16 micro-tiles: [n - 1] of n ≤ rows rows, of width cols (full)
+// or less (edge).
+struct Bf16MicroTiles {
+  int64_t rows, cols;
+  const Bf16MicroTileFn* full;
+  const Bf16MicroTileFn* edge;
+};
+
 // Null where this build cannot compile the set; whether the CPU runs it is
 // isa.h's question (isa_loops hands them out). AVX-512: 8 × 32
 // micro-tiles. AVX2 with FMA: 6 × 16, and 4 × 16 in banded products.
 const MicroTiles* avx512_micro_tiles();
 const MicroTiles* avx2_micro_tiles();
+// AVX512-BF16: 8 × 32 micro-tiles of vdpbf16ps (null where not compiled;
+// isa.h says whether the CPU runs them).
+const Bf16MicroTiles* avx512_bf16_micro_tiles();
 
 } // namespace attn::detail

@@ -6,7 +6,7 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define ATTN_HAVE_X86_AVX512 1
-#include <immintrin.h>
+#include "kernels/cpu/micro_tile_avx512_store.h"
 #endif
 
 namespace attn::detail {
@@ -21,10 +21,10 @@ namespace {
 // 512 × 64, 128 × 64 × 512, 512 × 64 × 128; AMD EPYC, one thread): 8 × 2,
 // 12 × 2, 6 × 4 and 4 × 4 registers within 3 % of each other, 14 × 2 4 %
 // slower.
-constexpr int kTileRows = 8;
-constexpr int64_t kLanes = 16; // floats per register
-constexpr int64_t kTileVectors = 2;
-constexpr int64_t kTileCols = kLanes * kTileVectors;
+using avx512::kLanes;
+using avx512::kTileCols;
+using avx512::kTileRows;
+using avx512::kTileVectors;
 
 // c[r0 .. r0+Rows) × [c0 .. c0+width) of the product, width ≤ kTileCols;
 // kFull: width == kTileCols, whose loads and stores need no lane masks (the
@@ -37,10 +37,7 @@ __attribute__((target("avx512f"))) void micro_tile(
     int64_t c0,
     int64_t width) {
   __mmask16 lanes[kTileVectors];
-  for (int64_t v = 0; v < kTileVectors; ++v) {
-    const int64_t n = kFull ? kLanes : std::clamp<int64_t>(width - kLanes * v, 0, kLanes);
-    lanes[v] = static_cast<__mmask16>((1u << n) - 1u);
-  }
+  avx512::edge_lanes<kFull>(width, lanes);
   __m512 acc[Rows][kTileVectors];
   const float* a_rows[Rows];
 #pragma GCC unroll 16
@@ -72,27 +69,9 @@ __attribute__((target("avx512f"))) void micro_tile(
       }
     }
   }
-  const __m512 alpha = _mm512_set1_ps(g.alpha);
-#pragma GCC unroll 16
-  for (int r = 0; r < Rows; ++r) {
-    float* c_row = g.c + (r0 + r) * g.ldc + c0;
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kTileVectors; ++v) {
-      __m512 result = _mm512_mul_ps(acc[r][v], alpha);
-      if constexpr (kFull) {
-        if (g.accumulate) {
-          result = _mm512_add_ps(result, _mm512_loadu_ps(c_row + kLanes * v));
-        }
-        _mm512_storeu_ps(c_row + kLanes * v, result);
-      } else {
-        if (g.accumulate) {
-          result = _mm512_add_ps(result, _mm512_maskz_loadu_ps(lanes[v], c_row + kLanes * v));
-        }
-        _mm512_mask_storeu_ps(c_row + kLanes * v, lanes[v], result);
-      }
-    }
-  }
+  avx512::store_tile<Rows, kFull>(acc, lanes, g.alpha, g.c + r0 * g.ldc + c0, g.ldc, g.accumulate);
 }
+
 template <bool kFull, int... Rows>
 constexpr std::array<MicroTileFn, sizeof...(Rows)> micro_tiles(
     std::integer_sequence<int, Rows...>) {

@@ -227,6 +227,65 @@ bool tile_gemm_float(
   return true;
 }
 
+bool bf16_products_run() {
+  return bf16_micro_tiles() != nullptr;
+}
+
+bool tile_gemm_bf16(
+    int64_t rows,
+    int64_t cols,
+    int64_t depth,
+    float alpha,
+    const c10::BFloat16* a,
+    int64_t a_row_stride,
+    const c10::BFloat16* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    bool accumulate) {
+  const Bf16MicroTiles* tiles = bf16_micro_tiles();
+  if (tiles == nullptr) {
+    return false;
+  }
+  const Bf16GemmOperands g{
+      depth,
+      alpha,
+      reinterpret_cast<const uint16_t*>(a),
+      a_row_stride,
+      reinterpret_cast<const uint16_t*>(b),
+      ldb,
+      c,
+      ldc,
+      accumulate};
+  for (int64_t c0 = 0; c0 < cols; c0 += tiles->cols) {
+    const int64_t width = std::min(tiles->cols, cols - c0);
+    const Bf16MicroTileFn* by_rows = width == tiles->cols ? tiles->full : tiles->edge;
+    for (int64_t r0 = 0; r0 < rows; r0 += tiles->rows) {
+      by_rows[std::min(tiles->rows, rows - r0) - 1](g, r0, c0, width);
+    }
+  }
+  return true;
+}
+
+void pack_bf16_pairs(
+    int64_t depth,
+    int64_t cols,
+    const c10::BFloat16* from,
+    int64_t from_row_stride,
+    int64_t from_column_stride,
+    c10::BFloat16* to,
+    int64_t ld_to) {
+  for (int64_t i = 0; i < depth; i += 2) {
+    const c10::BFloat16* first = from + i * from_row_stride;
+    const c10::BFloat16* second = i + 1 < depth ? first + from_row_stride : nullptr;
+    c10::BFloat16* pairs = to + (i / 2) * ld_to;
+    for (int64_t j = 0; j < cols; ++j) {
+      pairs[2 * j] = first[j * from_column_stride];
+      pairs[2 * j + 1] = second != nullptr ? second[j * from_column_stride] : c10::BFloat16(0.0f);
+    }
+  }
+}
+
 template <typename T>
 bool tile_loops_take(
     const MatrixRef<T>& out,

@@ -169,6 +169,41 @@ bool tile_gemm_float(
     int64_t ldc,
     bool accumulate);
 
+// Whether tile_gemm_bf16 runs on this CPU (AVX512-BF16's products, isa.h).
+bool bf16_products_run();
+
+// The bfloat16 product of attn's loops, accumulated in float, on raw
+// pointers: c (rows, cols; row stride ldc) = alpha·A·B, plus c when
+// `accumulate`, where A(r, i) = a[r·a_row_stride + i] (rows of unit
+// stride) and B is held in pairs along the depth as pack_bf16_pairs writes
+// it (ldb elements between pairs of rows). Returns false, computing
+// nothing, where bf16_products_run() is false.
+bool tile_gemm_bf16(
+    int64_t rows,
+    int64_t cols,
+    int64_t depth,
+    float alpha,
+    const c10::BFloat16* a,
+    int64_t a_row_stride,
+    const c10::BFloat16* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    bool accumulate);
+
+// B (depth, cols), element (i, j) at from[i·from_row_stride +
+// j·from_column_stride], in pairs along the depth for tile_gemm_bf16:
+// to[(i / 2)·ld_to + 2j + i % 2] = B(i, j), the second half of an odd
+// depth's last pair zero. ld_to ≥ 2·cols.
+void pack_bf16_pairs(
+    int64_t depth,
+    int64_t cols,
+    const c10::BFloat16* from,
+    int64_t from_row_stride,
+    int64_t from_column_stride,
+    c10::BFloat16* to,
+    int64_t ld_to);
+
 // to = fromᵀ in float, for the right operands that attn's loops read by
 // rows (Kᵀ, Vᵀ): from (rows, cols) with strides (from_row_stride,
 // from_column_stride), to (cols, rows) with row stride ld_to. From rows of

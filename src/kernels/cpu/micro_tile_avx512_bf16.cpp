@@ -1,0 +1,136 @@
+#include "kernels/cpu/micro_tile.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_HAVE_X86_AVX512_BF16 1
+#include "kernels/cpu/micro_tile_avx512_store.h"
+#endif
+
+namespace attn::detail {
+
+#ifdef ATTN_HAVE_X86_AVX512_BF16
+namespace {
+
+// As the float micro-tiles (micro_tile_avx512.cpp): up to kTileRows rows of
+// c by kTileVectors registers of 16 floats, here fed per step by pairs of
+// the depth: vdpbf16ps multiplies 16 pairs of bfloat16 of b by one pair of
+// a, broadcast, and adds both products to 16 float lanes.
+using avx512::kLanes; // floats per register, pairs of bfloat16 per load
+using avx512::kTileCols;
+using avx512::kTileRows;
+using avx512::kTileVectors;
+
+// The 32 bits of a's pair at `at`: two bfloat16, the first in the low half.
+inline int32_t pair_bits(const uint16_t* at) {
+  int32_t bits = 0;
+  std::memcpy(&bits, at, sizeof bits);
+  return bits;
+}
+
+// 16 pairs of b from `at`; lanes past the edge's width zero.
+template <bool kFull>
+__attribute__((target("avx512f,avx512bf16"))) inline __m512i load_pairs(
+    const uint16_t* at,
+    __mmask16 lanes) {
+  if constexpr (kFull) {
+    return _mm512_loadu_si512(at);
+  } else {
+    return _mm512_maskz_loadu_epi32(lanes, at);
+  }
+}
+
+// (GCC 12's shift intrinsic starts from a vector initialised from itself,
+// which -Wmaybe-uninitialized reports at every call.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+template <int Rows, bool kFull>
+__attribute__((target("avx512f,avx512bf16"))) void bf16_micro_tile(
+    const Bf16GemmOperands& g,
+    int64_t r0,
+    int64_t c0,
+    int64_t width) {
+  __mmask16 lanes[kTileVectors];
+  avx512::edge_lanes<kFull>(width, lanes);
+  __m512 acc[Rows][kTileVectors];
+  const uint16_t* a_rows[Rows];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      acc[r][v] = _mm512_setzero_ps();
+    }
+    a_rows[r] = g.a + (r0 + r) * g.a_row_stride;
+  }
+  const int64_t pairs = g.depth / 2, ldb = g.ldb;
+  const uint16_t* b_row = g.b + 2 * c0;
+  for (int64_t p = 0; p < pairs; ++p, b_row += ldb) {
+    __m512i b_values[kTileVectors];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      b_values[v] = load_pairs<kFull>(b_row + 2 * kLanes * v, lanes[v]);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const __m512i a_pair = _mm512_set1_epi32(pair_bits(a_rows[r] + 2 * p));
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kTileVectors; ++v) {
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)a_pair, (__m512bh)b_values[v]);
+      }
+    }
+  }
+  if (g.depth % 2 != 0) {
+    // The last depth alone, in float: b's last pair holds it in its low
+    // half (and padding above), a's row ends at it.
+    __m512 b_values[kTileVectors];
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      const __m512i last = load_pairs<kFull>(b_row + 2 * kLanes * v, lanes[v]);
+      b_values[v] = _mm512_castsi512_ps(_mm512_slli_epi32(last, 16));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const uint32_t a_bits = static_cast<uint32_t>(a_rows[r][2 * pairs]) << 16;
+      float a_value = 0;
+      std::memcpy(&a_value, &a_bits, sizeof a_value);
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kTileVectors; ++v) {
+        acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(a_value), b_values[v], acc[r][v]);
+      }
+    }
+  }
+  avx512::store_tile<Rows, kFull>(acc, lanes, g.alpha, g.c + r0 * g.ldc + c0, g.ldc, g.accumulate);
+}
+#pragma GCC diagnostic pop
+
+template <bool kFull, int... Rows>
+constexpr std::array<Bf16MicroTileFn, sizeof...(Rows)> bf16_micro_tiles(
+    std::integer_sequence<int, Rows...>) {
+  return {bf16_micro_tile<Rows + 1, kFull>...};
+}
+
+constexpr auto kFullTiles = bf16_micro_tiles<true>(std::make_integer_sequence<int, kTileRows>());
+constexpr auto kEdgeTiles = bf16_micro_tiles<false>(std::make_integer_sequence<int, kTileRows>());
+
+} // namespace
+
+const Bf16MicroTiles* avx512_bf16_micro_tiles() {
+  static const Bf16MicroTiles tiles{kTileRows, kTileCols, kFullTiles.data(), kEdgeTiles.data()};
+  return &tiles;
+}
+
+#else
+
+const Bf16MicroTiles* avx512_bf16_micro_tiles() {
+  return nullptr;
+}
+
+#endif
+
+} // namespace attn::detail
