@@ -267,18 +267,6 @@ void compare_products(double budget, double sgemm) {
   }
 }
 
-// "123.4" and "1.23×", for table cells.
-std::string fmt_rate(double gflops) {
-  char cell[32];
-  std::snprintf(cell, sizeof cell, "%.1f", gflops);
-  return cell;
-}
-std::string fmt_ratio(double ratio) {
-  char cell[32];
-  std::snprintf(cell, sizeof cell, "%.2f×", ratio);
-  return cell;
-}
-
 // attn's bfloat16 products, accumulated in float (AVX512-BF16's micro-tiles
 // and AMX tiles, where this CPU runs them), against its float32 loops and
 // LibTorch's own bfloat16 GEMM (at::mm), at the shapes of the tiled
@@ -321,23 +309,19 @@ void compare_bf16_products(double budget) {
               m, n, depth, 1.0F, a.data_ptr<float>(), depth, 1, b.data_ptr<float>(), n,
               c.data_ptr<float>(), n, false);
         },
-        [&] {
-          attn::detail::tile_gemm_bf16(
-              m, n, depth, 1.0F, a16.data_ptr<c10::BFloat16>(), depth,
-              packed.data_ptr<c10::BFloat16>(), 2 * n, c.data_ptr<float>(), n, false);
-        },
+        [&] { attn::detail::tile_gemm_bf16(m, n, g); },
         [&] { attn::detail::amx_gemm_bf16(m, n, g); }, [&] { torch::mm(a16, b16); }};
     const auto seconds = time_interleaved(steps, budget);
     const double gflop = 2.0 * static_cast<double>(m * n * depth) / 1e9;
     const auto rate = [&](size_t step, bool runs) {
-      return runs ? fmt_rate(gflop / seconds[step]) : std::string("–");
+      return runs ? fixed(gflop / seconds[step], "%.1f") : std::string("–");
     };
     std::printf(
         "| %lld × %lld × %lld | %s | %s | %s | %s | %s | %s |\n", static_cast<long long>(m),
         static_cast<long long>(n), static_cast<long long>(depth), rate(0, true).c_str(),
         rate(1, avx512_bf16).c_str(), rate(2, amx).c_str(), rate(3, true).c_str(),
-        amx ? fmt_ratio(seconds[0] / seconds[2]).c_str() : "–",
-        amx ? fmt_ratio(seconds[3] / seconds[2]).c_str() : "–");
+        amx ? fixed(seconds[0] / seconds[2], "%.2f×").c_str() : "–",
+        amx ? fixed(seconds[3] / seconds[2], "%.2f×").c_str() : "–");
     std::fflush(stdout);
   }
   at::set_num_threads(previous_threads);

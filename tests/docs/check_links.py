@@ -9,6 +9,7 @@ anchors: lowercase, punctuation dropped, spaces as hyphens, and -1, -2 ...
 after repeated headings. Links with a scheme (https:) are not followed.
 Prints each broken link with its file and line; exits 1 if there are any.
 """
+import functools
 import os
 import re
 import sys
@@ -17,6 +18,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
 
 
+@functools.lru_cache(maxsize=None)
 def anchors_of(path):
     anchors, seen, fenced = set(), {}, False
     with open(path, encoding="utf-8") as f:

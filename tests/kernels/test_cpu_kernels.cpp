@@ -298,11 +298,7 @@ TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
       std::pair<std::string, std::function<bool(int64_t, int64_t, const Bf16GemmOperands&)>>>
       products;
   if (attn::detail::bf16_products_run()) {
-    products.emplace_back("AVX512-BF16", [](int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
-      return attn::detail::tile_gemm_bf16(
-          rows, cols, g.depth, g.alpha, reinterpret_cast<const c10::BFloat16*>(g.a), g.a_row_stride,
-          reinterpret_cast<const c10::BFloat16*>(g.b), g.ldb, g.c, g.ldc, g.accumulate);
-    });
+    products.emplace_back("AVX512-BF16", attn::detail::tile_gemm_bf16);
   }
   if (attn::detail::amx_tiles_granted()) {
     products.emplace_back("AMX", attn::detail::amx_gemm_bf16);

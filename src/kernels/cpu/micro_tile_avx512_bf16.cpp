@@ -59,13 +59,10 @@ __attribute__((target("avx512f,avx512bf16"))) void bf16_micro_tile(
   __mmask16 lanes[kTileVectors];
   avx512::edge_lanes<kFull>(width, lanes);
   __m512 acc[Rows][kTileVectors];
+  avx512::zero_tile<Rows>(acc);
   const uint16_t* a_rows[Rows];
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < kTileVectors; ++v) {
-      acc[r][v] = _mm512_setzero_ps();
-    }
     a_rows[r] = g.a + (r0 + r) * g.a_row_stride;
   }
   const int64_t pairs = g.depth / 2, ldb = g.ldb;

@@ -3,7 +3,7 @@
 // What the AVX-512 micro-tiles share (micro_tile_avx512.cpp for float,
 // micro_tile_avx512_bf16.cpp for bfloat16 inputs): a tile of kTileVectors
 // registers of 16 floats per row, the lane masks of an edge tile, and the
-// store of the float accumulators as c = alpha·acc (+ c). Included only by
+// accumulators zeroed, and their store as c = alpha·acc (+ c). Included only by
 // those files, under their x86 guard; every function here is inlined into
 // their micro-tiles, whose target attributes include AVX-512F.
 
@@ -28,6 +28,19 @@ __attribute__((target("avx512f"), always_inline)) inline void edge_lanes(
   for (int64_t v = 0; v < kTileVectors; ++v) {
     const int64_t n = kFull ? kLanes : std::clamp<int64_t>(width - kLanes * v, 0, kLanes);
     lanes[v] = static_cast<__mmask16>((1U << n) - 1U);
+  }
+}
+
+// Every accumulator of a tile of Rows rows at zero.
+template <int Rows>
+__attribute__((target("avx512f"), always_inline)) inline void zero_tile(
+    __m512 (&acc)[Rows][kTileVectors]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      acc[r][v] = _mm512_setzero_ps();
+    }
   }
 }
 

@@ -231,32 +231,11 @@ bool bf16_products_run() {
   return bf16_micro_tiles() != nullptr;
 }
 
-bool tile_gemm_bf16(
-    int64_t rows,
-    int64_t cols,
-    int64_t depth,
-    float alpha,
-    const c10::BFloat16* a,
-    int64_t a_row_stride,
-    const c10::BFloat16* b,
-    int64_t ldb,
-    float* c,
-    int64_t ldc,
-    bool accumulate) {
+bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
   const Bf16MicroTiles* tiles = bf16_micro_tiles();
   if (tiles == nullptr) {
     return false;
   }
-  const Bf16GemmOperands g{
-      depth,
-      alpha,
-      reinterpret_cast<const uint16_t*>(a),
-      a_row_stride,
-      reinterpret_cast<const uint16_t*>(b),
-      ldb,
-      c,
-      ldc,
-      accumulate};
   for (int64_t c0 = 0; c0 < cols; c0 += tiles->cols) {
     const int64_t width = std::min(tiles->cols, cols - c0);
     const Bf16MicroTileFn* by_rows = width == tiles->cols ? tiles->full : tiles->edge;

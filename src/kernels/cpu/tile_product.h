@@ -19,6 +19,8 @@
 
 namespace attn::detail {
 
+struct Bf16GemmOperands; // micro_tile.h
+
 // Which loops compute the float products: at::addmm_out (the BLAS), or
 // attn's loops for one x86 instruction set.
 enum class ProductLoops { blas, avx2, avx512 };
@@ -172,24 +174,13 @@ bool tile_gemm_float(
 // Whether tile_gemm_bf16 runs on this CPU (AVX512-BF16's products, isa.h).
 bool bf16_products_run();
 
-// The bfloat16 product of attn's loops, accumulated in float, on raw
-// pointers: c (rows, cols; row stride ldc) = alpha·A·B, plus c when
-// `accumulate`, where A(r, i) = a[r·a_row_stride + i] (rows of unit
-// stride) and B is held in pairs along the depth as pack_bf16_pairs writes
-// it (ldb elements between pairs of rows). Returns false, computing
-// nothing, where bf16_products_run() is false.
-bool tile_gemm_bf16(
-    int64_t rows,
-    int64_t cols,
-    int64_t depth,
-    float alpha,
-    const c10::BFloat16* a,
-    int64_t a_row_stride,
-    const c10::BFloat16* b,
-    int64_t ldb,
-    float* c,
-    int64_t ldc,
-    bool accumulate);
+// The bfloat16 product of attn's loops, accumulated in float: c (rows,
+// cols) = alpha·A·B (+ c), the operands as micro_tile.h's
+// Bf16GemmOperands describe them (A's rows of unit stride, B in pairs along
+// the depth as pack_bf16_pairs writes it). Returns false, computing
+// nothing, where bf16_products_run() is false. amx_products.h computes the
+// same on AMX tiles.
+bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
 
 // B (depth, cols), element (i, j) at from[i·from_row_stride +
 // j·from_column_stride], in pairs along the depth for tile_gemm_bf16:
