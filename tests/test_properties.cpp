@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iostream>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -101,6 +102,7 @@ struct SdpaCase {
   bool masked_row;         // one query row with every key masked
   bool mask_requires_grad; // a float mask that is itself learned
   bool causal;
+  int64_t window = 0; // 0: none
   bool need_weights;
   bool requires_grad;
   c10::optional<double> scale;
@@ -114,7 +116,8 @@ struct SdpaCase {
       << " batch=" << torch::IntArrayRef(batch) << " L=" << L << " S=" << S << " E=" << E
       << " Ev=" << Ev << " mask=" << name(mask) << " masked_row=" << masked_row
       << " mask_requires_grad=" << mask_requires_grad << " causal=" << causal
-      << " need_weights=" << need_weights << " requires_grad=" << requires_grad
+      << " window=" << window << " need_weights=" << need_weights
+      << " requires_grad=" << requires_grad
       << " scale=" << (scale ? std::to_string(*scale) : "default") << " dtype=" << dtype
       << " layout=" << name(layout) << " products=" << attn::detail::product_loops_name(products);
     return s.str();
@@ -188,8 +191,8 @@ torch::Tensor reference_bias(const SdpaCase& c, const torch::Tensor& mask) {
   if (mask.defined()) {
     bias = bias + additive_bias(mask.expand(full));
   }
-  if (c.causal) {
-    bias = bias + additive_bias(attn::testing::band_mask(c.L, c.S, 0, /*causal=*/true, 0));
+  if (c.causal || c.window > 0) {
+    bias = bias + additive_bias(attn::testing::band_mask(c.L, c.S, 0, c.causal, c.window));
   }
   return bias.reshape({-1, c.L, c.S}); // (N, L, S)
 }
@@ -277,6 +280,159 @@ TEST(PropertySweep, FunctionAndModuleMatchTheFloat64Reference) {
     if (HasFailure()) {
       break; // one reproducible configuration is enough to report
     }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// bfloat16, by FlashAttention's rule (Dao, FlashAttention-2, 2023; its
+// tests/test_flash_attn.py): against the float64 oracle of the same
+// bfloat16 inputs, attn's error is at most twice the error of LibTorch's
+// own bfloat16 computation, softmax(Q Kᵀ·scale + bias) V op by op in
+// bfloat16, for the output and each gradient.
+
+constexpr int kBfloat16Cases = 40;
+
+// Where the fused kernel's tiled loops compute in bfloat16 (a request the
+// short heads' loops would not take in float32) and elsewhere.
+SdpaCase draw_bfloat16_case(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  SdpaCase c;
+  c.seed = seed;
+  c.module = false;
+  c.batch = pick<std::vector<int64_t>>(rng, {{2}, {1, 3}, {2, 2}});
+  c.L = pick<int64_t>(rng, {1, 17, 128, 129, 300});
+  c.S = pick<int64_t>(rng, {1, 6, 65, 511, 512, 513, 700});
+  c.E = pick<int64_t>(rng, {8, 16, 64});
+  c.Ev = pick<int64_t>(rng, {c.E, 5});
+  c.mask = pick(rng, {SdpaMask::none, SdpaMask::bool_pairs, SdpaMask::float_full});
+  c.masked_row = false;
+  c.causal = coin(rng);
+  c.window = c.L <= c.S ? pick<int64_t>(rng, {0, 0, 38, 200}) : 0; // 38: odd first keys
+  c.need_weights = false;
+  c.requires_grad = coin(rng);
+  c.mask_requires_grad = false;
+  c.scale = coin(rng) ? c10::optional<double>(pick(rng, {0.05, 0.7})) : c10::nullopt;
+  c.dtype = torch::kBFloat16;
+  c.layout = pick(rng, {Layout::contiguous, Layout::transposed});
+  c.products = attn::detail::active_product_loops();
+  return c;
+}
+
+// LibTorch's bfloat16 composite on (N, T, F) inputs and the float64
+// bias, with rows that see no key as zeros (the library's convention).
+torch::Tensor libtorch_bfloat16_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& bias,
+    double scale) {
+  const auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale + bias.to(q.scalar_type());
+  return torch::matmul(torch::softmax(scores, -1), v).nan_to_num(0.0);
+}
+
+double largest_error(const torch::Tensor& t, const torch::Tensor& reference) {
+  return (t.detach().to(torch::kDouble) - reference).abs().max().item<double>();
+}
+
+// Whether attn's error is within FlashAttention's rule, with a floor of
+// 2^-20 of the largest reference magnitude for errors that round to none.
+::testing::AssertionResult within_twice_libtorchs_error(
+    const torch::Tensor& ours,
+    const torch::Tensor& libtorch,
+    const torch::Tensor& reference) {
+  const double error = largest_error(ours, reference);
+  const double bound = 2 * largest_error(libtorch, reference) +
+      std::ldexp(1.0, -20) * std::max(1.0, reference.abs().max().item<double>());
+  if (error <= bound) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "error " << error << " above " << bound;
+}
+
+// Checks the case; returns whether the fused kernel's tiled loops took it
+// (in bfloat16 where the CPU has bfloat16 products).
+bool check_bfloat16_case(const SdpaCase& c) {
+  torch::manual_seed(c.seed);
+  const auto shape = [&](int64_t T, int64_t F) {
+    auto s = c.batch;
+    s.insert(s.end(), {T, F});
+    return s;
+  };
+  const auto q = random_tensor(shape(c.L, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  const auto k = random_tensor(shape(c.S, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  const auto v = random_tensor(shape(c.S, c.Ev), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  // Every row sees a key, so that LibTorch's rows are defined: key 0
+  // without a window, key i (in every band: windows come with L <= S).
+  auto mask = make_sdpa_mask(c);
+  if (mask.defined()) {
+    const double visible = mask.scalar_type() == torch::kBool ? 1.0 : 0.0;
+    mask.select(-1, 0).fill_(visible);
+    mask.diagonal(0, -2, -1).fill_(visible);
+  }
+  auto options = attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale);
+  if (c.window > 0) {
+    options.window(c.window);
+  }
+  const bool tiled = attn::select_backend(q, k, v, options) == attn::AttentionBackend::fused_cpu &&
+      !attn::detail::short_heads_run(torch::kFloat, c.L, c.S);
+  const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+
+  const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
+  const auto flat = [](const torch::Tensor& t) { return t.reshape({-1, t.size(-2), t.size(-1)}); };
+  const auto as_leaf = [&](const torch::Tensor& t, torch::ScalarType dtype) {
+    return flat(t).detach().to(dtype).requires_grad_(c.requires_grad);
+  };
+  const auto bias = reference_bias(c, mask);
+  const auto q64 = as_leaf(q, torch::kDouble), k64 = as_leaf(k, torch::kDouble);
+  const auto v64 = as_leaf(v, torch::kDouble);
+  const auto ref_out = attn::testing::reference_attention(q64, k64, v64, bias, scale).first;
+  const auto q16 = as_leaf(q, c.dtype), k16 = as_leaf(k, c.dtype), v16 = as_leaf(v, c.dtype);
+  const auto libtorch_out = libtorch_bfloat16_attention(q16, k16, v16, bias, scale);
+  EXPECT_TRUE(within_twice_libtorchs_error(flat(out), libtorch_out, ref_out)) << "output";
+  if (!c.requires_grad) {
+    return tiled;
+  }
+  const auto upstream = torch::randn(out.sizes()).to(c.dtype);
+  const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
+  const auto ref_grads = attn::testing::reference_attention_gradients(
+      q64, k64, v64, bias, scale, flat(upstream).to(torch::kDouble));
+  const auto libtorch_grads = torch::autograd::grad(
+      {libtorch_out}, {q16, k16, v16}, {flat(upstream)});
+  const char* names[] = {"d query", "d key", "d value"};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(within_twice_libtorchs_error(flat(grads[i]), libtorch_grads[i], ref_grads[i]))
+        << names[i];
+  }
+  return tiled;
+}
+
+// On each of the bfloat16 products this CPU runs, and on none (the
+// request computed in float32) where it runs neither.
+TEST(PropertySweep, Bfloat16IsWithinTwiceLibTorchsBfloat16Error) {
+  const auto products = attn::detail::available_bf16_products();
+  if (products.empty()) {
+    std::cout << "[  NOTE    ] this CPU has no bfloat16 products (AVX512-BF16, AMX): the sweep "
+                 "checks the float32 computation of bfloat16 requests\n";
+  }
+  const auto sweep = [&] {
+    int tiled = 0;
+    for (int i = 0; i < kBfloat16Cases && !HasFailure(); ++i) {
+      const auto c = draw_bfloat16_case(kBaseSeed + i);
+      SCOPED_TRACE(c.describe());
+      tiled += check_bfloat16_case(c) ? 1 : 0;
+    }
+    if (!HasFailure()) {
+      EXPECT_GE(tiled, kBfloat16Cases / 4) << "cases on the tiled loops";
+    }
+  };
+  for (const auto p : products) {
+    SCOPED_TRACE(std::string("bfloat16 products: ") + attn::detail::bf16_products_name(p));
+    const attn::detail::ScopedBf16Products on(p);
+    sweep();
+  }
+  if (products.empty()) {
+    sweep();
   }
 }
 

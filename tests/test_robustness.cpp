@@ -152,12 +152,20 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
 // the results once, so each element is within half an ulp of the float32
 // result on the same (rounded) inputs: 2^-8 of it for bfloat16 (8 significant
 // bits), 2^-11 for float16 (11 bits; plus 2^-25 where it is subnormal).
+// Except bfloat16 on the fused kernel's tiled loops where the CPU has
+// bfloat16 products: it is computed in bfloat16 there, and
+// PropertySweep.Bfloat16IsWithinTwiceLibTorchsBfloat16Error holds it to
+// LibTorch's own bfloat16 error.
 TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
   torch::manual_seed(13);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     const double half_ulp = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
     for (const auto& route : kRoutes) {
       SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
+      if (dtype == torch::kBFloat16 && route.backend == attn::AttentionBackend::fused_cpu &&
+          !route.short_heads && attn::detail::bf16_gemm_runs()) {
+        continue; // computed in bfloat16 (above)
+      }
       const auto tiled = route.keep_to_route(70, 40);
       const auto q = torch::randn({2, 3, 70, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto k = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);

@@ -290,15 +290,31 @@ AttentionBackend choose_backend(
   return deciding_rule({query, key, value, options}).backend;
 }
 
-FusedLoops fused_cpu_loops(const AttentionParams& params) {
+namespace {
+
+// fused_cpu_loops for params computed in `dtype`.
+FusedLoops fused_cpu_loops_in(const AttentionParams& params, torch::ScalarType dtype) {
   // Only the tiled loops drop weights, modify scores and differentiate the
   // mask.
   const bool mask_needs_grad = params.mask.defined() && params.mask.requires_grad() &&
       torch::GradMode::is_enabled();
   const bool plain = !params.dropout.active() && !params.modifiers.active() && !mask_needs_grad;
-  return plain && short_heads_run(params.q.scalar_type(), params.L(), params.S())
-      ? FusedLoops::short_heads
-      : FusedLoops::tiled;
+  return plain && short_heads_run(dtype, params.L(), params.S()) ? FusedLoops::short_heads
+                                                                 : FusedLoops::tiled;
+}
+
+} // namespace
+
+FusedLoops fused_cpu_loops(const AttentionParams& params) {
+  return fused_cpu_loops_in(params, params.q.scalar_type());
+}
+
+bool fused_cpu_computes_bf16(const AttentionParams& params) {
+  const bool every_size_positive = params.q.numel() > 0 && params.k.numel() > 0 &&
+      params.v.numel() > 0;
+  return params.q.scalar_type() == torch::kBFloat16 && params.q.device().is_cpu() &&
+      every_size_positive && bf16_gemm_runs() &&
+      fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::tiled;
 }
 
 ForwardResult fused_cpu_forward(const AttentionParams& params) {

@@ -61,6 +61,14 @@ AttentionBackend choose_backend(
 // short_heads_faster), else the tiled ones.
 FusedLoops fused_cpu_loops(const AttentionParams& params);
 
+// Whether the fused CPU kernel computes `params`, whose q, k and v are
+// bfloat16 (the mask and the modifiers' tensors float), in bfloat16: on
+// its tiled loops, where no size is 0, this CPU has bfloat16 products
+// (kernels/cpu/tile_product.h, bf16_gemm_runs) and the same request in
+// float32 would not take the short heads' loops. Elsewhere the request
+// is computed in float32.
+bool fused_cpu_computes_bf16(const AttentionParams& params);
+
 // The fused CPU kernel's forward and backward on its chosen loops, for
 // callers that merge partial results (the context-parallel ring):
 // fused_attention.h's fused_forward and fused_backward.

@@ -155,12 +155,14 @@ std::vector<int64_t> with_last_dim(const torch::Tensor& query, int64_t last) {
 
 // The request as attn's backends read it (kernels/attention_params.h):
 // the inputs as (B, H, ·, ·), views whenever there are at most 4 dims, and
-// the mask expanded to the scores' shape.
+// the mask expanded to the scores' shape; the modifiers' tensors in
+// `score_dtype` (the inputs' dtype unless given).
 detail::AttentionParams attention_params(
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
-    const SDPAOptions& options) {
+    const SDPAOptions& options,
+    c10::optional<torch::ScalarType> score_dtype = c10::nullopt) {
   const auto& mask = options.attn_mask();
   detail::AttentionParams params;
   params.q = as_4d(query);
@@ -185,7 +187,7 @@ detail::AttentionParams attention_params(
     }
   }
   params.modifiers = detail::score_modifiers(
-      options, params.H(), params.L(), params.S(), params.q.scalar_type());
+      options, params.H(), params.L(), params.S(), score_dtype.value_or(params.q.scalar_type()));
   return params;
 }
 
@@ -269,8 +271,8 @@ torch::Tensor run_libtorch(
   return output.reshape(output_shape).masked_fill(empty_rows, 0.0);
 }
 
-// The request's dtype on a CPU that computes it in float32.
-bool computed_in_float32_on_cpu(const torch::Tensor& query) {
+// Whether the request is in half precision on the CPU.
+bool half_precision_on_cpu(const torch::Tensor& query) {
   const auto dtype = query.scalar_type();
   return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
 }
@@ -282,6 +284,28 @@ SDPAOptions with_float32_mask(SDPAOptions options) {
     options.attn_mask(mask.to(torch::kFloat));
   }
   return options;
+}
+
+// A half-precision request as attn's CPU backends compute it: in
+// bfloat16 where the fused kernel does (backend.h, fused_cpu_computes_bf16),
+// else in float32, converted whole, its results rounded once (scores and
+// softmax sums held in 8 or 11 mantissa bits would lose most of the
+// weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU).
+// The mask and the modifiers' tensors are float either way.
+detail::AttentionParams half_precision_params(
+    AttentionBackend backend,
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  auto params = attention_params(query, key, value, with_float32_mask(options), torch::kFloat);
+  if (backend == AttentionBackend::fused_cpu && detail::fused_cpu_computes_bf16(params)) {
+    return params;
+  }
+  params.q = params.q.to(torch::kFloat);
+  params.k = params.k.to(torch::kFloat);
+  params.v = params.v.to(torch::kFloat);
+  return params;
 }
 
 // The fused kernel's dropout stream is keyed by the next 64 bits of
@@ -307,16 +331,10 @@ std::tuple<torch::Tensor, torch::Tensor> run_backend(
   if (backend == AttentionBackend::libtorch) {
     return {run_libtorch(query, key, value, options), torch::Tensor()};
   }
-  // Scores and softmax sums held in 8 or 11 mantissa bits lose most of the
-  // weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU:
-  // attn's CPU backends compute in float32 and round the results once.
-  // LibTorch's kernel computes half precision its own way.
-  const bool in_float32 = computed_in_float32_on_cpu(query);
-  auto params = in_float32 ? attention_params(
-                                 query.to(torch::kFloat), key.to(torch::kFloat),
-                                 value.to(torch::kFloat), with_float32_mask(options))
-                           : attention_params(query, key, value, options);
-  if (!in_float32) {
+  auto params = half_precision_on_cpu(query)
+      ? half_precision_params(backend, query, key, value, options)
+      : attention_params(query, key, value, options);
+  if (params.q.scalar_type() == query.scalar_type()) {
     params.qkv = qkv;
   }
   if (backend == AttentionBackend::fused_cpu && params.dropout.active()) {

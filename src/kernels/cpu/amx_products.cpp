@@ -51,20 +51,31 @@ __attribute__((target("amx-tile"))) void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// A 32 × 32 block of c: c[r0 .., c0 ..] = alpha·A·B (+ c), A's rows from
-// a (row stride lda, depth a multiple of kTileDepth), B's pairs from b (ldb
-// elements between pairs of rows), the 32 × 32 result through `scratch`.
+// A 32 × 32 block of c = A·B, plus c where `add_c`: A's rows from a (row
+// stride lda, depth a multiple of kTileDepth), B's pairs from b (ldb
+// elements between pairs of rows), c's rows ldc floats apart.
 __attribute__((target("amx-tile,amx-bf16"))) void block(
     const uint16_t* a,
     int64_t lda,
     const uint16_t* b,
     int64_t ldb,
     int64_t depth,
-    float* scratch) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+    float* c,
+    int64_t ldc,
+    bool add_c) {
+  const int64_t c_stride = ldc * static_cast<int64_t>(sizeof(float));
+  float* const c_tiles[] = {c, c + kTileRows, c + kTileRows * ldc, c + kTileRows * ldc + kTileRows};
+  if (add_c) {
+    _tile_loadd(0, c_tiles[0], c_stride);
+    _tile_loadd(1, c_tiles[1], c_stride);
+    _tile_loadd(2, c_tiles[2], c_stride);
+    _tile_loadd(3, c_tiles[3], c_stride);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const int64_t a_stride = lda * 2, b_stride = ldb * 2;
   for (int64_t k = 0; k < depth; k += kTileDepth) {
     _tile_loadd(4, a + k, a_stride);
@@ -76,11 +87,45 @@ __attribute__((target("amx-tile,amx-bf16"))) void block(
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  constexpr int64_t row_bytes = kBlock * static_cast<int64_t>(sizeof(float));
-  _tile_stored(0, scratch, row_bytes);
-  _tile_stored(1, scratch + kTileRows, row_bytes);
-  _tile_stored(2, scratch + kTileRows * kBlock, row_bytes);
-  _tile_stored(3, scratch + kTileRows * kBlock + kTileRows, row_bytes);
+  _tile_stored(0, c_tiles[0], c_stride);
+  _tile_stored(1, c_tiles[1], c_stride);
+  _tile_stored(2, c_tiles[2], c_stride);
+  _tile_stored(3, c_tiles[3], c_stride);
+}
+
+// c (height × width of a block, rows ldc apart) = alpha·result (+ c),
+// result a 32 × 32 block: for blocks that are not whole, or that add alpha·A·B
+// to c with alpha other than 1.
+__attribute__((target("avx512f"))) void write_block(
+    const float* result,
+    int64_t height,
+    int64_t width,
+    float alpha,
+    bool accumulate,
+    float* c,
+    int64_t ldc) {
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int64_t r = 0; r < height; ++r) {
+    for (int64_t j = 0; j < width; j += 16) {
+      const auto lanes = static_cast<__mmask16>(
+          width - j >= 16 ? 0xFFFFU : (1U << static_cast<unsigned>(width - j)) - 1U);
+      const __m512 product = _mm512_mul_ps(scale, _mm512_loadu_ps(result + r * kBlock + j));
+      float* to = c + r * ldc + j;
+      const __m512 sum = accumulate ? _mm512_add_ps(product, _mm512_maskz_loadu_ps(lanes, to))
+                                    : product;
+      _mm512_mask_storeu_ps(to, lanes, sum);
+    }
+  }
+}
+
+// c's whole 32 × 32 block (rows ldc apart) times alpha, in place.
+__attribute__((target("avx512f"))) void scale_block(float* c, int64_t ldc, float alpha) {
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int64_t r = 0; r < kBlock; ++r) {
+    for (int64_t j = 0; j < kBlock; j += 16) {
+      _mm512_storeu_ps(c + r * ldc + j, _mm512_mul_ps(scale, _mm512_loadu_ps(c + r * ldc + j)));
+    }
+  }
 }
 
 // The operands as the blocks read them: in place where the sizes are
@@ -140,15 +185,21 @@ bool amx_gemm_bf16(int64_t rows_of_c, int64_t cols_of_c, const Bf16GemmOperands&
   alignas(64) float scratch[kBlock * kBlock];
   for (int64_t r0 = 0; r0 < o.rows; r0 += kBlock) {
     for (int64_t c0 = 0; c0 < o.cols; c0 += kBlock) {
-      block(o.a + r0 * o.lda, o.lda, o.b + 2 * c0, o.ldb, o.depth, scratch);
       const int64_t height = std::min(kBlock, rows_of_c - r0);
       const int64_t width = std::min(kBlock, cols_of_c - c0);
-      for (int64_t r = 0; r < height; ++r) {
-        float* c_row = g.c + (r0 + r) * g.ldc + c0;
-        const float* result = scratch + r * kBlock;
-        for (int64_t j = 0; j < width; ++j) {
-          c_row[j] = g.alpha * result[j] + (g.accumulate ? c_row[j] : 0.0F);
+      const uint16_t* a = o.a + r0 * o.lda;
+      const uint16_t* b = o.b + 2 * c0;
+      float* c = g.c + r0 * g.ldc + c0;
+      // Whole blocks go through the tiles straight into c (adding c there
+      // when alpha is 1), and are scaled in place.
+      if (height == kBlock && width == kBlock && (g.alpha == 1.0F || !g.accumulate)) {
+        block(a, o.lda, b, o.ldb, o.depth, c, g.ldc, g.accumulate);
+        if (g.alpha != 1.0F) {
+          scale_block(c, g.ldc, g.alpha);
         }
+      } else {
+        block(a, o.lda, b, o.ldb, o.depth, scratch, kBlock, /*add_c=*/false);
+        write_block(scratch, height, width, g.alpha, g.accumulate, c, g.ldc);
       }
     }
   }

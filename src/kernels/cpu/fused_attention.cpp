@@ -42,6 +42,14 @@ AttentionParams with_heads_for_kernels(const AttentionParams& params) {
   return prepared;
 }
 
+// The options of what the kernels compute in their score dtype (the row
+// log-sum-exp, the scores' gradients): float for bfloat16 inputs, whose
+// softmax runs in float; else the inputs' own.
+torch::TensorOptions score_options(const AttentionParams& params) {
+  const auto dtype = params.q.scalar_type();
+  return params.q.options().dtype(dtype == torch::kBFloat16 ? torch::kFloat : dtype);
+}
+
 // Which of the tensors that add to the scores get a gradient.
 struct ScoreGradientsWanted {
   bool offset_bias = false, mask = false, sinks = false;
@@ -66,7 +74,7 @@ ScoreGradientsWanted score_gradients_wanted(const AttentionParams& params) {
 InputGradients score_gradients(const AttentionParams& params, const ScoreGradientsWanted& wanted) {
   const int64_t B = params.B(), H = params.H(), L = params.L(), S = params.S();
   const auto empty_if = [&](bool wanted, at::IntArrayRef sizes) {
-    return wanted ? torch::empty(sizes, params.q.options()) : torch::Tensor();
+    return wanted ? torch::empty(sizes, score_options(params)) : torch::Tensor();
   };
   InputGradients grads;
   grads.d_offset_bias = empty_if(wanted.offset_bias, {H, std::max<int64_t>(L + S - 1, 0)});
@@ -117,7 +125,8 @@ torch::Tensor sink_gradient(
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out) {
-  const auto delta = (forward.out * grad_out).sum(-1);                                // (B, H, L)
+  const auto as_lse = [&](const torch::Tensor& t) { return t.to(forward.lse.scalar_type()); };
+  const auto delta = (as_lse(forward.out) * as_lse(grad_out)).sum(-1);                // (B, H, L)
   const auto weights = (params.modifiers.sinks.view({1, -1, 1}) - forward.lse).exp(); // (B, H, L)
   return -(weights * delta).sum(at::IntArrayRef{0, 2});
 }
@@ -223,7 +232,7 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     // The loops write through a (B, H, L, Dv) view; the function returns
     // the underlying (B, L, H, Dv) tensor itself, not a view of it.
     auto out = torch::empty({B, L, H, params.Dv()}, params.q.options());
-    const auto lse = torch::empty({B, H, L}, params.q.options());
+    const auto lse = torch::empty({B, H, L}, score_options(params));
     run_forward(loops, with_heads_for_kernels(params), {out.permute({0, 2, 1, 3}), lse});
     // Each holds a tensor, maybe undefined.
     ctx->save_for_backward({*q, *k, *v, *qkv, out, lse, *offset_bias, *sinks});
@@ -275,7 +284,7 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
 ForwardResult fused_forward(FusedLoops loops, const AttentionParams& params) {
   const ForwardResult result{
       empty_heads_interleaved(params.B(), params.H(), params.L(), params.Dv(), params.q.options()),
-      torch::empty({params.B(), params.H(), params.L()}, params.q.options())};
+      torch::empty({params.B(), params.H(), params.L()}, score_options(params))};
   run_forward(loops, with_heads_for_kernels(params), result);
   return result;
 }

@@ -75,6 +75,13 @@ struct Bf16MicroTiles {
   int64_t rows, cols;
   const Bf16MicroTileFn* full;
   const Bf16MicroTileFn* edge;
+  // to[0..n) = from[0..n) rounded to the nearest bfloat16 (ties to even),
+  // as c10::BFloat16 rounds: the probabilities a kernel multiplies into V.
+  void (*round_row)(const float* from, int64_t n, uint16_t* to);
+  // Two rows rounded so, in pairs: to[2j] = first[j], to[2j + 1] =
+  // second[j] (0 where second is null), j < n: the layout of a product's
+  // right operand whose depth runs down the rows (pack_bf16_pairs).
+  void (*round_row_pairs)(const float* first, const float* second, int64_t n, uint16_t* to);
 };
 
 // Null where this build cannot compile the set; whether the CPU runs it is

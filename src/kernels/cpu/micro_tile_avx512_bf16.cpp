@@ -115,10 +115,69 @@ constexpr std::array<Bf16MicroTileFn, sizeof...(Rows)> bf16_micro_tiles(
 constexpr auto kFullTiles = bf16_micro_tiles<true>(std::make_integer_sequence<int, kTileRows>());
 constexpr auto kEdgeTiles = bf16_micro_tiles<false>(std::make_integer_sequence<int, kTileRows>());
 
+// vcvtneps2bf16 rounds 16 floats to the nearest bfloat16, ties to even.
+__attribute__((target("avx512f,avx512bf16"))) void round_row(
+    const float* from,
+    int64_t n,
+    uint16_t* to) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const auto lanes = static_cast<__mmask16>(
+        n - j >= kLanes ? 0xFFFFU : (1U << static_cast<unsigned>(n - j)) - 1U);
+    const __m512 values = _mm512_maskz_loadu_ps(lanes, from + j);
+    const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(values));
+    if (n - j >= kLanes) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), rounded);
+    } else {
+      alignas(32) uint16_t last[kLanes];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(last), rounded);
+      std::memcpy(to + j, last, static_cast<size_t>(n - j) * sizeof(uint16_t));
+    }
+  }
+}
+
+// Up to 16 floats from `from` (zeros past n, or where from is null)
+// rounded to bfloat16.
+__attribute__((target("avx512f,avx512bf16"))) inline __m256i rounded_lanes(
+    const float* from,
+    int64_t n) {
+  if (from == nullptr) {
+    return _mm256_setzero_si256();
+  }
+  const auto lanes = static_cast<__mmask16>(
+      n >= kLanes ? 0xFFFFU : (1U << static_cast<unsigned>(n)) - 1U);
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, from)));
+}
+
+__attribute__((target("avx2,avx512f,avx512bf16"))) void round_row_pairs(
+    const float* first,
+    const float* second,
+    int64_t n,
+    uint16_t* to) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __m256i a = rounded_lanes(first + j, n - j);
+    const __m256i b = rounded_lanes(second == nullptr ? nullptr : second + j, n - j);
+    // unpack interleaves within 128-bit halves: pairs 0-3 and 8-11, then
+    // 4-7 and 12-15; the permutes put them in order.
+    const __m256i low = _mm256_unpacklo_epi16(a, b), high = _mm256_unpackhi_epi16(a, b);
+    const __m256i in_order[] = {
+        _mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31)};
+    if (n - j >= kLanes) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 2 * j), in_order[0]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 2 * j + kLanes), in_order[1]);
+    } else {
+      alignas(32) uint16_t pairs[2 * kLanes];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), in_order[0]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + kLanes), in_order[1]);
+      std::memcpy(to + 2 * j, pairs, static_cast<size_t>(2 * (n - j)) * sizeof(uint16_t));
+    }
+  }
+}
+
 } // namespace
 
 const Bf16MicroTiles* avx512_bf16_micro_tiles() {
-  static const Bf16MicroTiles tiles{kTileRows, kTileCols, kFullTiles.data(), kEdgeTiles.data()};
+  static const Bf16MicroTiles tiles{kTileRows,         kTileCols, kFullTiles.data(),
+                                    kEdgeTiles.data(), round_row, round_row_pairs};
   return &tiles;
 }
 

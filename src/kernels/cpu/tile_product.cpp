@@ -1,5 +1,6 @@
 #include "kernels/cpu/tile_product.h"
 
+#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/micro_tile.h"
 #include "kernels/cpu/parallel.h"
@@ -244,6 +245,67 @@ bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
     }
   }
   return true;
+}
+
+std::vector<Bf16Products> available_bf16_products() {
+  std::vector<Bf16Products> products;
+  if (bf16_products_run()) {
+    products.push_back(Bf16Products::avx512_bf16);
+  }
+  if (amx_tiles_granted()) {
+    products.push_back(Bf16Products::amx);
+  }
+  return products;
+}
+
+const char* bf16_products_name(Bf16Products products) {
+  switch (products) {
+    case Bf16Products::avx512_bf16: return "AVX512-BF16";
+    case Bf16Products::amx: return "AMX";
+  }
+  return "?";
+}
+
+namespace {
+
+// The bfloat16 products that compute gemm_bf16 now: the last available
+// (AMX where granted), or a ScopedBf16Products' choice.
+std::atomic<Bf16Products>& chosen_bf16_products() {
+  static std::atomic<Bf16Products> chosen{[] {
+    const auto available = available_bf16_products();
+    return available.empty() ? Bf16Products::avx512_bf16 : available.back();
+  }()};
+  return chosen;
+}
+
+} // namespace
+
+bool bf16_gemm_runs() {
+  static const bool runs = !available_bf16_products().empty();
+  return runs;
+}
+
+bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
+  switch (chosen_bf16_products().load(std::memory_order_relaxed)) {
+    case Bf16Products::amx: return amx_gemm_bf16(rows, cols, g);
+    case Bf16Products::avx512_bf16: return tile_gemm_bf16(rows, cols, g);
+  }
+  return false;
+}
+
+ScopedBf16Products::ScopedBf16Products(Bf16Products products)
+    : previous_(chosen_bf16_products().exchange(products, std::memory_order_relaxed)) {
+  const auto available = available_bf16_products();
+  if (std::find(available.begin(), available.end(), products) == available.end()) {
+    chosen_bf16_products().store(previous_, std::memory_order_relaxed);
+    TORCH_CHECK(
+        false, "ScopedBf16Products: this build or CPU cannot run ", bf16_products_name(products),
+        " products");
+  }
+}
+
+ScopedBf16Products::~ScopedBf16Products() {
+  chosen_bf16_products().store(previous_, std::memory_order_relaxed);
 }
 
 void pack_bf16_pairs(

@@ -182,6 +182,40 @@ bool bf16_products_run();
 // same on AMX tiles.
 bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
 
+// Which products compute gemm_bf16: AVX512-BF16 micro-tiles
+// (tile_gemm_bf16) or AMX tiles (amx_products.h).
+enum class Bf16Products { avx512_bf16, amx };
+
+// The bfloat16 products this build and CPU run (AMX where this process was
+// granted the tiles: isa.h, amx_tiles_granted), narrowest first; the last
+// computes gemm_bf16 unless a ScopedBf16Products says otherwise. Empty on
+// a CPU without either.
+std::vector<Bf16Products> available_bf16_products();
+
+// "AVX512-BF16", "AMX".
+const char* bf16_products_name(Bf16Products products);
+
+// Whether gemm_bf16 runs on this CPU.
+bool bf16_gemm_runs();
+
+// tile_gemm_bf16's product on the active bfloat16 products. Returns false,
+// computing nothing, where bf16_gemm_runs() is false.
+bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
+
+// While one lives, gemm_bf16 runs on `products`, one of
+// available_bf16_products() (a c10::Error names any other). Set it while
+// no kernel runs on another thread.
+class ScopedBf16Products {
+ public:
+  explicit ScopedBf16Products(Bf16Products products);
+  ~ScopedBf16Products();
+  ScopedBf16Products(const ScopedBf16Products&) = delete;
+  ScopedBf16Products& operator=(const ScopedBf16Products&) = delete;
+
+ private:
+  Bf16Products previous_;
+};
+
 // B (depth, cols), element (i, j) at from[i·from_row_stride +
 // j·from_column_stride], in pairs along the depth for tile_gemm_bf16:
 // to[(i / 2)·ld_to + 2j + i % 2] = B(i, j), the second half of an odd

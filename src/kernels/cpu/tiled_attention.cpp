@@ -1,15 +1,7 @@
 #include "kernels/cpu/tiled_attention.h"
 
-#include "kernels/cpu/dropout.h"
 #include "kernels/cpu/heads.h"
-#include "kernels/cpu/isa.h"
-#include "kernels/cpu/mask_view.h"
-#include "kernels/cpu/modifier_view.h"
-#include "kernels/cpu/parallel.h"
-#include "kernels/cpu/row_ops.h"
-#include "kernels/cpu/tile_product.h"
-#include "kernels/cpu/workspace.h"
-#include "runtime/threads.h"
+#include "kernels/cpu/tiled_loops.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -23,59 +15,6 @@ namespace attn::detail {
 namespace {
 
 static_assert(kQueryTile == MaskBlocks::kRows, "a query tile is a row of mask blocks");
-
-int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
-// The kernels' parallel loop: `body(scratch, unit)` for units 0 .. units-1,
-// with one `make_scratch()` per task. BLAS runs on one thread inside the
-// tasks when they run in parallel (two pools on the same cores would
-// contend), and as it is set when the loop runs inline.
-template <typename MakeScratch, typename Body>
-void parallel_units(
-    int64_t units,
-    double flops_per_unit,
-    const MakeScratch& make_scratch,
-    const Body& body) {
-  const int64_t grain = parallel_grain(flops_per_unit, kMinTiledTaskFlops);
-  c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
-  if (units > grain) {
-    one_blas_thread_per_task.emplace();
-  }
-  parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-    // Grad mode is thread-local: worker threads start with it on.
-    const torch::NoGradGuard no_grad;
-    const ScopedSubnormalsAsZero flush; // isa.h: far keys' weights underflow
-    auto scratch = make_scratch();
-    for (int64_t unit = begin; unit < end; ++unit) {
-      body(scratch, unit);
-    }
-  });
-}
-
-// One task's share of the forward: query rows [i0, i0 + rows) of head (b, h).
-struct QueryTile {
-  int64_t b = 0, h = 0, i0 = 0, rows = 0;
-};
-
-// parallel_units over every tile of `tile_rows` queries of every (b, h)
-// head of a (B, H, L) grid: `body(scratch, tile)`.
-template <typename MakeScratch, typename Body>
-void parallel_query_tiles(
-    int64_t B,
-    int64_t H,
-    int64_t L,
-    int64_t tile_rows,
-    double flops_per_tile,
-    const MakeScratch& make_scratch,
-    const Body& body) {
-  const int64_t tiles = L > 0 ? ceil_div(L, tile_rows) : 0;
-  parallel_units(B * H * tiles, flops_per_tile, make_scratch, [&](auto& scratch, int64_t unit) {
-    const int64_t i0 = unit % tiles * tile_rows;
-    body(scratch, QueryTile{unit / (H * tiles), unit / tiles % H, i0, std::min(tile_rows, L - i0)});
-  });
-}
 
 // The part of one query tile × key block that the band (causal, window)
 // leaves visible, in the blocks that attn's products work in
@@ -169,26 +108,6 @@ void zero_matrix(const MatrixRef<scalar_t>& m) {
   }
 }
 
-// A matrix over a tensor's memory, which the tensor keeps alive.
-template <typename scalar_t>
-struct OwnedMatrix {
-  explicit OwnedMatrix(torch::Tensor memory)
-      : memory(std::move(memory)), matrix(matrix_of<scalar_t>(this->memory)) {}
-  torch::Tensor memory;
-  MatrixRef<scalar_t> matrix;
-};
-
-// workspace_tensor of `sizes` whose rows (the last dimension) lie
-// spread_row_stride apart: a view of a buffer with wider rows.
-torch::Tensor spread_workspace_tensor(
-    WorkspaceSlot slot,
-    std::vector<int64_t> sizes,
-    const torch::TensorOptions& options) {
-  const int64_t cols = sizes.back();
-  sizes.back() = spread_row_stride(cols, static_cast<int64_t>(options.dtype().itemsize()));
-  return workspace_tensor(slot, sizes, options).narrow(-1, 0, cols);
-}
-
 // tᵀ over its last two dimensions, for the products that read it as their
 // right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that operand
 // by rows, so its rows are made contiguous once per call, where attn's own
@@ -210,49 +129,24 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
 }
 
 // What the tiled loops read: the request's inputs (B, H, L, D),
-// (B, Hkv, S, D), (B, Hkv, S, Dv), their sizes, the masks, the scale, the
-// score modifiers and dropout, and Kᵀ for the products.
+// (B, Hkv, S, D), (B, Hkv, S, Dv), Kᵀ for the products, and what applies
+// to each row of scores (RowInputs).
 template <typename scalar_t>
-struct KernelInputs {
+struct KernelInputs : RowInputs<scalar_t> {
   explicit KernelInputs(const AttentionParams& params)
-      : q(params.q),
+      : RowInputs<scalar_t>(params),
+        q(params.q),
         k(params.k),
         v(params.v),
-        B(params.B()),
-        H(params.H()),
-        L(params.L()),
-        S(params.S()),
-        group(params.group()),
-        key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
-        k_t(transposed_for_products(k, L, WorkspaceSlot::keys_transposed)),
+        k_t(transposed_for_products(k, params.L(), WorkspaceSlot::keys_transposed)),
         q_heads(q),
         k_heads(k),
         v_heads(v),
-        k_t_heads(k_t),
-        mask(params),
-        modifiers(params),
-        scale(static_cast<scalar_t>(params.scale)),
-        dropout(params.dropout),
-        dropout_stream(detail::dropout_stream(params.dropout)),
-        keep_scale(static_cast<scalar_t>(dropout_keep_scale(params.dropout.p))) {}
-
-  // The dropout stream of query i of head (b, h), from key j on.
-  DropoutRow dropout_row(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return detail::dropout_row(dropout_stream, b * H + h, i, S, j);
-  }
+        k_t_heads(k_t) {}
 
   torch::Tensor q, k, v;
-  int64_t B, H, L, S;
-  int64_t group;     // query heads per key/value head
-  int64_t key_block; // keys scored per GEMM
   torch::Tensor k_t; // Kᵀ (B, Hkv, D, S), see transposed_for_products
   Heads<scalar_t> q_heads, k_heads, v_heads, k_t_heads;
-  MaskView<scalar_t> mask;
-  ModifierView<scalar_t> modifiers;
-  scalar_t scale;
-  DropoutDraw dropout;
-  DropoutRow dropout_stream; // the seed and threshold, taken once
-  scalar_t keep_scale;       // the inverse of the keep probability (dropout.h): 1 without dropout
 };
 
 // A task's (kQueryTile, key_block) tile of scores or their gradients, over
@@ -264,40 +158,14 @@ OwnedMatrix<scalar_t> tile_matrix(WorkspaceSlot slot, const KernelInputs<scalar_
       spread_workspace_tensor(slot, {std::min(kQueryTile, in.L), in.key_block}, in.q.options()));
 }
 
-// A forward task's working memory: one tile's scores and its rows' running
-// maximum and sum (online softmax).
+// A forward task's working memory: one tile's scores and its rows' online
+// softmax.
 template <typename scalar_t>
 struct ForwardScratch {
   OwnedMatrix<scalar_t> scores; // (kQueryTile, key_block)
-  std::vector<scalar_t> running_max, running_sum;
+  OnlineSoftmax<scalar_t> softmax;
   TileBands bands;
 };
-
-// Folds one block of scores (row r of `scores`, already masked) into row
-// r's running maximum and sum, turning the scores into exp(score - max) and
-// rescaling the output row accumulated under the previous maximum.
-template <typename scalar_t>
-void online_softmax_row(
-    ForwardScratch<scalar_t>& scratch,
-    int64_t r,
-    scalar_t* row,
-    int64_t cols,
-    scalar_t* out_row,
-    int64_t Dv) {
-  scalar_t& running_max = scratch.running_max[r];
-  const scalar_t new_max = std::max(running_max, row_max(row, cols));
-  if (new_max == kNegativeInfinity<scalar_t>) {
-    std::fill(row, row + cols, scalar_t(0)); // nothing visible yet
-    return;
-  }
-  const scalar_t correction = std::exp(running_max - new_max);
-  scratch.running_sum[r] = scratch.running_sum[r] * correction +
-      exp_shifted_sum(row, cols, new_max);
-  running_max = new_max;
-  if (correction != scalar_t(1)) {
-    scale_row(out_row, Dv, correction);
-  }
-}
 
 // Forward: out (B, H, L, Dv) and the row log-sum-exp lse (B, H, L),
 // contiguous.
@@ -311,8 +179,8 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
 
   const auto make_scratch = [&] {
     return ForwardScratch<scalar_t>{
-        tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in), std::vector<scalar_t>(kQueryTile),
-        std::vector<scalar_t>(kQueryTile), TileBands{}};
+        tile_matrix<scalar_t>(WorkspaceSlot::tile_scores, in), OnlineSoftmax<scalar_t>{},
+        TileBands{}};
   };
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.q.size(3) + Dv);
   parallel_query_tiles(
@@ -322,12 +190,7 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
         const auto q_tile = in.q_heads.head(b, h).row_block(i0, rows);  // (rows, D)
         const auto out_tile = out_heads.head(b, h).row_block(i0, rows); // (rows, Dv)
         zero_matrix(out_tile);
-        // A sink starts each row's softmax as a key of weight exp(sink) would.
-        const scalar_t sink = in.modifiers.sink(h);
-        std::fill(scratch.running_max.begin(), scratch.running_max.end(), sink);
-        std::fill(
-            scratch.running_sum.begin(), scratch.running_sum.end(),
-            scalar_t(sink == kNegativeInfinity<scalar_t> ? 0 : 1));
+        scratch.softmax.start(in.modifiers.sink(h));
 
         const auto k_t_head = in.k_t_heads.head(b, h / in.group);
         const auto v_head = in.v_heads.head(b, h / in.group);
@@ -346,15 +209,9 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
           tile_addmm_banded(block, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
           for (int64_t r = 0; r < rows; ++r) {
             const auto [begin, end] = keys_of[r / kProductRowBlock];
-            scalar_t* row = block.row(r);
-            if (in.modifiers.changes_scores()) {
-              in.modifiers.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin, nullptr);
-            }
-            in.mask.apply(row + begin, end - begin, b, h, i0 + r, j0 + begin);
-            online_softmax_row(scratch, r, row + begin, end - begin, out_tile.row(r), Dv);
-            if (in.dropout.active()) { // after the row's sum, which counts every weight
-              drop_row(row + begin, end - begin, in.dropout_row(b, h, i0 + r, j0 + begin));
-            }
+            forward_row<scalar_t>(
+                in, scratch.softmax, tile, r, j0 + begin, block.row(r) + begin, end - begin,
+                out_tile.row(r), Dv);
           }
           tile_addmm_banded(
               out_tile, block, v_head.row_block(j0, cols), 1, 1, ProductBand::depth, keys_of);
@@ -362,10 +219,8 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
 
         scalar_t* lse_row = lse_data + (b * in.H + h) * in.L + i0;
         for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t sum = scratch.running_sum[r];
-          scale_row(out_tile.row(r), Dv, sum > 0 ? in.keep_scale / sum : scalar_t(0));
-          lse_row[r] = sum > 0 ? scratch.running_max[r] + std::log(sum)
-                               : kNegativeInfinity<scalar_t>;
+          scale_row(out_tile.row(r), Dv, scratch.softmax.output_factor(r, in.keep_scale));
+          lse_row[r] = scratch.softmax.lse(r);
         }
       });
 }
@@ -454,71 +309,6 @@ struct GradientBetas {
   double dq = 1, dk_dv = 1;
 };
 
-// The tile's scores' gradient dS = P ∘ (dP - delta) in `ds`, which holds
-// dP = dO Vᵀ, row by row over each row's keys. With dropout, dP is the
-// gradient of the dropped probabilities, and `p` becomes them
-// (dropout_softmax_backward_row).
-template <typename scalar_t>
-void softmax_backward_rows(
-    const KernelInputs<scalar_t>& in,
-    const QueryTile& tile,
-    const MatrixRef<scalar_t>& p,
-    const MatrixRef<scalar_t>& ds,
-    int64_t j0,
-    const std::vector<scalar_t>& delta,
-    const std::vector<IndexRange>& keys_of) {
-  for (int64_t r = 0; r < tile.rows; ++r) {
-    // Plain locals: OpenMP's simd loop below cannot capture a structured binding.
-    const IndexRange keys = keys_of[r / kProductRowBlock];
-    const int64_t begin = keys.begin, end = keys.end;
-    scalar_t* p_row = p.row(r);
-    scalar_t* ds_row = ds.row(r);
-    const scalar_t d = delta[r];
-    if (in.dropout.active()) {
-      dropout_softmax_backward_row(
-          p_row + begin, ds_row + begin, end - begin, d, in.keep_scale,
-          in.dropout_row(tile.b, tile.h, tile.i0 + r, j0 + begin));
-      continue;
-    }
-#pragma omp simd
-    for (int64_t j = begin; j < end; ++j) {
-      ds_row[j] = p_row[j] * (ds_row[j] - d);
-    }
-  }
-}
-
-// After softmax_backward_rows: `ds` holds the gradient of the modified
-// scores, which is that of each bias added to them (written out where
-// asked for), and becomes the gradient of the scaled scores (times the
-// derivative `slopes` of the soft cap and the user's function, where the
-// scores pass through them).
-template <typename scalar_t>
-void modifier_backward_rows(
-    const KernelInputs<scalar_t>& in,
-    const ModifierGradients<scalar_t>& grads,
-    const BackwardTile<scalar_t>& query_tile,
-    const MatrixRef<scalar_t>& ds,
-    const MatrixRef<scalar_t>& slopes,
-    int64_t j0,
-    const std::vector<IndexRange>& keys_of) {
-  const QueryTile& tile = query_tile.tile;
-  for (int64_t r = 0; r < tile.rows; ++r) {
-    const IndexRange keys = keys_of[r / kProductRowBlock];
-    const int64_t begin = keys.begin, end = keys.end;
-    scalar_t* ds_row = ds.row(r);
-    grads.add_row(
-        in.modifiers, ds_row + begin, end - begin, query_tile.task, tile.b, tile.h, tile.i0 + r,
-        j0 + begin);
-    if (slopes.data != nullptr) {
-      const scalar_t* slope_row = slopes.row(r);
-#pragma omp simd
-      for (int64_t j = begin; j < end; ++j) {
-        ds_row[j] *= slope_row[j];
-      }
-    }
-  }
-}
-
 // One query tile against keys [j0, j0 + cols): recomputes the tile's
 // probabilities P and adds its shares of dV, dQ and dK, or writes them, as
 // `betas` say.
@@ -551,20 +341,7 @@ void backward_block(
   const bool bent = in.modifiers.bends_scores();
   const auto slopes = bent ? scratch.score_slopes.matrix.row_block(0, rows).column_block(0, cols)
                            : MatrixRef<scalar_t>{};
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto [begin, end] = keys_of[r / kProductRowBlock];
-    scalar_t* row = p.row(r) + begin;
-    if (in.modifiers.changes_scores()) {
-      in.modifiers.apply(
-          row, end - begin, b, h, i0 + r, j0 + begin, bent ? slopes.row(r) + begin : nullptr);
-    }
-    in.mask.apply(row, end - begin, b, h, i0 + r, j0 + begin);
-    if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
-      std::fill(row, row + (end - begin), scalar_t(0)); // fully masked row
-    } else {
-      exp_shifted_sum(row, end - begin, lse_rows[r]);
-    }
-  }
+  backward_probability_rows(in, tile, p, slopes, j0, lse_rows, keys_of);
   // dV += Pᵀ dO, with P as the forward multiplied it into V: dropped,
   // where dropout is, by the row pass below.
   // Named here: a C++17 lambda captures no structured binding (b, h).
@@ -584,7 +361,7 @@ void backward_block(
     add_value_gradient();
   }
   if (bent || t.modifiers.any()) {
-    modifier_backward_rows(in, t.modifiers, query_tile, ds, slopes, j0, keys_of);
+    modifier_backward_rows(in, t.modifiers, tile, query_tile.task, ds, slopes, j0, keys_of);
   }
   const auto k_block = in.k_heads.head(b, kv_head).row_block(j0, cols);
   tile_addmm_banded(
@@ -607,58 +384,6 @@ BackwardScratch<scalar_t> backward_scratch(const KernelInputs<scalar_t>& in) {
       TileBands{},
       {},
       {}};
-}
-
-// Where the backward's tasks write the gradients of what the modifiers
-// and a floating mask add to the scores (InputGradients' d_offset_bias and
-// d_mask, where defined): the mask's in place, zeroed first; the offset
-// bias's in a row per task (`splits` per head), summed per head by finish.
-template <typename scalar_t>
-struct ScoreGradientBuffers {
-  ScoreGradientBuffers(
-      const KernelInputs<scalar_t>& in,
-      const InputGradients& grads,
-      int64_t splits)
-      : in(in),
-        splits(splits),
-        offset_rows(
-            grads.d_offset_bias.defined()
-                ? torch::zeros({in.B * in.H * splits, in.modifiers.offsets}, in.q.options())
-                : torch::Tensor()),
-        mask(grads.d_mask) {
-    if (mask.defined()) {
-      mask.zero_();
-    }
-  }
-
-  ModifierGradients<scalar_t> for_tasks() const {
-    return {data_or_null<scalar_t>(offset_rows), data_or_null<scalar_t>(mask), in.H, in.L, in.S};
-  }
-
-  // The offset bias's rows, one per (b, h, split), summed per head.
-  void finish(const InputGradients& grads) const {
-    if (offset_rows.defined()) {
-      grads.d_offset_bias.copy_(
-          offset_rows.view({in.B, in.H, splits, in.modifiers.offsets}).sum(at::IntArrayRef{0, 2}));
-    }
-  }
-
-  const KernelInputs<scalar_t>& in;
-  int64_t splits;
-  torch::Tensor offset_rows, mask;
-};
-
-// Into how many key ranges the backward splits each head: one when there
-// are at least as many heads as threads; else enough ranges of whole key
-// blocks for a task per thread, as far as the keys allow.
-int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
-  const int64_t threads = at::get_num_threads();
-  if (heads >= threads) {
-    return 1;
-  }
-  return std::clamp<int64_t>(
-      ceil_div(threads, std::max<int64_t>(heads, 1)), 1,
-      std::max<int64_t>(ceil_div(S, key_block), 1));
 }
 
 // Backward: writes dq, dk, dv ((B, H, ·, ·), rows of unit stride: one
@@ -810,6 +535,10 @@ void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult&
 } // namespace
 
 void tiled_forward(const AttentionParams& params, const ForwardResult& result) {
+  if (params.q.scalar_type() == torch::kBFloat16) {
+    TORCH_INTERNAL_ASSERT(tiled_forward_bf16(params, result), "no bfloat16 products on this CPU");
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_forward", [&] {
     flash_forward<scalar_t>(KernelInputs<scalar_t>(params), result);
   });
@@ -820,6 +549,11 @@ void tiled_backward(
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
+  if (params.q.scalar_type() == torch::kBFloat16) {
+    TORCH_INTERNAL_ASSERT(
+        tiled_backward_bf16(params, forward, grad_out, grads), "no bfloat16 products on this CPU");
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_backward", [&] {
     flash_backward<scalar_t>(KernelInputs<scalar_t>(params), forward, grad_out, grads);
   });

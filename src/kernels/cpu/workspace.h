@@ -17,14 +17,15 @@ namespace attn::detail {
 // The temporaries one call holds at once; a slot's tensor stays valid until
 // the same thread asks for the same slot again.
 enum class WorkspaceSlot : int {
-  keys_transposed,   // Kᵀ of a tiled call
-  values_transposed, // Vᵀ of a tiled backward
+  keys_transposed,   // Kᵀ of a tiled call (in pairs: tiled_attention_bf16.cpp)
+  values_transposed, // Vᵀ of a tiled backward, V in pairs of a bfloat16 forward
+  keys_in_pairs,     // K in pairs of a bfloat16 backward
   tile_scores,       // a task's score or probability tile
   tile_grad_scores,  // a task's dP / dS tile in the backward
   tile_score_slopes, // a task's score derivatives (soft cap, user function) in the backward
 };
 
-inline constexpr size_t kWorkspaceSlots = 5;
+inline constexpr size_t kWorkspaceSlots = 6;
 inline constexpr size_t kMaxWorkspaceBytes = size_t{16} << 20;
 
 // An uninitialised tensor of `sizes` and `options` (CPU), contiguous,

@@ -1,0 +1,539 @@
+// The tiled loops on bfloat16 products (tiled_loops.h), forward and
+// backward: Q, K, V, the output and its gradient stay in bfloat16; every
+// product accumulates in float (tile_product.h, gemm_bf16); the scores,
+// their softmax and its backward run in float, as in the float loops; the
+// probabilities P and the scores' gradients dS are rounded to bfloat16 per
+// tile before they are multiplied; the outputs and gradients accumulate in
+// float and are rounded once. The right operands of the products are
+// packed in pairs along their depth (pack_bf16_pairs): K, Kᵀ, V and Vᵀ once
+// per call, P and dS per tile. The backward accumulates dKᵀ and dVᵀ (the
+// products' rows are the heads' features) and transposes them once.
+
+#include "kernels/cpu/heads.h"
+#include "kernels/cpu/micro_tile.h"
+#include "kernels/cpu/tiled_loops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace attn::detail {
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// x rounded to the nearest bfloat16, ties to even (NaN stays NaN), as
+// c10::BFloat16 rounds: where the CPU has no AVX512-BF16 to round a row.
+uint16_t bf16_bits(float x) {
+  if (std::isnan(x)) {
+    return 0x7FC0;
+  }
+  uint32_t bits = 0;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
+}
+
+void round_row_portable(const float* from, int64_t n, uint16_t* to) {
+  for (int64_t j = 0; j < n; ++j) {
+    to[j] = bf16_bits(from[j]);
+  }
+}
+
+void round_row_pairs_portable(const float* first, const float* second, int64_t n, uint16_t* to) {
+  for (int64_t j = 0; j < n; ++j) {
+    to[2 * j] = bf16_bits(first[j]);
+    to[2 * j + 1] = second != nullptr ? bf16_bits(second[j]) : uint16_t{0};
+  }
+}
+
+// The roundings of Bf16MicroTiles (micro_tile.h): AVX512-BF16's where the
+// CPU runs it, else the portable ones.
+struct Rounding {
+  void (*row)(const float* from, int64_t n, uint16_t* to);
+  void (*row_pairs)(const float* first, const float* second, int64_t n, uint16_t* to);
+};
+
+Rounding rounding() {
+  const Bf16MicroTiles* loops = bf16_micro_tiles();
+  return loops != nullptr ? Rounding{loops->round_row, loops->round_row_pairs}
+                          : Rounding{round_row_portable, round_row_pairs_portable};
+}
+
+const uint16_t* bits_of(const bf16* data) {
+  return reinterpret_cast<const uint16_t*>(data);
+}
+
+// Per (b, kv head), a (B, Hkv, ·, ·) tensor packed in pairs along the
+// depth of the product it is the right operand of (pack_bf16_pairs):
+// Kᵀ (depth D, keys as columns) for the scores, V (depth S, its features
+// as columns) for the output. `pairs` pairs of rows per head, ld elements
+// from one pair to the next.
+struct PackedHeads {
+  torch::Tensor memory; // (B, Hkv, pairs, ld)
+  int64_t pairs = 0, ld = 0;
+
+  const uint16_t* head(int64_t b, int64_t kv_head) const {
+    return reinterpret_cast<const uint16_t*>(memory[b][kv_head].data_ptr<bf16>());
+  }
+};
+
+// t (B, Hkv, rows, cols) packed as the product's right operand B(i, j):
+// with `rows_are_depth`, B = t's head (V); else B = its transpose (Kᵀ).
+PackedHeads packed_heads(const torch::Tensor& t, bool rows_are_depth, WorkspaceSlot slot) {
+  const int64_t B = t.size(0), H = t.size(1);
+  const int64_t depth = rows_are_depth ? t.size(2) : t.size(3);
+  const int64_t cols = rows_are_depth ? t.size(3) : t.size(2);
+  const int64_t depth_stride = rows_are_depth ? t.stride(2) : t.stride(3);
+  const int64_t column_stride = rows_are_depth ? t.stride(3) : t.stride(2);
+  PackedHeads packed;
+  packed.pairs = ceil_div(depth, 2);
+  packed.ld = spread_row_stride(2 * cols, static_cast<int64_t>(sizeof(bf16)));
+  packed.memory = workspace_tensor(slot, {B, H, packed.pairs, packed.ld}, t.options());
+  if (t.numel() == 0) {
+    return packed;
+  }
+  const bf16* data = t.data_ptr<bf16>();
+  bf16* to = packed.memory.data_ptr<bf16>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t head = begin; head < end; ++head) {
+      const bf16* from = data + head / H * t.stride(0) + head % H * t.stride(1);
+      pack_bf16_pairs(
+          depth, cols, from, depth_stride, column_stride, to + head * packed.pairs * packed.ld,
+          packed.ld);
+    }
+  });
+  return packed;
+}
+
+// What both directions read: the per-row inputs in float, Q's heads and
+// Kᵀ in pairs for the scores.
+struct Bf16Inputs : RowInputs<float> {
+  explicit Bf16Inputs(const AttentionParams& params)
+      : RowInputs<float>(params),
+        D(params.D()),
+        Dv(params.Dv()),
+        round(rounding()),
+        q(params.q),
+        keys_t(packed_heads(params.k, /*rows_are_depth=*/false, WorkspaceSlot::keys_transposed)) {}
+
+  // scores (rows, cols) = scale·Q Kᵀ for keys [j0, j0 + cols) of `tile`.
+  void score(const QueryTile& tile, int64_t j0, int64_t cols, const MatrixRef<float>& scores)
+      const {
+    const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+    gemm_bf16(
+        tile.rows, cols,
+        {D, scale, bits_of(q_tile.data), q_tile.row_stride,
+         keys_t.head(tile.b, tile.h / group) + 2 * j0, keys_t.ld, scores.data, scores.row_stride,
+         /*accumulate=*/false});
+  }
+
+  int64_t D, Dv;
+  Rounding round;
+  Heads<bf16> q;
+  PackedHeads keys_t;
+};
+
+// Row r of `m` (keys [j0, j0 + cols)) rounded into `to` as the left
+// operand of a product whose right operand is packed in pairs from key 0
+// (K, V): from an odd j0 the row starts one key early, with a zero.
+void round_row_from_even_key(
+    const Rounding& round,
+    const MatrixRef<float>& m,
+    int64_t r,
+    int64_t j0,
+    int64_t cols,
+    uint16_t* to) {
+  to[0] = 0;
+  round.row(m.row(r), cols, to + j0 % 2);
+}
+
+// The rows of `m` rounded in pairs (rows 2p and 2p + 1 into pair p, ld
+// elements apart), as the right operand of a product whose depth is m's
+// rows.
+void round_rows_in_pairs(
+    const Rounding& round,
+    const MatrixRef<float>& m,
+    uint16_t* to,
+    int64_t ld) {
+  for (int64_t r = 0; r < m.rows; r += 2) {
+    round.row_pairs(m.row(r), r + 1 < m.rows ? m.row(r + 1) : nullptr, m.cols, to + r / 2 * ld);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+struct Bf16ForwardInputs : Bf16Inputs {
+  explicit Bf16ForwardInputs(const AttentionParams& params)
+      : Bf16Inputs(params),
+        values(packed_heads(params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed)) {}
+  PackedHeads values; // V in pairs along the keys
+};
+
+// A forward task's working memory: one tile's scores (float) and
+// probabilities (bfloat16, see round_row_from_even_key), its rows' online
+// softmax and output accumulated in float.
+struct Bf16ForwardScratch {
+  OwnedMatrix<float> scores; // (kQueryTile, key_block)
+  std::vector<uint16_t> probs;
+  int64_t probs_ld;
+  std::vector<float> out; // (kQueryTile, Dv)
+  OnlineSoftmax<float> softmax;
+};
+
+Bf16ForwardScratch forward_scratch(const Bf16ForwardInputs& in) {
+  const int64_t rows = std::min(kQueryTile, in.L);
+  const int64_t probs_ld = in.key_block + 2;
+  return Bf16ForwardScratch{
+      OwnedMatrix<float>(spread_workspace_tensor(
+          WorkspaceSlot::tile_scores, {rows, in.key_block}, torch::dtype(torch::kFloat))),
+      std::vector<uint16_t>(static_cast<size_t>(rows * probs_ld)), probs_ld,
+      std::vector<float>(static_cast<size_t>(rows * in.Dv)), OnlineSoftmax<float>{}};
+}
+
+// Keys [j0, j0 + cols) of one query tile: the scores, the row pass
+// (forward_row), and out += P V with P rounded to bfloat16.
+void forward_block(
+    const Bf16ForwardInputs& in,
+    Bf16ForwardScratch& scratch,
+    const QueryTile& tile,
+    int64_t j0,
+    int64_t cols) {
+  const auto scores = scratch.scores.matrix.row_block(0, tile.rows).column_block(0, cols);
+  in.score(tile, j0, cols, scores);
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    forward_row<float>(
+        in, scratch.softmax, tile, r, j0, scores.row(r), cols, scratch.out.data() + r * in.Dv,
+        in.Dv);
+    round_row_from_even_key(
+        in.round, scores, r, j0, cols, scratch.probs.data() + r * scratch.probs_ld);
+  }
+  gemm_bf16(
+      tile.rows, in.Dv,
+      {cols + j0 % 2, 1.0F, scratch.probs.data(), scratch.probs_ld,
+       in.values.head(tile.b, tile.h / in.group) + (j0 / 2) * in.values.ld, in.values.ld,
+       scratch.out.data(), in.Dv, /*accumulate=*/true});
+}
+
+void bf16_forward(const Bf16ForwardInputs& in, const ForwardResult& result) {
+  const Heads<bf16> out_heads(result.out);
+  float* const lse_data = result.lse.data_ptr<float>();
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.D + in.Dv);
+  parallel_query_tiles(
+      in.B, in.H, in.L, kQueryTile, flops_per_tile, [&] { return forward_scratch(in); },
+      [&](Bf16ForwardScratch& scratch, const QueryTile& tile) {
+        std::fill(scratch.out.begin(), scratch.out.end(), 0.0F);
+        scratch.softmax.start(in.modifiers.sink(tile.h));
+        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+        const auto next_keys = [&](int64_t from) {
+          return in.mask.next_keys(tile.b, tile.h, tile.i0, from, key_end, in.key_block);
+        };
+        for (auto keys = next_keys(in.mask.tile_key_begin(tile.i0)); keys.begin < keys.end;
+             keys = next_keys(keys.end)) {
+          forward_block(in, scratch, tile, keys.begin, keys.end - keys.begin);
+        }
+        const auto out_tile = out_heads.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+        float* lse_row = lse_data + (tile.b * in.H + tile.h) * in.L + tile.i0;
+        for (int64_t r = 0; r < tile.rows; ++r) {
+          const float factor = scratch.softmax.output_factor(r, in.keep_scale);
+          const float* acc = scratch.out.data() + r * in.Dv;
+          bf16* out_row = out_tile.row(r);
+          for (int64_t d = 0; d < in.Dv; ++d) {
+            out_row[d] = bf16(acc[d] * factor);
+          }
+          lse_row[r] = scratch.softmax.lse(r);
+        }
+      });
+}
+
+// ---------------------------------------------------------------------------
+// Backward.
+
+struct Bf16BackwardInputs : Bf16Inputs {
+  explicit Bf16BackwardInputs(const AttentionParams& params)
+      : Bf16Inputs(params),
+        keys(packed_heads(params.k, /*rows_are_depth=*/true, WorkspaceSlot::keys_in_pairs)),
+        values_t(
+            packed_heads(params.v, /*rows_are_depth=*/false, WorkspaceSlot::values_transposed)) {}
+  PackedHeads keys;     // K in pairs along the keys, for dQ = dS K
+  PackedHeads values_t; // Vᵀ in pairs along the features, for dP = dO Vᵀ
+};
+
+// What the backward reads besides the inputs, and the gradients it writes.
+struct Bf16BackwardTensors {
+  Heads<bf16> out, grad_out; // (B, H, L, Dv), rows of unit stride
+  const float* lse;          // (B, H, L), contiguous
+  Heads<bf16> dk, dv;        // (B, H, S, ·)
+  ModifierGradients<float> modifiers;
+};
+
+// A backward task's working memory: the float tiles of the float loops,
+// the bfloat16 operands made per tile, and the gradients it accumulates
+// in float: dQ for a query tile, dKᵀ and dVᵀ for its range of keys.
+struct Bf16BackwardScratch {
+  OwnedMatrix<float> probs, grad_scores, score_slopes; // (kQueryTile, key_block)
+  std::vector<float> delta;                            // (kQueryTile)
+  std::vector<IndexRange> whole_rows;                  // every row block sees every key
+  int64_t pairs_ld, rows_ld;
+  std::vector<uint16_t> pairs;     // P or dS in pairs of rows: (kQueryTile / 2, pairs_ld)
+  std::vector<uint16_t> ds_rows;   // dS rounded: (kQueryTile, rows_ld)
+  std::vector<uint16_t> q_t, go_t; // the tile's Qᵀ (D, kQueryTile) and dOᵀ (Dv, kQueryTile)
+  std::vector<float> dq;           // (kQueryTile, D)
+  std::vector<float> dk_t, dv_t;   // (D, keys), (Dv, keys) of the task's keys
+};
+
+Bf16BackwardScratch backward_scratch(const Bf16BackwardInputs& in, int64_t keys_per_task) {
+  const int64_t rows = std::min(kQueryTile, in.L);
+  const auto tile = [&](WorkspaceSlot slot) {
+    return OwnedMatrix<float>(
+        spread_workspace_tensor(slot, {rows, in.key_block}, torch::dtype(torch::kFloat)));
+  };
+  const auto size = [](int64_t n) { return static_cast<size_t>(n); };
+  Bf16BackwardScratch scratch{
+      tile(WorkspaceSlot::tile_scores),
+      tile(WorkspaceSlot::tile_grad_scores),
+      in.modifiers.bends_scores() ? tile(WorkspaceSlot::tile_score_slopes)
+                                  : OwnedMatrix<float>(torch::empty({0, 0})),
+      std::vector<float>(size(kQueryTile)),
+      {},
+      2 * in.key_block,
+      in.key_block + 2,
+      {},
+      {},
+      std::vector<uint16_t>(size(in.D * rows)),
+      std::vector<uint16_t>(size(in.Dv * rows)),
+      std::vector<float>(size(rows * in.D)),
+      std::vector<float>(size(in.D * keys_per_task)),
+      std::vector<float>(size(in.Dv * keys_per_task))};
+  scratch.pairs.resize(size(ceil_div(rows, 2) * scratch.pairs_ld));
+  scratch.ds_rows.resize(size(rows * scratch.rows_ld));
+  return scratch;
+}
+
+// One query tile of a backward task: where it is, and the rows it reads.
+struct Bf16BackwardTile {
+  QueryTile tile;
+  int64_t task;
+  int64_t keys_begin; // the task's first key: column 0 of dk_t and dv_t
+  MatrixRef<bf16> grad_out;
+  const float* lse;
+};
+
+// The tile's Qᵀ and dOᵀ in bfloat16, the left operands of dKᵀ += Qᵀ dS
+// and dVᵀ += dOᵀ P, whose depth is the tile's queries; and the rows' delta_i
+// = Σ_d dO_id · O_id (fill_row_deltas of the float loops).
+void prepare_tile(
+    const Bf16BackwardInputs& in,
+    const Bf16BackwardTensors& t,
+    Bf16BackwardScratch& scratch,
+    const Bf16BackwardTile& bt) {
+  const QueryTile& tile = bt.tile;
+  const auto q_tile = in.q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+  const auto out = t.out.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const uint16_t* q_row = bits_of(q_tile.row(r));
+    for (int64_t d = 0; d < in.D; ++d) {
+      scratch.q_t[d * tile.rows + r] = q_row[d];
+    }
+    const uint16_t* go_row = bits_of(bt.grad_out.row(r));
+    float delta = 0;
+    for (int64_t d = 0; d < in.Dv; ++d) {
+      scratch.go_t[d * tile.rows + r] = go_row[d];
+      delta += static_cast<float>(bt.grad_out.row(r)[d]) * static_cast<float>(out.row(r)[d]);
+    }
+    scratch.delta[r] = delta;
+  }
+}
+
+// c (rows, cols; ld) += the product of `left` (rows × the tile's queries)
+// and the rows of `m` in pairs: dKᵀ += Qᵀ dS, dVᵀ += dOᵀ P.
+void add_left_times_pairs(
+    const Bf16BackwardInputs& in,
+    Bf16BackwardScratch& scratch,
+    const MatrixRef<float>& m,
+    const uint16_t* left,
+    int64_t rows,
+    float* c,
+    int64_t ld) {
+  round_rows_in_pairs(in.round, m, scratch.pairs.data(), scratch.pairs_ld);
+  gemm_bf16(
+      rows, m.cols,
+      {m.rows, 1.0F, left, m.rows, scratch.pairs.data(), scratch.pairs_ld, c, ld,
+       /*accumulate=*/true});
+}
+
+// One query tile against keys [j0, j0 + cols): P recomputed, dP = dO Vᵀ,
+// dS through the float loops' row passes, and their products added to dQ,
+// dKᵀ and dVᵀ (dQ and dKᵀ without the scale, which the writes apply).
+void backward_block(
+    const Bf16BackwardInputs& in,
+    const Bf16BackwardTensors& t,
+    Bf16BackwardScratch& scratch,
+    const Bf16BackwardTile& bt,
+    int64_t j0,
+    int64_t cols,
+    int64_t keys_per_task) {
+  const QueryTile& tile = bt.tile;
+  const int64_t rows = tile.rows, kv_head = tile.h / in.group;
+  const auto p = scratch.probs.matrix.row_block(0, rows).column_block(0, cols);
+  const auto ds = scratch.grad_scores.matrix.row_block(0, rows).column_block(0, cols);
+  const bool bent = in.modifiers.bends_scores();
+  const auto slopes = bent ? scratch.score_slopes.matrix.row_block(0, rows).column_block(0, cols)
+                           : MatrixRef<float>{};
+  scratch.whole_rows.assign(static_cast<size_t>(ceil_div(rows, kProductRowBlock)), {0, cols});
+  const auto& keys_of = scratch.whole_rows;
+  const int64_t column = j0 - bt.keys_begin; // of dk_t and dv_t
+
+  in.score(tile, j0, cols, p);
+  backward_probability_rows<float>(in, tile, p, slopes, j0, bt.lse, keys_of);
+  const auto add_value_gradient = [&] { // dVᵀ += dOᵀ P, P as the forward multiplied it
+    add_left_times_pairs(
+        in, scratch, p, scratch.go_t.data(), in.Dv, scratch.dv_t.data() + column, keys_per_task);
+  };
+  if (!in.dropout.active()) {
+    add_value_gradient();
+  }
+  gemm_bf16(
+      rows, cols,
+      {in.Dv, 1.0F, bits_of(bt.grad_out.data), bt.grad_out.row_stride,
+       in.values_t.head(tile.b, kv_head) + 2 * j0, in.values_t.ld, ds.data, ds.row_stride,
+       /*accumulate=*/false}); // dP = dO Vᵀ
+  softmax_backward_rows<float>(in, tile, p, ds, j0, scratch.delta, keys_of);
+  if (in.dropout.active()) {
+    add_value_gradient();
+  }
+  if (bent || t.modifiers.any()) {
+    modifier_backward_rows<float>(in, t.modifiers, tile, bt.task, ds, slopes, j0, keys_of);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    round_row_from_even_key(
+        in.round, ds, r, j0, cols, scratch.ds_rows.data() + r * scratch.rows_ld);
+  }
+  gemm_bf16(
+      rows, in.D,
+      {cols + j0 % 2, 1.0F, scratch.ds_rows.data(), scratch.rows_ld,
+       in.keys.head(tile.b, kv_head) + (j0 / 2) * in.keys.ld, in.keys.ld, scratch.dq.data(), in.D,
+       /*accumulate=*/true}); // dQ += dS K
+  add_left_times_pairs(
+      in, scratch, ds, scratch.q_t.data(), in.D, scratch.dk_t.data() + column,
+      keys_per_task); // dKᵀ += Qᵀ dS
+}
+
+// dst's rows (rows × cols, bfloat16) = factor · src (rows × cols, float,
+// rows `ld` apart), or its transpose with `transposed` (src cols × rows).
+void write_rounded(
+    const MatrixRef<bf16>& dst,
+    const float* src,
+    int64_t ld,
+    float factor,
+    bool transposed) {
+  for (int64_t r = 0; r < dst.rows; ++r) {
+    bf16* row = dst.row(r);
+    for (int64_t c = 0; c < dst.cols; ++c) {
+      row[c] = bf16(factor * (transposed ? src[c * ld + r] : src[r * ld + c]));
+    }
+  }
+}
+
+// Backward, as the float loops' flash_backward divides it: a task takes
+// one range of keys of one (b, h), accumulates their dKᵀ and dVᵀ and
+// writes their rows of dK and dV once; where a head's keys are split,
+// each range writes its share of dQ (float) into a buffer of its own,
+// summed into dq at the end.
+void bf16_backward(
+    const Bf16BackwardInputs& in,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const InputGradients& grads) {
+  const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
+  const ScoreGradientBuffers<float> score_grads(in, grads, splits);
+  const Bf16BackwardTensors t{Heads<bf16>(forward.out),      Heads<bf16>(grad_out),
+                              forward.lse.data_ptr<float>(), Heads<bf16>(grads.dk),
+                              Heads<bf16>(grads.dv),         score_grads.for_tasks()};
+  const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
+  const int64_t keys_per_task = std::min(in.S, keys_per_split);
+  const auto dq_parts = splits == 1 ? torch::Tensor()
+                                    : torch::empty({splits, in.B, in.H, in.L, in.D}, torch::kFloat);
+  const Heads<bf16> dq_heads(grads.dq);
+  const double flops_per_task = 10.0 * in.L * in.S * in.D / static_cast<double>(splits);
+  parallel_units(
+      in.B * in.H * splits, flops_per_task, [&] { return backward_scratch(in, keys_per_task); },
+      [&](Bf16BackwardScratch& scratch, int64_t unit) {
+        const int64_t b = unit / (in.H * splits), h = unit / splits % in.H, split = unit % splits;
+        const int64_t keys_begin = std::min(in.S, split * keys_per_split);
+        const int64_t keys_end = std::min(in.S, keys_begin + keys_per_split);
+        std::fill(scratch.dk_t.begin(), scratch.dk_t.end(), 0.0F);
+        std::fill(scratch.dv_t.begin(), scratch.dv_t.end(), 0.0F);
+        for (int64_t i0 = 0; i0 < in.L; i0 += kQueryTile) {
+          const QueryTile tile{b, h, i0, std::min(kQueryTile, in.L - i0)};
+          const int64_t begin = std::max(keys_begin, in.mask.tile_key_begin(i0));
+          const int64_t end = std::max(
+              begin, std::min(keys_end, in.mask.tile_key_end(i0, tile.rows)));
+          const auto next_keys = [&](int64_t from) {
+            return in.mask.next_keys(b, h, i0, from, end, in.key_block);
+          };
+          std::fill(scratch.dq.begin(), scratch.dq.end(), 0.0F);
+          const IndexRange first = next_keys(begin);
+          if (first.begin < first.end) {
+            const Bf16BackwardTile bt{
+                tile, unit, keys_begin, t.grad_out.head(b, h).row_block(i0, tile.rows),
+                t.lse + (b * in.H + h) * in.L + i0};
+            prepare_tile(in, t, scratch, bt);
+            for (auto keys = first; keys.begin < keys.end; keys = next_keys(keys.end)) {
+              backward_block(in, t, scratch, bt, keys.begin, keys.end - keys.begin, keys_per_task);
+            }
+          }
+          if (splits == 1) {
+            write_rounded(
+                dq_heads.head(b, h).row_block(i0, tile.rows), scratch.dq.data(), in.D, in.scale,
+                /*transposed=*/false);
+          } else {
+            float* part = dq_parts.data_ptr<float>() +
+                (((split * in.B + b) * in.H + h) * in.L + i0) * in.D;
+            for (int64_t k = 0; k < tile.rows * in.D; ++k) {
+              part[k] = in.scale * scratch.dq[static_cast<size_t>(k)];
+            }
+          }
+        }
+        const int64_t n = keys_end - keys_begin;
+        write_rounded(
+            t.dk.head(b, h).row_block(keys_begin, n), scratch.dk_t.data(), keys_per_task, in.scale,
+            /*transposed=*/true);
+        write_rounded(
+            t.dv.head(b, h).row_block(keys_begin, n), scratch.dv_t.data(), keys_per_task, 1.0F,
+            /*transposed=*/true);
+      });
+  if (splits > 1) {
+    grads.dq.copy_(dq_parts.sum(0));
+  }
+  score_grads.finish(grads);
+}
+
+} // namespace
+
+bool tiled_forward_bf16(const AttentionParams& params, const ForwardResult& result) {
+  if (!bf16_gemm_runs()) {
+    return false;
+  }
+  bf16_forward(Bf16ForwardInputs(params), result);
+  return true;
+}
+
+bool tiled_backward_bf16(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const InputGradients& grads) {
+  if (!bf16_gemm_runs()) {
+    return false;
+  }
+  bf16_backward(Bf16BackwardInputs(params), forward, grad_out, grads);
+  return true;
+}
+
+} // namespace attn::detail

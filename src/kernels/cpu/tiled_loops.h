@@ -1,0 +1,371 @@
+#pragma once
+
+// What the tiled loops of every element type share (tiled_attention.cpp in
+// float and double, tiled_attention_bf16.cpp in bfloat16): the parallel loop
+// over query tiles, the per-row inputs (mask, score modifiers, dropout) and
+// the forward's online softmax, all in float or double whatever the
+// elements of Q, K and V.
+
+#include "kernels/attention_params.h"
+#include "kernels/cpu/dropout.h"
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/mask_view.h"
+#include "kernels/cpu/modifier_view.h"
+#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/row_ops.h"
+#include "kernels/cpu/tile_product.h"
+#include "kernels/cpu/tiled_attention.h"
+#include "kernels/cpu/workspace.h"
+#include "runtime/threads.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace attn::detail {
+
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The kernels' parallel loop: `body(scratch, unit)` for units 0 .. units-1,
+// with one `make_scratch()` per task. BLAS runs on one thread inside the
+// tasks when they run in parallel (two pools on the same cores would
+// contend), and as it is set when the loop runs inline.
+template <typename MakeScratch, typename Body>
+void parallel_units(
+    int64_t units,
+    double flops_per_unit,
+    const MakeScratch& make_scratch,
+    const Body& body) {
+  const int64_t grain = parallel_grain(flops_per_unit, kMinTiledTaskFlops);
+  c10::optional<ScopedSingleThreadedBlas> one_blas_thread_per_task;
+  if (units > grain) {
+    one_blas_thread_per_task.emplace();
+  }
+  parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    // Grad mode is thread-local: worker threads start with it on.
+    const torch::NoGradGuard no_grad;
+    const ScopedSubnormalsAsZero flush; // isa.h: far keys' weights underflow
+    auto scratch = make_scratch();
+    for (int64_t unit = begin; unit < end; ++unit) {
+      body(scratch, unit);
+    }
+  });
+}
+
+// One task's share of the forward: query rows [i0, i0 + rows) of head (b, h).
+struct QueryTile {
+  int64_t b = 0, h = 0, i0 = 0, rows = 0;
+};
+
+// parallel_units over every tile of `tile_rows` queries of every (b, h)
+// head of a (B, H, L) grid: `body(scratch, tile)`.
+template <typename MakeScratch, typename Body>
+void parallel_query_tiles(
+    int64_t B,
+    int64_t H,
+    int64_t L,
+    int64_t tile_rows,
+    double flops_per_tile,
+    const MakeScratch& make_scratch,
+    const Body& body) {
+  const int64_t tiles = L > 0 ? ceil_div(L, tile_rows) : 0;
+  parallel_units(B * H * tiles, flops_per_tile, make_scratch, [&](auto& scratch, int64_t unit) {
+    const int64_t i0 = unit % tiles * tile_rows;
+    body(scratch, QueryTile{unit / (H * tiles), unit / tiles % H, i0, std::min(tile_rows, L - i0)});
+  });
+}
+
+// A matrix over a tensor's memory, which the tensor keeps alive.
+template <typename scalar_t>
+struct OwnedMatrix {
+  explicit OwnedMatrix(torch::Tensor memory)
+      : memory(std::move(memory)), matrix(matrix_of<scalar_t>(this->memory)) {}
+  torch::Tensor memory;
+  MatrixRef<scalar_t> matrix;
+};
+
+// workspace_tensor of `sizes` whose rows (the last dimension) lie
+// spread_row_stride apart: a view of a buffer with wider rows.
+inline torch::Tensor spread_workspace_tensor(
+    WorkspaceSlot slot,
+    std::vector<int64_t> sizes,
+    const torch::TensorOptions& options) {
+  const int64_t cols = sizes.back();
+  sizes.back() = spread_row_stride(cols, static_cast<int64_t>(options.dtype().itemsize()));
+  return workspace_tensor(slot, sizes, options).narrow(-1, 0, cols);
+}
+
+// What the tiled loops apply to each row of scores, whatever the elements
+// of Q, K and V: their sizes, the masks, the scale, the score modifiers and
+// dropout, in scalar_t (float or double).
+template <typename scalar_t>
+struct RowInputs {
+  explicit RowInputs(const AttentionParams& params)
+      : B(params.B()),
+        H(params.H()),
+        L(params.L()),
+        S(params.S()),
+        group(params.group()),
+        key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
+        mask(params),
+        modifiers(params),
+        scale(static_cast<scalar_t>(params.scale)),
+        dropout(params.dropout),
+        dropout_stream(detail::dropout_stream(params.dropout)),
+        keep_scale(static_cast<scalar_t>(dropout_keep_scale(params.dropout.p))) {}
+
+  // The dropout stream of query i of head (b, h), from key j on.
+  DropoutRow dropout_row(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return detail::dropout_row(dropout_stream, b * H + h, i, S, j);
+  }
+
+  int64_t B, H, L, S;
+  int64_t group;     // query heads per key/value head
+  int64_t key_block; // keys scored per product
+  MaskView<scalar_t> mask;
+  ModifierView<scalar_t> modifiers;
+  scalar_t scale;
+  DropoutDraw dropout;
+  DropoutRow dropout_stream; // the seed and threshold, taken once
+  scalar_t keep_scale;       // the inverse of the keep probability (dropout.h): 1 without dropout
+};
+
+// A forward task's running maximum and sum of each row of its query tile
+// (online softmax), over the blocks of keys seen so far.
+template <typename scalar_t>
+struct OnlineSoftmax {
+  std::vector<scalar_t> running_max = std::vector<scalar_t>(kQueryTile);
+  std::vector<scalar_t> running_sum = std::vector<scalar_t>(kQueryTile);
+
+  // Before a tile's first block: a sink starts each row's softmax as a key
+  // of weight exp(sink) would.
+  void start(scalar_t sink) {
+    std::fill(running_max.begin(), running_max.end(), sink);
+    std::fill(
+        running_sum.begin(), running_sum.end(),
+        scalar_t(sink == kNegativeInfinity<scalar_t> ? 0 : 1));
+  }
+
+  // Folds one block of scores (row r of the tile, already masked) into
+  // row r's running maximum and sum, turning the scores into
+  // exp(score - max) and rescaling the output row accumulated under the
+  // previous maximum.
+  void fold(int64_t r, scalar_t* row, int64_t cols, scalar_t* out_row, int64_t Dv) {
+    scalar_t& max = running_max[r];
+    const scalar_t new_max = std::max(max, row_max(row, cols));
+    if (new_max == kNegativeInfinity<scalar_t>) {
+      std::fill(row, row + cols, scalar_t(0)); // nothing visible yet
+      return;
+    }
+    const scalar_t correction = std::exp(max - new_max);
+    running_sum[r] = running_sum[r] * correction + exp_shifted_sum(row, cols, new_max);
+    max = new_max;
+    if (correction != scalar_t(1)) {
+      scale_row(out_row, Dv, correction);
+    }
+  }
+
+  // After the last block: what row r's accumulated output is multiplied by
+  // (the dropout's keep scale over the sum), and the row's log-sum-exp.
+  scalar_t output_factor(int64_t r, scalar_t keep_scale) const {
+    return running_sum[r] > 0 ? keep_scale / running_sum[r] : scalar_t(0);
+  }
+  scalar_t lse(int64_t r) const {
+    return running_sum[r] > 0 ? running_max[r] + std::log(running_sum[r])
+                              : kNegativeInfinity<scalar_t>;
+  }
+};
+
+// The forward's pass over row r of a tile's block of scores: keys
+// [j0, j0 + cols) of query tile.i0 + r. Modifies and masks the scores,
+// folds them into the online softmax (leaving exp(score - max)) and drops
+// the weights dropout drops.
+template <typename scalar_t>
+void forward_row(
+    const RowInputs<scalar_t>& in,
+    OnlineSoftmax<scalar_t>& softmax,
+    const QueryTile& tile,
+    int64_t r,
+    int64_t j0,
+    scalar_t* row,
+    int64_t cols,
+    scalar_t* out_row,
+    int64_t Dv) {
+  const int64_t i = tile.i0 + r;
+  if (in.modifiers.changes_scores()) {
+    in.modifiers.apply(row, cols, tile.b, tile.h, i, j0, nullptr);
+  }
+  in.mask.apply(row, cols, tile.b, tile.h, i, j0);
+  softmax.fold(r, row, cols, out_row, Dv);
+  if (in.dropout.active()) { // after the row's sum, which counts every weight
+    drop_row(row, cols, in.dropout_row(tile.b, tile.h, i, j0));
+  }
+}
+
+// The backward's first pass over a tile's block of scores `p` (keys
+// [j0, j0 + cols) of its rows, scaled): modifies and masks them (their
+// derivatives into `slopes` where the scores bend) and turns them into the
+// forward's probabilities exp(score - lse), 0 in rows that see no key.
+template <typename scalar_t>
+void backward_probability_rows(
+    const RowInputs<scalar_t>& in,
+    const QueryTile& tile,
+    const MatrixRef<scalar_t>& p,
+    const MatrixRef<scalar_t>& slopes,
+    int64_t j0,
+    const scalar_t* lse_rows,
+    const std::vector<IndexRange>& keys_of) {
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const auto [begin, end] = keys_of[r / kProductRowBlock];
+    scalar_t* row = p.row(r) + begin;
+    const int64_t i = tile.i0 + r;
+    if (in.modifiers.changes_scores()) {
+      in.modifiers.apply(
+          row, end - begin, tile.b, tile.h, i, j0 + begin,
+          slopes.data != nullptr ? slopes.row(r) + begin : nullptr);
+    }
+    in.mask.apply(row, end - begin, tile.b, tile.h, i, j0 + begin);
+    if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
+      std::fill(row, row + (end - begin), scalar_t(0)); // fully masked row
+    } else {
+      exp_shifted_sum(row, end - begin, lse_rows[r]);
+    }
+  }
+}
+
+// The tile's scores' gradient dS = P ∘ (dP - delta) in `ds`, which holds
+// dP = dO Vᵀ, row by row over each row's keys. With dropout, dP is the
+// gradient of the dropped probabilities, and `p` becomes them
+// (dropout_softmax_backward_row).
+template <typename scalar_t>
+void softmax_backward_rows(
+    const RowInputs<scalar_t>& in,
+    const QueryTile& tile,
+    const MatrixRef<scalar_t>& p,
+    const MatrixRef<scalar_t>& ds,
+    int64_t j0,
+    const std::vector<scalar_t>& delta,
+    const std::vector<IndexRange>& keys_of) {
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    // Plain locals: OpenMP's simd loop below cannot capture a structured binding.
+    const IndexRange keys = keys_of[r / kProductRowBlock];
+    const int64_t begin = keys.begin, end = keys.end;
+    scalar_t* p_row = p.row(r);
+    scalar_t* ds_row = ds.row(r);
+    const scalar_t d = delta[r];
+    if (in.dropout.active()) {
+      dropout_softmax_backward_row(
+          p_row + begin, ds_row + begin, end - begin, d, in.keep_scale,
+          in.dropout_row(tile.b, tile.h, tile.i0 + r, j0 + begin));
+      continue;
+    }
+#pragma omp simd
+    for (int64_t j = begin; j < end; ++j) {
+      ds_row[j] = p_row[j] * (ds_row[j] - d);
+    }
+  }
+}
+
+// After softmax_backward_rows: `ds` holds the gradient of the modified
+// scores, which is that of each bias added to them (written out where
+// asked for), and becomes the gradient of the scaled scores (times the
+// derivative `slopes` of the soft cap and the user's function, where the
+// scores pass through them).
+template <typename scalar_t>
+void modifier_backward_rows(
+    const RowInputs<scalar_t>& in,
+    const ModifierGradients<scalar_t>& grads,
+    const QueryTile& tile,
+    int64_t task,
+    const MatrixRef<scalar_t>& ds,
+    const MatrixRef<scalar_t>& slopes,
+    int64_t j0,
+    const std::vector<IndexRange>& keys_of) {
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const IndexRange keys = keys_of[r / kProductRowBlock];
+    const int64_t begin = keys.begin, end = keys.end;
+    scalar_t* ds_row = ds.row(r);
+    grads.add_row(
+        in.modifiers, ds_row + begin, end - begin, task, tile.b, tile.h, tile.i0 + r, j0 + begin);
+    if (slopes.data != nullptr) {
+      const scalar_t* slope_row = slopes.row(r);
+#pragma omp simd
+      for (int64_t j = begin; j < end; ++j) {
+        ds_row[j] *= slope_row[j];
+      }
+    }
+  }
+}
+
+// Where the backward's tasks write the gradients of what the modifiers
+// and a floating mask add to the scores (InputGradients' d_offset_bias and
+// d_mask, where defined): the mask's in place, zeroed first; the offset
+// bias's in a row per task (`splits` per head), summed per head by finish.
+template <typename scalar_t>
+struct ScoreGradientBuffers {
+  ScoreGradientBuffers(const RowInputs<scalar_t>& in, const InputGradients& grads, int64_t splits)
+      : in(in),
+        splits(splits),
+        offset_rows(
+            grads.d_offset_bias.defined() ? torch::zeros(
+                                                {in.B * in.H * splits, in.modifiers.offsets},
+                                                grads.d_offset_bias.options())
+                                          : torch::Tensor()),
+        mask(grads.d_mask) {
+    if (mask.defined()) {
+      mask.zero_();
+    }
+  }
+
+  ModifierGradients<scalar_t> for_tasks() const {
+    return {data_or_null<scalar_t>(offset_rows), data_or_null<scalar_t>(mask), in.H, in.L, in.S};
+  }
+
+  // The offset bias's rows, one per (b, h, split), summed per head.
+  void finish(const InputGradients& grads) const {
+    if (offset_rows.defined()) {
+      grads.d_offset_bias.copy_(
+          offset_rows.view({in.B, in.H, splits, in.modifiers.offsets}).sum(at::IntArrayRef{0, 2}));
+    }
+  }
+
+  const RowInputs<scalar_t>& in;
+  int64_t splits;
+  torch::Tensor offset_rows, mask;
+};
+
+// Into how many key ranges the backward splits each head: one when there
+// are at least as many heads as threads; else enough ranges of whole key
+// blocks for a task per thread, as far as the keys allow.
+inline int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) {
+  const int64_t threads = at::get_num_threads();
+  if (heads >= threads) {
+    return 1;
+  }
+  return std::clamp<int64_t>(
+      ceil_div(threads, std::max<int64_t>(heads, 1)), 1,
+      std::max<int64_t>(ceil_div(S, key_block), 1));
+}
+
+// The bfloat16 loops (tiled_attention_bf16.cpp): tiled_forward's results
+// for q, k, v in bfloat16, the mask and the modifiers' tensors in float;
+// out in bfloat16 and lse in float. False, computing nothing, where the CPU
+// has no bfloat16 products (half_products_run).
+bool tiled_forward_bf16(const AttentionParams& params, const ForwardResult& result);
+
+// The bfloat16 backward: tiled_backward's gradients for the bfloat16
+// forward's inputs and results, in bfloat16 (the score gradients in
+// float). False, computing nothing, where the CPU has no bfloat16
+// products.
+bool tiled_backward_bf16(
+    const AttentionParams& params,
+    const ForwardResult& forward,
+    const torch::Tensor& grad_out,
+    const InputGradients& grads);
+
+} // namespace attn::detail
