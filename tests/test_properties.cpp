@@ -284,11 +284,10 @@ TEST(PropertySweep, FunctionAndModuleMatchTheFloat64Reference) {
 }
 
 // ---------------------------------------------------------------------------
-// bfloat16, by FlashAttention's rule (Dao, FlashAttention-2, 2023; its
-// tests/test_flash_attn.py): against the float64 oracle of the same
-// bfloat16 inputs, attn's error is at most twice the error of LibTorch's
-// own bfloat16 computation, softmax(Q Kᵀ·scale + bias) V op by op in
-// bfloat16, for the output and each gradient.
+// bfloat16, by FlashAttention's rule (test_support.h): against the float64
+// oracle of the same bfloat16 inputs, attn's error is at most twice the
+// error of LibTorch's own bfloat16 computation, softmax(Q Kᵀ·scale + bias)
+// V op by op in bfloat16, for the output and each gradient.
 
 constexpr int kBfloat16Cases = 40;
 
@@ -316,37 +315,6 @@ SdpaCase draw_bfloat16_case(uint64_t seed) {
   c.layout = pick(rng, {Layout::contiguous, Layout::transposed});
   c.products = attn::detail::active_product_loops();
   return c;
-}
-
-// LibTorch's bfloat16 composite on (N, T, F) inputs and the float64
-// bias, with rows that see no key as zeros (the library's convention).
-torch::Tensor libtorch_bfloat16_attention(
-    const torch::Tensor& q,
-    const torch::Tensor& k,
-    const torch::Tensor& v,
-    const torch::Tensor& bias,
-    double scale) {
-  const auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale + bias.to(q.scalar_type());
-  return torch::matmul(torch::softmax(scores, -1), v).nan_to_num(0.0);
-}
-
-double largest_error(const torch::Tensor& t, const torch::Tensor& reference) {
-  return (t.detach().to(torch::kDouble) - reference).abs().max().item<double>();
-}
-
-// Whether attn's error is within FlashAttention's rule, with a floor of
-// 2^-20 of the largest reference magnitude for errors that round to none.
-::testing::AssertionResult within_twice_libtorchs_error(
-    const torch::Tensor& ours,
-    const torch::Tensor& libtorch,
-    const torch::Tensor& reference) {
-  const double error = largest_error(ours, reference);
-  const double bound = 2 * largest_error(libtorch, reference) +
-      std::ldexp(1.0, -20) * std::max(1.0, reference.abs().max().item<double>());
-  if (error <= bound) {
-    return ::testing::AssertionSuccess();
-  }
-  return ::testing::AssertionFailure() << "error " << error << " above " << bound;
 }
 
 // Checks the case; returns whether the fused kernel's tiled loops took it
@@ -388,8 +356,8 @@ bool check_bfloat16_case(const SdpaCase& c) {
   const auto v64 = as_leaf(v, torch::kDouble);
   const auto ref_out = attn::testing::reference_attention(q64, k64, v64, bias, scale).first;
   const auto q16 = as_leaf(q, c.dtype), k16 = as_leaf(k, c.dtype), v16 = as_leaf(v, c.dtype);
-  const auto libtorch_out = libtorch_bfloat16_attention(q16, k16, v16, bias, scale);
-  EXPECT_TRUE(within_twice_libtorchs_error(flat(out), libtorch_out, ref_out)) << "output";
+  const auto libtorch_out = attn::testing::composite_attention(q16, k16, v16, bias, scale);
+  EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(out), libtorch_out, ref_out);
   if (!c.requires_grad) {
     return tiled;
   }
@@ -401,7 +369,7 @@ bool check_bfloat16_case(const SdpaCase& c) {
       {libtorch_out}, {q16, k16, v16}, {flat(upstream)});
   const char* names[] = {"d query", "d key", "d value"};
   for (int i = 0; i < 3; ++i) {
-    EXPECT_TRUE(within_twice_libtorchs_error(flat(grads[i]), libtorch_grads[i], ref_grads[i]))
+    EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(grads[i]), libtorch_grads[i], ref_grads[i])
         << names[i];
   }
   return tiled;

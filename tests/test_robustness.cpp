@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
+#include "runtime/compat.h"
 #include "runtime/threads.h"
 
 #include <attn/backend.h>
@@ -224,6 +225,33 @@ TEST(NumericalRobustness, BFloat16MultiHeadAttentionStaysNearItsFloat32Result) {
   const Tolerance of_the_largest_output{0.0, rounding};
   EXPECT_CLOSE(out, out32, of_the_largest_output);
   EXPECT_CLOSE(weights, weights32, Tolerance{rounding});
+}
+
+// Under LibTorch's autocast, float32 weights and inputs: the projections
+// and attention compute in bfloat16 (the output is bfloat16, near the
+// float32 module's), and the weights' gradients come back in float32, near
+// the float32 ones.
+TEST(NumericalRobustness, MultiHeadAttentionUnderBfloat16AutocastTrainsFloat32Weights) {
+  torch::manual_seed(16);
+  attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(32, 4));
+  const auto x = torch::randn({2, 150, 32});
+  const auto options = attn::MultiHeadAttentionForwardOptions().is_causal(true);
+  const auto [out32, unused32] = mha(x, x, x, options);
+  const auto grad32 = torch::autograd::grad({out32.sum()}, {mha->q_proj->weight})[0];
+  torch::Tensor out, grad;
+  {
+    const attn::detail::ScopedAutocast autocast(torch::kCPU, torch::kBFloat16);
+    out = std::get<0>(mha(x, x, x, options));
+  }
+  grad = torch::autograd::grad({out.to(torch::kFloat).sum()}, {mha->q_proj->weight})[0];
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(grad.scalar_type(), torch::kFloat);
+  // Inputs, weights, heads and products rounded to bfloat16 (2^-9 each)
+  // before sums of 32 to 150 terms: a few percent of the largest value.
+  const Tolerance of_the_largest_output{0.0, 8 * std::ldexp(1.0, -9)};
+  const Tolerance of_the_largest_gradient{0.0, 0.05};
+  EXPECT_CLOSE(out, out32, of_the_largest_output);
+  EXPECT_CLOSE(grad, grad32, of_the_largest_gradient);
 }
 
 TEST(NumericalRobustness, Float16MultiHeadAttentionOnTheCpuRunsOrNamesTheMissingKernel) {

@@ -64,6 +64,40 @@ Tolerance tolerance_for(torch::ScalarType dtype) {
       << ", rtol " << tolerance.rtol << ") allows";
 }
 
+torch::Tensor composite_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& bias,
+    double scale) {
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) * scale;
+  if (bias.defined()) {
+    scores = scores + bias.to(scores.scalar_type());
+  }
+  const auto empty = (scores == -kInf).all(-1, /*keepdim=*/true);
+  const auto weights = torch::softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0);
+  return torch::matmul(weights, v);
+}
+
+::testing::AssertionResult WithinTwiceLibTorchsError(
+    const char* ours_text,
+    const char* libtorch_text,
+    const char* /*reference_text*/,
+    const torch::Tensor& ours,
+    const torch::Tensor& libtorch,
+    const torch::Tensor& reference) {
+  const double error = max_abs_diff(ours, reference);
+  const double largest = reference.numel() > 0 ? reference.abs().max().item<double>() : 0.0;
+  const double bound = 2 * max_abs_diff(libtorch, reference) +
+      std::ldexp(1.0, -20) * std::max(1.0, largest);
+  if (error <= bound) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+      << ours_text << " is " << error << " from the reference, above twice " << libtorch_text
+      << "'s error (" << bound << ")";
+}
+
 torch::Tensor additive_bias(const torch::Tensor& mask) {
   if (mask.scalar_type() != torch::kBool) {
     return cpu64(mask);

@@ -68,6 +68,22 @@ Tolerance tolerance_for(torch::ScalarType dtype);
 #define EXPECT_CLOSE(actual, expected, tolerance) \
   EXPECT_PRED_FORMAT3(::attn::testing::AssertClose, actual, expected, tolerance)
 
+// FlashAttention's rule for half precision (Dao, FlashAttention-2, 2023;
+// its tests/test_flash_attn.py): `ours` is at most twice as far from the
+// float64 `reference` of the same rounded inputs as `libtorch`, LibTorch's
+// own computation in that precision, op by op (plus 2^-20 of the largest
+// reference magnitude, for errors that round to none).
+::testing::AssertionResult WithinTwiceLibTorchsError(
+    const char* ours_text,
+    const char* libtorch_text,
+    const char* reference_text,
+    const torch::Tensor& ours,
+    const torch::Tensor& libtorch,
+    const torch::Tensor& reference);
+
+#define EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(ours, libtorch, reference) \
+  EXPECT_PRED_FORMAT3(::attn::testing::WithinTwiceLibTorchsError, ours, libtorch, reference)
+
 // `mask` as the additive float64 bias that reference_attention takes, on
 // the CPU: a bool mask (true: may attend) becomes 0 where true and -inf
 // where false; a float mask is additive already.
@@ -79,6 +95,17 @@ torch::Tensor additive_bias(const torch::Tensor& mask);
 // every key forbidden gets zero weights and a zero output. Returns
 // (output (N, L, Ev), weights (N, L, S)) in float64 on the CPU.
 std::pair<torch::Tensor, torch::Tensor> reference_attention(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const torch::Tensor& bias,
+    double scale);
+
+// softmax(q·kᵀ·scale + bias)·v by LibTorch's operations in the inputs'
+// dtype: LibTorch's own computation in that precision, for
+// WithinTwiceLibTorchsError. Shapes as reference_attention, `bias` cast to
+// the inputs' dtype; rows that see no key give zeros (and zero gradients).
+torch::Tensor composite_attention(
     const torch::Tensor& q,
     const torch::Tensor& k,
     const torch::Tensor& v,

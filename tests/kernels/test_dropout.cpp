@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <mutex>
 #include <vector>
 
@@ -190,8 +191,9 @@ struct DropoutCase {
 
 // The oracle: scores = scale·Q·Kᵀ, masked and banded (-inf), softmax with a
 // row that sees no key all zeros, the weights multiplied by keep / (1 - p)
-// for the probability p that a weight is dropped, times V, in float64 with
-// autograd for the gradients.
+// for the probability p that a weight is dropped, times V, in the inputs'
+// dtype (float64; bfloat16 as LibTorch's own computation) with autograd
+// for the gradients.
 torch::Tensor dropout_oracle(
     const torch::Tensor& q,
     const torch::Tensor& k,
@@ -206,7 +208,7 @@ torch::Tensor dropout_oracle(
       allowed.logical_not(), -std::numeric_limits<double>::infinity());
   const auto empty = allowed.logical_not().all(-1, /*keepdim=*/true);
   const auto probs = torch::softmax(masked.masked_fill(empty, 0), -1).masked_fill(empty, 0);
-  const auto dropped = probs * keep.to(torch::kDouble) / (1 - p);
+  const auto dropped = probs * keep.to(probs.scalar_type()) / (1 - p);
   return torch::matmul(dropped, v.repeat_interleave(group, 1));
 }
 
@@ -220,7 +222,12 @@ TEST(FusedKernelDropout, OutputAndEveryGradientAreTheOraclesWithTheEngineMask) {
       {2, 3, 3, 33, 70, 64, true, true, 0.9, 1},
   };
   for (const auto& c : cases) {
-    for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+    for (const auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16}) {
+      if (dtype == torch::kBFloat16 && !attn::detail::bf16_gemm_runs()) {
+        std::cout << "[  NOTE    ] no bfloat16 products on this CPU (AVX512-BF16, AMX): the "
+                     "fused kernel computes bfloat16 in float32, through the public function\n";
+        continue;
+      }
       SCOPED_TRACE(
           ::testing::Message() << "B " << c.B << " H " << c.H << " Hkv " << c.Hkv << " L " << c.L
                                << " S " << c.S << " D " << c.D << " causal " << c.causal
@@ -261,12 +268,26 @@ TEST(FusedKernelDropout, OutputAndEveryGradientAreTheOraclesWithTheEngineMask) {
           drop_probability(c.p));
       const auto expected_grads = torch::autograd::grad(
           {expected}, exact, {upstream.to(torch::kDouble)});
+      const char* names[] = {"dq", "dk", "dv"};
+      if (dtype == torch::kBFloat16) { // FlashAttention's rule (test_support.h)
+        std::vector<torch::Tensor> low{
+            q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()};
+        const auto libtorch = dropout_oracle(
+            low[0], low[1], low[2], allowed.logical_and(band), keep, params.scale,
+            drop_probability(c.p));
+        const auto libtorch_grads = torch::autograd::grad({libtorch}, low, {upstream});
+        EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, expected);
+        for (size_t i = 0; i < 3; ++i) {
+          EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(grads[i], libtorch_grads[i], expected_grads[i])
+              << names[i];
+        }
+        continue;
+      }
       // float64: summation order only. float32: O(1) values, relative to
       // the largest (the 1 / (1 - p) scale makes them larger).
       const Tolerance tolerance = dtype == torch::kDouble ? Tolerance{1e-10}
                                                           : Tolerance{2e-5, 2e-5};
       EXPECT_CLOSE(out, expected, tolerance);
-      const char* names[] = {"dq", "dk", "dv"};
       for (size_t i = 0; i < 3; ++i) {
         EXPECT_CLOSE(grads[i], expected_grads[i], tolerance) << names[i];
       }

@@ -154,6 +154,43 @@ void expect_oracle_results(
   EXPECT_CLOSE(va.grad().reshape({B * H, S, D}), grads[2], tolerance);
 }
 
+// attn's bfloat16 output and gradients, by FlashAttention's rule
+// (test_support.h) against the oracle under `dense`.
+void expect_bfloat16_within_twice_libtorchs_error(
+    const std::string& label,
+    const SDPAOptions& options,
+    const torch::Tensor& dense) {
+  const int64_t B = dense.size(0), H = dense.size(1), L = dense.size(2), S = dense.size(3);
+  const int64_t D = 16;
+  torch::manual_seed(7);
+  const auto leaf = [](const torch::Tensor& t, torch::ScalarType dtype) {
+    return t.detach().to(dtype).requires_grad_();
+  };
+  const auto bf16 = torch::kBFloat16;
+  const auto q = leaf(torch::randn({B, H, L, D}), bf16), k = leaf(torch::randn({B, H, S, D}), bf16);
+  const auto v = leaf(torch::randn({B, H, S, D}), bf16);
+  const auto upstream = torch::randn({B * H, L, D}).to(bf16);
+  const double scale = 1.0 / 4.0;
+  const auto bias = additive_bias(dense.expand({B, H, L, S}).reshape({B * H, L, S}));
+  const auto flat = [&](const torch::Tensor& t) { return t.reshape({B * H, t.size(2), D}); };
+  const auto q64 = leaf(flat(q), torch::kDouble), k64 = leaf(flat(k), torch::kDouble);
+  const auto v64 = leaf(flat(v), torch::kDouble);
+  const auto q16 = leaf(flat(q), bf16), k16 = leaf(flat(k), bf16), v16 = leaf(flat(v), bf16);
+  const auto expected = reference_attention(q64, k64, v64, bias, scale).first;
+  const auto grads64 = reference_attention_gradients(
+      q64, k64, v64, bias, scale, upstream.to(torch::kDouble));
+  const auto libtorch = attn::testing::composite_attention(q16, k16, v16, bias, scale);
+  const auto grads16 = torch::autograd::grad({libtorch}, {q16, k16, v16}, {upstream});
+
+  SCOPED_TRACE(label + " in bfloat16");
+  const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+  const auto grads = torch::autograd::grad({flat(out)}, {q, k, v}, {upstream});
+  EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(out), libtorch, expected);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(grads[i]), grads16[i], grads64[i]) << "gradient " << i;
+  }
+}
+
 TEST(BlockMask, EveryPredicateHoldsTheDenseMaskOfItsDefinition) {
   for (const auto& c : predicate_cases()) {
     SCOPED_TRACE(c.name);
@@ -184,6 +221,7 @@ TEST(BlockMask, EveryKernelGivesTheOraclesResultsUnderIt) {
       expect_oracle_results(label, options, dense, torch::kDouble, kernel.gradients);
       if (kernel.backend == AttentionBackend::fused_cpu) {
         expect_oracle_results(label + " in float32", options, dense, torch::kFloat, true);
+        expect_bfloat16_within_twice_libtorchs_error(label, options, dense);
       }
     }
   }

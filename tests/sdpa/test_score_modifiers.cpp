@@ -92,14 +92,15 @@ double user_derivative(double s, int64_t /*b*/, int64_t h, int64_t /*i*/, int64_
 // user_value over scores (B, H, L, S), as tensor operations.
 torch::Tensor user_value_of(const torch::Tensor& s) {
   const int64_t H = s.size(1), L = s.size(2), S = s.size(3);
-  const auto head = torch::arange(H, torch::kDouble).view({1, H, 1, 1});
+  const auto head = torch::arange(H, s.options()).view({1, H, 1, 1});
   const auto distance = (torch::arange(L).view({L, 1}) - torch::arange(S).view({1, S})).abs();
-  return s * (1.0 + 0.1 * head) + 0.3 * torch::sin(s) - 0.05 * distance.to(torch::kDouble);
+  return s * (1.0 + 0.1 * head) + 0.3 * torch::sin(s) - 0.05 * distance.to(s.scalar_type());
 }
 
-// Attention in float64 with the options' modifiers, from the formulas
-// above: q (B, H, L, D), k and v (B, Hkv, S, ·); the modifiers' tensors as
-// given (float64 leaves, for autograd).
+// Attention with the options' modifiers, from the formulas above, in the
+// inputs' dtype (float64 for the oracle; bfloat16 for LibTorch's own
+// bfloat16 computation): q (B, H, L, D), k and v (B, Hkv, S, ·); the
+// modifiers' tensors as given (leaves, for autograd).
 torch::Tensor oracle(
     const torch::Tensor& q,
     const torch::Tensor& k,
@@ -126,7 +127,7 @@ torch::Tensor oracle(
       bucket[at] = bucket_of(distance[at], options.position_buckets());
     }
   }
-  const auto d = torch::tensor(distance, torch::kDouble).view({1, 1, L, S});
+  const auto d = torch::tensor(distance, torch::kDouble).view({1, 1, L, S}).to(s.scalar_type());
   if (options.alibi_slopes().defined()) {
     const auto m = options.alibi_slopes().view({1, H, 1, 1});
     s = s + (options.alibi_symmetric() ? -m * d.abs() : m * d);
@@ -335,6 +336,58 @@ TEST(ScoreModifiers, FusedKernelMatchesTheFloat64OracleInEveryGradient) {
   for (const auto& c : cases()) {
     expect_fused_matches_oracle(c, torch::kDouble, Tolerance{1e-10, 1e-10});
     expect_fused_matches_oracle(c, torch::kFloat, Tolerance{0.0, 2e-5});
+  }
+}
+
+// In bfloat16, by FlashAttention's rule (test_support.h): inputs and
+// modifiers' tensors rounded to bfloat16; the reference is the oracle on
+// them in float64, LibTorch's error that of the oracle's operations in
+// bfloat16.
+void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
+  SCOPED_TRACE(c.name + " in BFloat16");
+  torch::manual_seed(3);
+  const auto bf16 = torch::kBFloat16;
+  const auto leaf = [](const torch::Tensor& t, torch::ScalarType dtype) {
+    return t.detach().to(dtype).requires_grad_();
+  };
+  const auto q = leaf(torch::randn({c.B, c.H, c.L, c.D}), bf16);
+  const auto k = leaf(torch::randn({c.B, c.Hkv, c.S, c.D}), bf16);
+  const auto v = leaf(torch::randn({c.B, c.Hkv, c.S, c.D}), bf16);
+  const auto upstream = torch::randn({c.B, c.H, c.L, c.D}).to(bf16);
+  const auto options = in_dtype(options_of(c), bf16);
+  const auto options64 = in_dtype(options, torch::kDouble);
+  const auto options16 = in_dtype(options, bf16);
+  const auto q64 = leaf(q, torch::kDouble), k64 = leaf(k, torch::kDouble);
+  const auto v64 = leaf(v, torch::kDouble);
+  const auto q16 = leaf(q, bf16), k16 = leaf(k, bf16), v16 = leaf(v, bf16);
+  (oracle(q64, k64, v64, options64) * upstream.to(torch::kDouble)).sum().backward();
+  const auto reference = oracle(q64, k64, v64, options64).detach();
+  const auto libtorch = oracle(q16, k16, v16, options16);
+  (libtorch * upstream).sum().backward();
+
+  ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
+  const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
+  (out * upstream).sum().backward();
+  EXPECT_EQ(out.scalar_type(), bf16);
+  EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, reference);
+  EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(q.grad(), q16.grad(), q64.grad());
+  EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(k.grad(), k16.grad(), k64.grad());
+  EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(v.grad(), v16.grad(), v64.grad());
+  const auto ours = learned_tensors(options), theirs = learned_tensors(options16);
+  const auto reference_tensors = learned_tensors(options64);
+  for (size_t t = 0; t < ours.size(); ++t) {
+    EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(
+        ours[t].grad(), theirs[t].grad(), reference_tensors[t].grad())
+        << "learned tensor " << t;
+  }
+}
+
+// Where the CPU has bfloat16 products the fused kernel computes these in
+// bfloat16, elsewhere in float32: the rule holds either way.
+TEST(ScoreModifiers, FusedKernelInBfloat16IsWithinTwiceLibTorchsBfloat16Error) {
+  const ThreadCount two_threads(2);
+  for (const auto& c : cases()) {
+    expect_bfloat16_within_twice_libtorchs_error(c);
   }
 }
 
