@@ -107,6 +107,11 @@ void add_options(CLI::App& app, TrainArguments& arguments) {
       lengths_name, "L",
       "training strings: fixed (--digits each),\nor of 2 to --digits digits, padded (a row\n"
       "each, padded to the longest) or packed\n(rows of documents, positions restarting)");
+  add_choice_option(
+      app, "--dtype", arguments.precision, {Precision::kFloat32, Precision::kBFloat16},
+      precision_name, "T",
+      "what the model computes in: float32, or\nbfloat16 (LibTorch's autocast: matrix\n"
+      "products and attention in bfloat16,\nfloat32 weights and optimizer)");
 }
 
 // What the flags cannot do together, beyond what CLI11 checks.
@@ -122,6 +127,11 @@ void check_combination(const TrainArguments& arguments) {
         "--modifier {} runs on attn::MultiHeadAttention on one process only: expected "
         "--attention attn without --tensor-parallel",
         score_modifier_name(arguments.modifier)));
+  }
+  if (arguments.tensor_parallel && arguments.precision != Precision::kFloat32) {
+    throw apps::UsageError(fmt::format(
+        "--tensor-parallel trains in float32: expected --dtype float32, got {}",
+        precision_name(arguments.precision)));
   }
   if (arguments.lengths == Lengths::kPacked && arguments.attention == AttentionKind::kBuiltin) {
     throw apps::UsageError(

@@ -5,6 +5,7 @@
 // apps::UsageError.
 
 #include "model.h"
+#include "precision.h"
 #include "reversal_task.h"
 
 #include <cstdint>
@@ -40,6 +41,8 @@ struct TrainArguments {
   ScoreModifier modifier = ScoreModifier::kNone;
   /// The training strings' lengths and their layout in rows.
   Lengths lengths = Lengths::kFixed;
+  /// What the model computes in (precision.h).
+  Precision precision = Precision::kFloat32;
 };
 
 /// Parses and checks `argv`. Returns nothing, having printed the help,

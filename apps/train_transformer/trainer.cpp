@@ -91,7 +91,12 @@ ReversalBatch held_out_batch(const ReversalTask& task, uint64_t seed, const torc
   return {held_out.inputs.to(device), held_out.targets.to(device)};
 }
 
-Evaluation evaluate(Transformer& model, const ReversalTask& task, const ReversalBatch& held_out) {
+Evaluation evaluate(
+    Transformer& model,
+    const ReversalTask& task,
+    const ReversalBatch& held_out,
+    Precision precision) {
+  const ScopedPrecision in_precision(precision, held_out.inputs.device());
   torch::NoGradGuard no_grad;
   model->eval();
   const auto logits = task.answer_logits(model(held_out.inputs)); // (B, N, V)
@@ -136,7 +141,9 @@ torch::Tensor write_recomputing(Transformer& model, const torch::Tensor& prompt,
 torch::Tensor reverse_greedily(
     Transformer& model,
     const ReversalTask& task,
-    const torch::Tensor& digits) {
+    const torch::Tensor& digits,
+    Precision precision) {
+  const ScopedPrecision in_precision(precision, digits.device());
   torch::NoGradGuard no_grad;
   model->eval();
   const auto separators = torch::full(
@@ -197,10 +204,13 @@ void Trainer::print_setup() const {
   }
   fmt::print(
       "Reversing {} digits with a causal transformer: {} blocks, d_model {}, "
-      "{} heads of {}{}, {} parameters{}, on {}, seed {}\n",
+      "{} heads of {}{}, {} parameters{}, on {}, seed {}{}\n",
       arguments_.digits, config.layers, config.d_model, config.heads,
       attention_module_name(config.attention), describe_attention(config), parameter_count,
-      parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(), arguments_.seed);
+      parallelism_.world_size() > 1 ? " on rank 0" : "", device_.str(), arguments_.seed,
+      arguments_.precision == Precision::kBFloat16
+          ? ", computing in bfloat16 (autocast; float32 weights)"
+          : "");
   if (parallelism_.world_size() > 1) {
     fmt::print(
         "Tensor-parallel over {} ranks: each holds {} of the {} heads of every attention "
@@ -274,6 +284,7 @@ void Trainer::train() {
 }
 
 Trainer::StepResult Trainer::step_loss() {
+  const ScopedPrecision precision(arguments_.precision, device_);
   const auto seed = batch_seed(arguments_.seed, step_);
   if (arguments_.lengths == Lengths::kFixed) {
     const auto batch = task_.batch(arguments_.batch, seed, Split::kTraining);
@@ -310,7 +321,7 @@ bool Trainer::is_milestone() const {
 }
 
 void Trainer::reach_milestone() {
-  evaluation_ = evaluate(model_, task_, held_out_);
+  evaluation_ = evaluate(model_, task_, held_out_, arguments_.precision);
   if (!target_reached_ && evaluation_.token_accuracy >= kTargetAccuracy) {
     target_reached_ = Milestone{step_, training_seconds_};
   }
@@ -330,7 +341,7 @@ std::string Trainer::status() const {
 void Trainer::print_results() {
   if (step_ < first_step_) {
     // Resumed at the final step: nothing to train, only to evaluate.
-    evaluation_ = evaluate(model_, task_, held_out_);
+    evaluation_ = evaluate(model_, task_, held_out_, arguments_.precision);
   } else {
     print_training_time();
   }
@@ -357,7 +368,7 @@ void Trainer::print_training_time() {
 
 void Trainer::print_decoding() {
   const auto strings = held_out_.inputs.narrow(1, 0, task_.digits()); // (B, N)
-  const auto reversed = reverse_greedily(model_, task_, strings);
+  const auto reversed = reverse_greedily(model_, task_, strings, arguments_.precision);
   const auto strings_right = (reversed == held_out_.targets).all(1).to(torch::kDouble).mean();
   progress_.line(fmt::format(
       "Held-out strings: token accuracy {:.2f} %, loss {:.6f}; reversed "

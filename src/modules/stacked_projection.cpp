@@ -1,5 +1,7 @@
 #include "modules/stacked_projection.h"
 
+#include "runtime/compat.h"
+
 #include <torch/torch.h>
 
 namespace attn::detail {
@@ -138,11 +140,16 @@ torch::Tensor stacked_linear(
   TORCH_INTERNAL_ASSERT(
       biases[0].defined() == biases[1].defined() && biases[1].defined() == biases[2].defined(),
       "stacked_linear: biases for all three weights or for none");
+  // Under LibTorch's autocast, in its dtype, as torch::nn::functional::linear
+  // computes there: the casts are autograd's, so that float32 weights get
+  // float32 gradients.
+  const auto dtype = autocast_dtype(input);
+  const auto cast = [&](const torch::Tensor& t) { return dtype ? t.to(*dtype) : t; };
   const auto bias = [&](size_t i) {
-    return biases[i].defined() ? c10::optional<torch::Tensor>(biases[i]) : c10::nullopt;
+    return biases[i].defined() ? c10::optional<torch::Tensor>(cast(biases[i])) : c10::nullopt;
   };
   return StackedLinearFunction::apply(
-      input, weights[0], weights[1], weights[2], bias(0), bias(1), bias(2));
+      cast(input), cast(weights[0]), cast(weights[1]), cast(weights[2]), bias(0), bias(1), bias(2));
 }
 
 } // namespace attn::detail
