@@ -88,8 +88,12 @@ torch::Tensor composite_attention(
     const torch::Tensor& reference) {
   const double error = max_abs_diff(ours, reference);
   const double largest = reference.numel() > 0 ? reference.abs().max().item<double>() : 0.0;
+  const int significant_bits = ours.scalar_type() == torch::kBFloat16 ? 8
+      : ours.scalar_type() == torch::kHalf                            ? 11
+      : ours.scalar_type() == torch::kFloat                           ? 24
+                                                                      : 53;
   const double bound = 2 * max_abs_diff(libtorch, reference) +
-      std::ldexp(1.0, -20) * std::max(1.0, largest);
+      std::ldexp(1.0, -significant_bits) * std::max(1.0, largest);
   if (error <= bound) {
     return ::testing::AssertionSuccess();
   }

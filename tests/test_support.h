@@ -71,8 +71,9 @@ Tolerance tolerance_for(torch::ScalarType dtype);
 // FlashAttention's rule for half precision (Dao, FlashAttention-2, 2023;
 // its tests/test_flash_attn.py): `ours` is at most twice as far from the
 // float64 `reference` of the same rounded inputs as `libtorch`, LibTorch's
-// own computation in that precision, op by op (plus 2^-20 of the largest
-// reference magnitude, for errors that round to none).
+// own computation in that precision, op by op; plus the rounding of a
+// result into `ours`'s dtype, which no computation avoids: half an ulp
+// of the largest reference magnitude (at least 1).
 ::testing::AssertionResult WithinTwiceLibTorchsError(
     const char* ours_text,
     const char* libtorch_text,

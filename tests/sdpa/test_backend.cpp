@@ -355,10 +355,14 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
       torch::randn({1, 2, kLong, 8}), torch::randn({1, 2, kLong, 8}),
       torch::randn({1, 2, kLong, 12})};
   expect(wide_value, no_weights, AttentionBackend::fused_cpu);
+  // bfloat16 on CPUs with AMX: LibTorch's kernel for inference, attn's
+  // (computing in bfloat16) for training.
   const bool amx = cpu_has("amx_bf16") && cpu_has("amx_tile");
   const auto bf16 = amx ? AttentionBackend::libtorch : AttentionBackend::fused_cpu;
-  expect(lengths(512, 512, torch::kBFloat16, true), causal, bf16);
   expect(lengths(128, 128, torch::kBFloat16, false), no_weights, bf16);
+  expect(lengths(2048, 2048, torch::kBFloat16, false), causal, bf16);
+  expect(lengths(512, 512, torch::kBFloat16, true), causal, AttentionBackend::fused_cpu);
+  expect(lengths(2048, 2048, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
   // Where LibTorch's kernel is not the faster, short sequences take the
   // short loops, computing half precision in float32, or the batched
   // kernel.
