@@ -218,17 +218,23 @@ std::string route_of(
   return route.str();
 }
 
-void check_sdpa_case(const SdpaCase& c) {
+// The case's query, key and value, drawn from its seed in its dtype and
+// layout. Gradients are taken with respect to these tensors, views or not.
+attn::testing::QueryKeyValue case_inputs(const SdpaCase& c) {
   torch::manual_seed(c.seed);
   const auto shape = [&](int64_t T, int64_t F) {
     auto s = c.batch;
     s.insert(s.end(), {T, F});
     return s;
   };
-  // Gradients are taken with respect to the tensors passed in, views or not.
-  const auto q = random_tensor(shape(c.L, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
-  const auto k = random_tensor(shape(c.S, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
-  const auto v = random_tensor(shape(c.S, c.Ev), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  return {
+      random_tensor(shape(c.L, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad),
+      random_tensor(shape(c.S, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad),
+      random_tensor(shape(c.S, c.Ev), c.dtype, c.layout).requires_grad_(c.requires_grad)};
+}
+
+void check_sdpa_case(const SdpaCase& c) {
+  const auto [q, k, v] = case_inputs(c);
   const auto mask = make_sdpa_mask(c);
   const attn::detail::ScopedProductLoops products(c.products);
   SCOPED_TRACE("route: " + route_of(q, k, v, mask, c));
@@ -320,15 +326,7 @@ SdpaCase draw_bfloat16_case(uint64_t seed) {
 // Checks the case; returns whether the fused kernel's tiled loops took it
 // (in bfloat16 where the CPU has bfloat16 products).
 bool check_bfloat16_case(const SdpaCase& c) {
-  torch::manual_seed(c.seed);
-  const auto shape = [&](int64_t T, int64_t F) {
-    auto s = c.batch;
-    s.insert(s.end(), {T, F});
-    return s;
-  };
-  const auto q = random_tensor(shape(c.L, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
-  const auto k = random_tensor(shape(c.S, c.E), c.dtype, c.layout).requires_grad_(c.requires_grad);
-  const auto v = random_tensor(shape(c.S, c.Ev), c.dtype, c.layout).requires_grad_(c.requires_grad);
+  const auto [q, k, v] = case_inputs(c);
   // Every row sees a key, so that LibTorch's rows are defined: key 0
   // without a window, key i (in every band: windows come with L <= S).
   auto mask = make_sdpa_mask(c);
