@@ -12,8 +12,10 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
+#include "kernels/cpu/isa.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h" // which loops compute the kernels' float products
+#include "kernels/cpu/tiled_attention.h"
 
 #include <cmath>
 #include <cstdint>
@@ -341,8 +343,12 @@ bool check_bfloat16_case(const SdpaCase& c) {
   }
   const bool tiled = attn::select_backend(q, k, v, options) == attn::AttentionBackend::fused_cpu &&
       !attn::detail::short_heads_run(torch::kFloat, c.L, c.S);
+  const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  if (tiled && attn::detail::amx_tiles_granted()) {
+    EXPECT_GT(attn::detail::tiled_bf16_calls(), bf16_calls) << "the bfloat16 loops did not run";
+  }
 
   const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
   const auto flat = [](const torch::Tensor& t) { return t.reshape({-1, t.size(-2), t.size(-1)}); };
@@ -373,8 +379,9 @@ bool check_bfloat16_case(const SdpaCase& c) {
   return tiled;
 }
 
-// On each of the bfloat16 products this CPU runs, and on none (the
-// request computed in float32) where it runs neither.
+// On each of the bfloat16 products this CPU runs (the bfloat16 loops run
+// where AMX is granted: backend.h, fused_cpu_computes_bf16), and on none
+// (the request computed in float32) where it runs neither.
 TEST(PropertySweep, Bfloat16IsWithinTwiceLibTorchsBfloat16Error) {
   const auto products = attn::detail::available_bf16_products();
   if (products.empty()) {

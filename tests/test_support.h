@@ -73,7 +73,9 @@ Tolerance tolerance_for(torch::ScalarType dtype);
 // float64 `reference` of the same rounded inputs as `libtorch`, LibTorch's
 // own computation in that precision, op by op; plus the rounding of a
 // result into `ours`'s dtype, which no computation avoids: half an ulp
-// of the largest reference magnitude (at least 1).
+// of the largest reference magnitude; and 1e-6, float32's rounding of
+// terms near 1, for results that are 0 (a softmax over one key has no
+// gradient).
 ::testing::AssertionResult WithinTwiceLibTorchsError(
     const char* ours_text,
     const char* libtorch_text,

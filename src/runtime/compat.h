@@ -31,10 +31,11 @@ constexpr bool kLibTorchCpuRuleMeasured = TORCH_VERSION_MAJOR > 2 ||
     (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
 
 // The dtype LibTorch's autocast computes matrix products in on `t`'s
-// device, where it is on for that device and `t` is floating; else none.
-// LibTorch 2.4 named autocast's switches by device type.
+// device, where it is on for that device and would cast `t` (floating,
+// not float64); else none. LibTorch 2.4 named autocast's switches by
+// device type.
 inline c10::optional<torch::ScalarType> autocast_dtype(const torch::Tensor& t) {
-  if (!t.is_floating_point()) {
+  if (!t.is_floating_point() || t.scalar_type() == torch::kDouble) {
     return c10::nullopt;
   }
   const auto type = t.device().type();

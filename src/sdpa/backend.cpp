@@ -316,7 +316,7 @@ bool fused_cpu_computes_bf16(const AttentionParams& params) {
   const bool every_size_positive = params.q.numel() > 0 && params.k.numel() > 0 &&
       params.v.numel() > 0;
   return params.q.scalar_type() == torch::kBFloat16 && params.q.device().is_cpu() &&
-      every_size_positive && bf16_gemm_runs() &&
+      every_size_positive && amx_tiles_granted() &&
       fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::tiled;
 }
 

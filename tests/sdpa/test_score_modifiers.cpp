@@ -15,6 +15,8 @@
 
 #include "test_support.h"
 
+#include "kernels/cpu/isa.h"
+#include "kernels/cpu/tiled_attention.h"
 #include "sdpa/score_modifiers.h"
 
 #include <attn/attn.h>
@@ -366,9 +368,13 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   (libtorch * upstream).sum().backward();
 
   ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
+  const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), bf16);
+  if (attn::detail::amx_tiles_granted()) { // forward and backward on the bfloat16 loops
+    EXPECT_EQ(attn::detail::tiled_bf16_calls(), bf16_calls + 2);
+  }
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, reference);
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(q.grad(), q16.grad(), q64.grad());
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(k.grad(), k16.grad(), k64.grad());
@@ -382,8 +388,8 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   }
 }
 
-// Where the CPU has bfloat16 products the fused kernel computes these in
-// bfloat16, elsewhere in float32: the rule holds either way.
+// Where AMX is granted the fused kernel computes these in bfloat16,
+// elsewhere in float32: the rule holds either way.
 TEST(ScoreModifiers, FusedKernelInBfloat16IsWithinTwiceLibTorchsBfloat16Error) {
   const ThreadCount two_threads(2);
   for (const auto& c : cases()) {

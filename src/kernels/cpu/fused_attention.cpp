@@ -89,9 +89,12 @@ InputGradients input_gradients(
     const AttentionParams& params,
     const ScoreGradientsWanted& wanted = {}) {
   auto grads = score_gradients(params, wanted);
+  // Grouped heads' key/value gradients are summed over each group after:
+  // in the score dtype (float for bfloat16), rounded once after the sum.
+  const auto key_options = params.group() > 1 ? score_options(params) : params.k.options();
   grads.dq = torch::empty(params.q.sizes(), params.q.options());
-  grads.dk = torch::empty({params.B(), params.H(), params.S(), params.D()}, params.k.options());
-  grads.dv = torch::empty({params.B(), params.H(), params.S(), params.Dv()}, params.v.options());
+  grads.dk = torch::empty({params.B(), params.H(), params.S(), params.D()}, key_options);
+  grads.dv = torch::empty({params.B(), params.H(), params.S(), params.Dv()}, key_options);
   return grads;
 }
 
@@ -102,7 +105,9 @@ InputGradients summed_over_groups(const AttentionParams& params, InputGradients 
     return grads;
   }
   const auto sum_groups = [&](const torch::Tensor& grad) {
-    return grad.view({params.B(), params.Hkv(), params.group(), params.S(), grad.size(3)}).sum(2);
+    return grad.view({params.B(), params.Hkv(), params.group(), params.S(), grad.size(3)})
+        .sum(2)
+        .to(params.k.scalar_type());
   };
   grads.dk = sum_groups(grads.dk);
   grads.dv = sum_groups(grads.dv);

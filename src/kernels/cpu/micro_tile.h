@@ -75,8 +75,10 @@ struct Bf16MicroTiles {
   int64_t rows, cols;
   const Bf16MicroTileFn* full;
   const Bf16MicroTileFn* edge;
-  // to[0..n) = from[0..n) rounded to the nearest bfloat16 (ties to even),
-  // as c10::BFloat16 rounds: the probabilities a kernel multiplies into V.
+  // to[0..n) = from[0..n) rounded to the nearest bfloat16 (ties to even,
+  // as c10::BFloat16 rounds; subnormals become 0, as the kernels' float
+  // arithmetic has them: ScopedSubnormalsAsZero): the probabilities a
+  // kernel multiplies into V.
   void (*round_row)(const float* from, int64_t n, uint16_t* to);
   // Two rows rounded so, in pairs: to[2j] = first[j], to[2j + 1] =
   // second[j] (0 where second is null), j < n: the layout of a product's

@@ -40,4 +40,8 @@ void tiled_backward(
 // backward: callers use it when no gradient is needed.
 ForwardResult tiled_forward_with_weights(const AttentionParams& params);
 
+// How many calls (forward and backward) the tiled loops ran in bfloat16
+// in this process: for tests that check which loops took a request.
+int64_t tiled_bf16_calls();
+
 } // namespace attn::detail

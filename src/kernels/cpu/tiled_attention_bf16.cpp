@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -138,18 +139,66 @@ struct Bf16Inputs : RowInputs<float> {
   PackedHeads keys_t;
 };
 
-// Row r of `m` (keys [j0, j0 + cols)) rounded into `to` as the left
-// operand of a product whose right operand is packed in pairs from key 0
-// (K, V): from an odd j0 the row starts one key early, with a zero.
-void round_row_from_even_key(
-    const Rounding& round,
+// Keys [j0, j0 + cols) as a product over K's or V's pairs (packed from
+// key 0) takes them: the keys from the first even one in whole pairs; a
+// first key at an odd j0 and a last key left over are added alone, in
+// float (add_lone_keys), so that no product reads a key outside the block
+// (0 times another document's Inf would be NaN).
+struct PairedKeys {
+  PairedKeys(int64_t j0, int64_t cols) : lead(j0 % 2), count((cols - j0 % 2) / 2 * 2) {}
+  int64_t lead;  // 1 where key j0 is alone: the pairs start at column lead
+  int64_t count; // keys in whole pairs
+};
+
+// c (m.rows × key_rows.cols, rows ldc apart) += the columns of `m` (keys
+// [j0, j0 + m.cols)) that PairedKeys leaves alone, times their rows of
+// `key_rows` (K or V of one head), in float.
+void add_lone_keys(
     const MatrixRef<float>& m,
-    int64_t r,
     int64_t j0,
-    int64_t cols,
-    uint16_t* to) {
-  to[0] = 0;
-  round.row(m.row(r), cols, to + j0 % 2);
+    const MatrixRef<bf16>& key_rows,
+    float* c,
+    int64_t ldc) {
+  const PairedKeys paired(j0, m.cols);
+  const auto add = [&](int64_t column) {
+    const bf16* key = key_rows.row(j0 + column);
+    for (int64_t r = 0; r < m.rows; ++r) {
+      const float weight = m.row(r)[column];
+      float* c_row = c + r * ldc;
+      for (int64_t d = 0; d < key_rows.cols; ++d) {
+        c_row[d] += weight * static_cast<float>(key[d]);
+      }
+    }
+  };
+  if (paired.lead == 1) {
+    add(0);
+  }
+  if (paired.lead + paired.count < m.cols) {
+    add(m.cols - 1);
+  }
+}
+
+// c (rows × key_rows.cols) += `rounded` (rows of the paired keys'
+// weights, rounded_ld apart) times those keys' pairs, then the lone keys
+// of `m` (add_lone_keys): m times the keys [j0, j0 + m.cols).
+void add_times_keys(
+    const MatrixRef<float>& m,
+    int64_t j0,
+    const uint16_t* rounded,
+    int64_t rounded_ld,
+    const PackedHeads& pairs,
+    const uint16_t* head_pairs,
+    const MatrixRef<bf16>& key_rows,
+    float* c,
+    int64_t ldc) {
+  const PairedKeys paired(j0, m.cols);
+  if (paired.count > 0) {
+    gemm_bf16(
+        m.rows, key_rows.cols,
+        {paired.count, 1.0F, rounded, rounded_ld, head_pairs + (j0 + paired.lead) / 2 * pairs.ld,
+         pairs.ld, c, ldc, /*accumulate=*/true});
+  }
+  add_lone_keys(m, j0, key_rows, c, ldc);
 }
 
 // The rows of `m` rounded in pairs (rows 2p and 2p + 1 into pair p, ld
@@ -171,13 +220,15 @@ void round_rows_in_pairs(
 struct Bf16ForwardInputs : Bf16Inputs {
   explicit Bf16ForwardInputs(const AttentionParams& params)
       : Bf16Inputs(params),
+        v(params.v),
         values(packed_heads(params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed)) {}
+  Heads<bf16> v;
   PackedHeads values; // V in pairs along the keys
 };
 
-// A forward task's working memory: one tile's scores (float) and
-// probabilities (bfloat16, see round_row_from_even_key), its rows' online
-// softmax and output accumulated in float.
+// A forward task's working memory: one tile's scores (float) and the
+// probabilities of its paired keys (bfloat16, see PairedKeys), its rows'
+// online softmax and output accumulated in float.
 struct Bf16ForwardScratch {
   OwnedMatrix<float> scores; // (kQueryTile, key_block)
   std::vector<uint16_t> probs;
@@ -188,7 +239,7 @@ struct Bf16ForwardScratch {
 
 Bf16ForwardScratch forward_scratch(const Bf16ForwardInputs& in) {
   const int64_t rows = std::min(kQueryTile, in.L);
-  const int64_t probs_ld = in.key_block + 2;
+  const int64_t probs_ld = in.key_block;
   return Bf16ForwardScratch{
       OwnedMatrix<float>(spread_workspace_tensor(
           WorkspaceSlot::tile_scores, {rows, in.key_block}, torch::dtype(torch::kFloat))),
@@ -206,18 +257,18 @@ void forward_block(
     int64_t cols) {
   const auto scores = scratch.scores.matrix.row_block(0, tile.rows).column_block(0, cols);
   in.score(tile, j0, cols, scores);
+  const PairedKeys paired(j0, cols);
   for (int64_t r = 0; r < tile.rows; ++r) {
     forward_row<float>(
         in, scratch.softmax, tile, r, j0, scores.row(r), cols, scratch.out.data() + r * in.Dv,
         in.Dv);
-    round_row_from_even_key(
-        in.round, scores, r, j0, cols, scratch.probs.data() + r * scratch.probs_ld);
+    in.round.row(
+        scores.row(r) + paired.lead, paired.count, scratch.probs.data() + r * scratch.probs_ld);
   }
-  gemm_bf16(
-      tile.rows, in.Dv,
-      {cols + j0 % 2, 1.0F, scratch.probs.data(), scratch.probs_ld,
-       in.values.head(tile.b, tile.h / in.group) + (j0 / 2) * in.values.ld, in.values.ld,
-       scratch.out.data(), in.Dv, /*accumulate=*/true});
+  const int64_t kv_head = tile.h / in.group;
+  add_times_keys(
+      scores, j0, scratch.probs.data(), scratch.probs_ld, in.values,
+      in.values.head(tile.b, kv_head), in.v.head(tile.b, kv_head), scratch.out.data(), in.Dv);
 }
 
 void bf16_forward(const Bf16ForwardInputs& in, const ForwardResult& result) {
@@ -257,9 +308,11 @@ void bf16_forward(const Bf16ForwardInputs& in, const ForwardResult& result) {
 struct Bf16BackwardInputs : Bf16Inputs {
   explicit Bf16BackwardInputs(const AttentionParams& params)
       : Bf16Inputs(params),
+        k(params.k),
         keys(packed_heads(params.k, /*rows_are_depth=*/true, WorkspaceSlot::keys_in_pairs)),
         values_t(
             packed_heads(params.v, /*rows_are_depth=*/false, WorkspaceSlot::values_transposed)) {}
+  Heads<bf16> k;
   PackedHeads keys;     // K in pairs along the keys, for dQ = dS K
   PackedHeads values_t; // Vᵀ in pairs along the features, for dP = dO Vᵀ
 };
@@ -268,7 +321,7 @@ struct Bf16BackwardInputs : Bf16Inputs {
 struct Bf16BackwardTensors {
   Heads<bf16> out, grad_out; // (B, H, L, Dv), rows of unit stride
   const float* lse;          // (B, H, L), contiguous
-  Heads<bf16> dk, dv;        // (B, H, S, ·)
+  torch::Tensor dk, dv;      // (B, H, S, ·), bfloat16, or float to be summed over groups
   ModifierGradients<float> modifiers;
 };
 
@@ -302,7 +355,7 @@ Bf16BackwardScratch backward_scratch(const Bf16BackwardInputs& in, int64_t keys_
       std::vector<float>(size(kQueryTile)),
       {},
       2 * in.key_block,
-      in.key_block + 2,
+      in.key_block,
       {},
       {},
       std::vector<uint16_t>(size(in.D * rows)),
@@ -410,33 +463,53 @@ void backward_block(
   if (bent || t.modifiers.any()) {
     modifier_backward_rows<float>(in, t.modifiers, tile, bt.task, ds, slopes, j0, keys_of);
   }
+  const PairedKeys paired(j0, cols);
   for (int64_t r = 0; r < rows; ++r) {
-    round_row_from_even_key(
-        in.round, ds, r, j0, cols, scratch.ds_rows.data() + r * scratch.rows_ld);
+    in.round.row(
+        ds.row(r) + paired.lead, paired.count, scratch.ds_rows.data() + r * scratch.rows_ld);
   }
-  gemm_bf16(
-      rows, in.D,
-      {cols + j0 % 2, 1.0F, scratch.ds_rows.data(), scratch.rows_ld,
-       in.keys.head(tile.b, kv_head) + (j0 / 2) * in.keys.ld, in.keys.ld, scratch.dq.data(), in.D,
-       /*accumulate=*/true}); // dQ += dS K
+  add_times_keys(
+      ds, j0, scratch.ds_rows.data(), scratch.rows_ld, in.keys, in.keys.head(tile.b, kv_head),
+      in.k.head(tile.b, kv_head), scratch.dq.data(), in.D); // dQ += dS K
   add_left_times_pairs(
       in, scratch, ds, scratch.q_t.data(), in.D, scratch.dk_t.data() + column,
       keys_per_task); // dKᵀ += Qᵀ dS
 }
 
-// dst's rows (rows × cols, bfloat16) = factor · src (rows × cols, float,
-// rows `ld` apart), or its transpose with `transposed` (src cols × rows).
+// dst's rows (rows × cols, bfloat16 or float) = factor · src (rows ×
+// cols, float, rows `ld` apart), or its transpose with `transposed` (src
+// cols × rows).
+template <typename T>
 void write_rounded(
-    const MatrixRef<bf16>& dst,
+    const MatrixRef<T>& dst,
     const float* src,
     int64_t ld,
     float factor,
     bool transposed) {
   for (int64_t r = 0; r < dst.rows; ++r) {
-    bf16* row = dst.row(r);
+    T* row = dst.row(r);
     for (int64_t c = 0; c < dst.cols; ++c) {
-      row[c] = bf16(factor * (transposed ? src[c * ld + r] : src[r * ld + c]));
+      row[c] = T(factor * (transposed ? src[c * ld + r] : src[r * ld + c]));
     }
+  }
+}
+
+// Rows [first, first + n) of head (b, h) of a key or value gradient
+// (bfloat16, or float where grouped heads' gradients are summed after) =
+// factor · srcᵀ, src the task's (features, keys) accumulator.
+void write_key_rows(
+    const torch::Tensor& grad,
+    int64_t b,
+    int64_t h,
+    int64_t first,
+    int64_t n,
+    const float* src,
+    int64_t ld,
+    float factor) {
+  if (grad.scalar_type() == torch::kFloat) {
+    write_rounded(Heads<float>(grad).head(b, h).row_block(first, n), src, ld, factor, true);
+  } else {
+    write_rounded(Heads<bf16>(grad).head(b, h).row_block(first, n), src, ld, factor, true);
   }
 }
 
@@ -452,9 +525,12 @@ void bf16_backward(
     const InputGradients& grads) {
   const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
   const ScoreGradientBuffers<float> score_grads(in, grads, splits);
-  const Bf16BackwardTensors t{Heads<bf16>(forward.out),      Heads<bf16>(grad_out),
-                              forward.lse.data_ptr<float>(), Heads<bf16>(grads.dk),
-                              Heads<bf16>(grads.dv),         score_grads.for_tasks()};
+  const Bf16BackwardTensors t{Heads<bf16>(forward.out),
+                              Heads<bf16>(grad_out),
+                              forward.lse.data_ptr<float>(),
+                              grads.dk,
+                              grads.dv,
+                              score_grads.for_tasks()};
   const int64_t keys_per_split = ceil_div(ceil_div(in.S, in.key_block), splits) * in.key_block;
   const int64_t keys_per_task = std::min(in.S, keys_per_split);
   const auto dq_parts = splits == 1 ? torch::Tensor()
@@ -501,12 +577,8 @@ void bf16_backward(
           }
         }
         const int64_t n = keys_end - keys_begin;
-        write_rounded(
-            t.dk.head(b, h).row_block(keys_begin, n), scratch.dk_t.data(), keys_per_task, in.scale,
-            /*transposed=*/true);
-        write_rounded(
-            t.dv.head(b, h).row_block(keys_begin, n), scratch.dv_t.data(), keys_per_task, 1.0F,
-            /*transposed=*/true);
+        write_key_rows(t.dk, b, h, keys_begin, n, scratch.dk_t.data(), keys_per_task, in.scale);
+        write_key_rows(t.dv, b, h, keys_begin, n, scratch.dv_t.data(), keys_per_task, 1.0F);
       });
   if (splits > 1) {
     grads.dq.copy_(dq_parts.sum(0));
@@ -514,12 +586,22 @@ void bf16_backward(
   score_grads.finish(grads);
 }
 
+std::atomic<int64_t>& bf16_calls() {
+  static std::atomic<int64_t> calls{0};
+  return calls;
+}
+
 } // namespace
+
+int64_t tiled_bf16_calls() {
+  return bf16_calls().load(std::memory_order_relaxed);
+}
 
 bool tiled_forward_bf16(const AttentionParams& params, const ForwardResult& result) {
   if (!bf16_gemm_runs()) {
     return false;
   }
+  bf16_calls().fetch_add(1, std::memory_order_relaxed);
   bf16_forward(Bf16ForwardInputs(params), result);
   return true;
 }
@@ -532,6 +614,7 @@ bool tiled_backward_bf16(
   if (!bf16_gemm_runs()) {
     return false;
   }
+  bf16_calls().fetch_add(1, std::memory_order_relaxed);
   bf16_backward(Bf16BackwardInputs(params), forward, grad_out, grads);
   return true;
 }

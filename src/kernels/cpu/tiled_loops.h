@@ -355,7 +355,7 @@ inline int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) 
 // The bfloat16 loops (tiled_attention_bf16.cpp): tiled_forward's results
 // for q, k, v in bfloat16, the mask and the modifiers' tensors in float;
 // out in bfloat16 and lse in float. False, computing nothing, where the CPU
-// has no bfloat16 products (half_products_run).
+// has no bfloat16 products (tile_product.h, bf16_gemm_runs).
 bool tiled_forward_bf16(const AttentionParams& params, const ForwardResult& result);
 
 // The bfloat16 backward: tiled_backward's gradients for the bfloat16
