@@ -12,7 +12,7 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
-#include "kernels/cpu/isa.h"
+#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h" // which loops compute the kernels' float products
 #include "kernels/cpu/tiled_attention.h"
@@ -346,7 +346,7 @@ bool check_bfloat16_case(const SdpaCase& c) {
   const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
-  if (tiled && attn::detail::amx_tiles_granted()) {
+  if (tiled && attn::detail::amx_products_run()) {
     EXPECT_GT(attn::detail::tiled_bf16_calls(), bf16_calls) << "the bfloat16 loops did not run";
   }
 

@@ -1,5 +1,6 @@
 #include "sdpa/backend.h"
 
+#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/isa.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
@@ -316,7 +317,7 @@ bool fused_cpu_computes_bf16(const AttentionParams& params) {
   const bool every_size_positive = params.q.numel() > 0 && params.k.numel() > 0 &&
       params.v.numel() > 0;
   return params.q.scalar_type() == torch::kBFloat16 && params.q.device().is_cpu() &&
-      every_size_positive && amx_tiles_granted() &&
+      every_size_positive && amx_products_run() &&
       fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::tiled;
 }
 

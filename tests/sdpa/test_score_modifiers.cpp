@@ -15,7 +15,7 @@
 
 #include "test_support.h"
 
-#include "kernels/cpu/isa.h"
+#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/tiled_attention.h"
 #include "sdpa/score_modifiers.h"
 
@@ -372,7 +372,7 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), bf16);
-  if (attn::detail::amx_tiles_granted()) { // forward and backward on the bfloat16 loops
+  if (attn::detail::amx_products_run()) { // forward and backward on the bfloat16 loops
     EXPECT_EQ(attn::detail::tiled_bf16_calls(), bf16_calls + 2);
   }
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, reference);

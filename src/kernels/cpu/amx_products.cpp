@@ -207,9 +207,17 @@ bool amx_gemm_bf16(int64_t rows_of_c, int64_t cols_of_c, const Bf16GemmOperands&
   return true;
 }
 
+bool amx_products_run() {
+  return amx_tiles_granted();
+}
+
 #else
 
 bool amx_gemm_bf16(int64_t /*rows_of_c*/, int64_t /*cols_of_c*/, const Bf16GemmOperands& /*g*/) {
+  return false;
+}
+
+bool amx_products_run() {
   return false;
 }
 

@@ -17,4 +17,9 @@ namespace attn::detail {
 // process the tile state (isa.h, amx_tiles_granted).
 bool amx_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
 
+// Whether amx_gemm_bf16 computes here: this build compiled the tiles'
+// products (GCC; a Clang build has none) and Linux granted the tile
+// state.
+bool amx_products_run();
+
 } // namespace attn::detail

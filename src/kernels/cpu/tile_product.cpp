@@ -252,7 +252,7 @@ std::vector<Bf16Products> available_bf16_products() {
   if (bf16_products_run()) {
     products.push_back(Bf16Products::avx512_bf16);
   }
-  if (amx_tiles_granted()) {
+  if (amx_products_run()) {
     products.push_back(Bf16Products::amx);
   }
   return products;

@@ -187,7 +187,7 @@ bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
 enum class Bf16Products { avx512_bf16, amx };
 
 // The bfloat16 products this build and CPU run (AMX where this process was
-// granted the tiles: isa.h, amx_tiles_granted), narrowest first; the last
+// granted the tiles: amx_products.h, amx_products_run), narrowest first; the last
 // computes gemm_bf16 unless a ScopedBf16Products says otherwise. Empty on
 // a CPU without either.
 std::vector<Bf16Products> available_bf16_products();

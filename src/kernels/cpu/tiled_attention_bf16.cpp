@@ -65,6 +65,11 @@ Rounding rounding() {
                           : Rounding{round_row_portable, round_row_pairs_portable};
 }
 
+// gemm_bf16, which the callers' check (bf16_gemm_runs) lets run.
+void multiply(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
+  TORCH_INTERNAL_ASSERT(gemm_bf16(rows, cols, g), "no bfloat16 products on this CPU");
+}
+
 const uint16_t* bits_of(const bf16* data) {
   return reinterpret_cast<const uint16_t*>(data);
 }
@@ -126,7 +131,7 @@ struct Bf16Inputs : RowInputs<float> {
   void score(const QueryTile& tile, int64_t j0, int64_t cols, const MatrixRef<float>& scores)
       const {
     const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
-    gemm_bf16(
+    multiply(
         tile.rows, cols,
         {D, scale, bits_of(q_tile.data), q_tile.row_stride,
          keys_t.head(tile.b, tile.h / group) + 2 * j0, keys_t.ld, scores.data, scores.row_stride,
@@ -193,7 +198,7 @@ void add_times_keys(
     int64_t ldc) {
   const PairedKeys paired(j0, m.cols);
   if (paired.count > 0) {
-    gemm_bf16(
+    multiply(
         m.rows, key_rows.cols,
         {paired.count, 1.0F, rounded, rounded_ld, head_pairs + (j0 + paired.lead) / 2 * pairs.ld,
          pairs.ld, c, ldc, /*accumulate=*/true});
@@ -414,7 +419,7 @@ void add_left_times_pairs(
     float* c,
     int64_t ld) {
   round_rows_in_pairs(in.round, m, scratch.pairs.data(), scratch.pairs_ld);
-  gemm_bf16(
+  multiply(
       rows, m.cols,
       {m.rows, 1.0F, left, m.rows, scratch.pairs.data(), scratch.pairs_ld, c, ld,
        /*accumulate=*/true});
@@ -451,7 +456,7 @@ void backward_block(
   if (!in.dropout.active()) {
     add_value_gradient();
   }
-  gemm_bf16(
+  multiply(
       rows, cols,
       {in.Dv, 1.0F, bits_of(bt.grad_out.data), bt.grad_out.row_stride,
        in.values_t.head(tile.b, kv_head) + 2 * j0, in.values_t.ld, ds.data, ds.row_stride,
