@@ -9,7 +9,9 @@
 #include "bad_input_catalogue.h"
 #include "test_support.h"
 
+#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/mask_blocks.h"
+#include "kernels/cpu/tiled_attention.h"
 #include "sdpa/block_mask.h"
 
 #include <attn/attn.h>
