@@ -79,27 +79,38 @@ torch::Tensor composite_attention(
   return torch::matmul(weights, v);
 }
 
-::testing::AssertionResult WithinTwiceLibTorchsError(
-    const char* ours_text,
-    const char* libtorch_text,
-    const char* /*reference_text*/,
+::testing::AssertionResult WithinLibTorchsError(
     const torch::Tensor& ours,
     const torch::Tensor& libtorch,
-    const torch::Tensor& reference) {
+    const torch::Tensor& reference,
+    double factor) {
   const double error = max_abs_diff(ours, reference);
   const double largest = reference.numel() > 0 ? reference.abs().max().item<double>() : 0.0;
   const int significant_bits = ours.scalar_type() == torch::kBFloat16 ? 8
       : ours.scalar_type() == torch::kHalf                            ? 11
       : ours.scalar_type() == torch::kFloat                           ? 24
                                                                       : 53;
-  const double bound = 2 * max_abs_diff(libtorch, reference) +
+  const double bound = factor * max_abs_diff(libtorch, reference) +
       std::ldexp(1.0, -significant_bits) * largest + 1e-6;
   if (error <= bound) {
     return ::testing::AssertionSuccess();
   }
-  return ::testing::AssertionFailure()
-      << ours_text << " is " << error << " from the reference, above twice " << libtorch_text
-      << "'s error (" << bound << ")";
+  return ::testing::AssertionFailure() << "the error is " << error << " from the reference, above "
+                                       << factor << " times LibTorch's error (" << bound << ")";
+}
+
+::testing::AssertionResult WithinTwiceLibTorchsError(
+    const char* ours_text,
+    const char* /*libtorch_text*/,
+    const char* /*reference_text*/,
+    const torch::Tensor& ours,
+    const torch::Tensor& libtorch,
+    const torch::Tensor& reference) {
+  auto result = WithinLibTorchsError(ours, libtorch, reference, 2.0);
+  if (!result) {
+    result << " for " << ours_text;
+  }
+  return result;
 }
 
 torch::Tensor additive_bias(const torch::Tensor& mask) {

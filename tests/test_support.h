@@ -84,6 +84,13 @@ Tolerance tolerance_for(torch::ScalarType dtype);
     const torch::Tensor& libtorch,
     const torch::Tensor& reference);
 
+// The same bound with `factor` in place of 2.
+::testing::AssertionResult WithinLibTorchsError(
+    const torch::Tensor& ours,
+    const torch::Tensor& libtorch,
+    const torch::Tensor& reference,
+    double factor);
+
 #define EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(ours, libtorch, reference) \
   EXPECT_PRED_FORMAT3(::attn::testing::WithinTwiceLibTorchsError, ours, libtorch, reference)
 

@@ -381,9 +381,13 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(v.grad(), v16.grad(), v64.grad());
   const auto ours = learned_tensors(options), theirs = learned_tensors(options16);
   const auto reference_tensors = learned_tensors(options64);
+  // The learned tensors' gradients sum dS over many pairs, which sums the
+  // rounding of the softmax backward's delta_i = dO_i·O_i (from the output
+  // rounded to bfloat16, as FlashAttention computes it): measured up to
+  // 2.1 times LibTorch 1.13's error (split_keys' table), 3 allowed.
   for (size_t t = 0; t < ours.size(); ++t) {
-    EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(
-        ours[t].grad(), theirs[t].grad(), reference_tensors[t].grad())
+    EXPECT_TRUE(attn::testing::WithinLibTorchsError(
+        ours[t].grad(), theirs[t].grad(), reference_tensors[t].grad(), 3.0))
         << "learned tensor " << t;
   }
 }
