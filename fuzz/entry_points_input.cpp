@@ -608,8 +608,10 @@ struct Tolerance {
 // A call's inputs in float64 and the error bounds of its results.
 struct FunctionBounds {
   torch::Tensor q, k, v; // float64 copies
-  double compute = 0;    // attn computes half precision in float32, but
-  double storage = 0;    // for LibTorch's kernel
+  double compute = 0;    // attn accumulates half precision in float32 (its
+  double storage = 0;    // bfloat16 loops round the weights to bfloat16, which
+                         // the weights' storage term holds), LibTorch's kernel
+                         // in the inputs' dtype
   double scale = 0;
   Tolerance tolerance;
 

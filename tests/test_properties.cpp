@@ -12,7 +12,6 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
-#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h" // which loops compute the kernels' float products
 #include "kernels/cpu/tiled_attention.h"
@@ -346,7 +345,7 @@ bool check_bfloat16_case(const SdpaCase& c) {
   const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
-  if (tiled && attn::detail::amx_products_run()) {
+  if (tiled && attn::detail::bf16_products_outrun_float()) {
     EXPECT_GT(attn::detail::tiled_bf16_calls(), bf16_calls) << "the bfloat16 loops did not run";
   }
 
@@ -380,7 +379,7 @@ bool check_bfloat16_case(const SdpaCase& c) {
 }
 
 // On each of the bfloat16 products this CPU runs (the bfloat16 loops run
-// where AMX is granted: backend.h, fused_cpu_computes_bf16), and on none
+// where they outrun float ones: backend.h, fused_cpu_computes_bf16), and on none
 // (the request computed in float32) where it runs neither.
 TEST(PropertySweep, Bfloat16IsWithinTwiceLibTorchsBfloat16Error) {
   const auto products = attn::detail::available_bf16_products();

@@ -5,7 +5,6 @@
 
 #include "test_support.h"
 
-#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h"
 #include "runtime/compat.h"
@@ -154,7 +153,8 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
 // the results once, so each element is within half an ulp of the float32
 // result on the same (rounded) inputs: 2^-8 of it for bfloat16 (8 significant
 // bits), 2^-11 for float16 (11 bits; plus 2^-25 where it is subnormal).
-// Except bfloat16 on the fused kernel's tiled loops where AMX is granted:
+// Except bfloat16 on the fused kernel's tiled loops where its bfloat16
+// products outrun float ones (AMX, or AVX512-BF16 on AMD's cores):
 // it is computed in bfloat16 there, and
 // PropertySweep.Bfloat16IsWithinTwiceLibTorchsBfloat16Error holds it to
 // LibTorch's own bfloat16 error.
@@ -165,7 +165,7 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
     for (const auto& route : kRoutes) {
       SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
       if (dtype == torch::kBFloat16 && route.backend == attn::AttentionBackend::fused_cpu &&
-          !route.short_heads && attn::detail::amx_products_run()) {
+          !route.short_heads && attn::detail::bf16_products_outrun_float()) {
         continue; // computed in bfloat16 (above)
       }
       const auto tiled = route.keep_to_route(70, 40);

@@ -300,16 +300,23 @@ void expect_same_parameters_in_own_tensors(
   }
 }
 
-std::set<std::string> linux_cpu_flags() {
+std::string linux_cpuinfo_field(const std::string& name) {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;
   while (std::getline(cpuinfo, line)) {
-    if (line.rfind("flags", 0) == 0) {
-      std::istringstream words(line.substr(line.find(':') + 1));
-      return {std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
+    const auto colon = line.find(':');
+    if (line.rfind(name, 0) == 0 && colon != std::string::npos &&
+        line.find_first_not_of(" \t", name.size()) == colon) {
+      const auto value = line.find_first_not_of(' ', colon + 1);
+      return value == std::string::npos ? "" : line.substr(value);
     }
   }
-  return {};
+  return "";
+}
+
+std::set<std::string> linux_cpu_flags() {
+  std::istringstream words(linux_cpuinfo_field("flags"));
+  return {std::istream_iterator<std::string>(words), std::istream_iterator<std::string>()};
 }
 
 std::vector<torch::Device> test_devices() {

@@ -185,6 +185,10 @@ void expect_same_parameters_in_own_tensors(
     const torch::nn::Module& copy,
     const torch::nn::Module& original);
 
+// The value of the first processor's field `name` in /proc/cpuinfo
+// ("vendor_id": "AuthenticAMD"). Empty where there is no such file or field.
+std::string linux_cpuinfo_field(const std::string& name);
+
 // The "flags" of the first processor in /proc/cpuinfo: Linux's reading of
 // CPUID, less what it cannot save across a context switch, whichever
 // compiler built the test. Empty where there is no such file.

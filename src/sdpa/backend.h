@@ -63,12 +63,11 @@ FusedLoops fused_cpu_loops(const AttentionParams& params);
 
 // Whether the fused CPU kernel computes `params`, whose q, k and v are
 // bfloat16 (the mask and the modifiers' tensors float), in bfloat16: on
-// its tiled loops, where no size is 0, this process multiplies on AMX
-// tiles (kernels/cpu/amx_products.h, amx_products_run: measured faster than float32
-// there; AVX512-BF16 alone ran at half the float32 loops' rate on an
-// Intel CPU, and is not measured elsewhere) and the same request in
-// float32 would not take the short heads' loops. Elsewhere the request
-// is computed in float32.
+// its tiled loops, where no size is 0, this CPU's bfloat16 products
+// outrun its float ones (kernels/cpu/tile_product.h,
+// bf16_products_outrun_float: AMX tiles, or AVX512-BF16 on AMD's cores)
+// and the same request in float32 would not take the short heads' loops.
+// Elsewhere the request is computed in float32.
 bool fused_cpu_computes_bf16(const AttentionParams& params);
 
 // The fused CPU kernel's forward and backward on its chosen loops, for

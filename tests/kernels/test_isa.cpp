@@ -30,6 +30,14 @@ TEST(CpuFeatures, AgreeWithTheFlagsLinuxReads) {
   EXPECT_EQ(cpu.avx512_bf16, has("avx512_bf16"));
   EXPECT_EQ(cpu.avx512_fp16, has("avx512_fp16"));
   EXPECT_EQ(cpu.amx_bf16, has("amx_bf16") && has("amx_tile"));
+  const std::string vendor = attn::testing::linux_cpuinfo_field("vendor_id");
+  using attn::detail::CpuVendor;
+  EXPECT_EQ(
+      cpu.vendor,
+      vendor == "GenuineIntel"       ? CpuVendor::intel
+          : vendor == "AuthenticAMD" ? CpuVendor::amd
+                                     : CpuVendor::other)
+      << "vendor_id: " << vendor;
 }
 
 TEST(IsaLoops, TheTableHoldsEverySetThisCpuRunsAndNoOther) {

@@ -9,8 +9,8 @@
 #include "bad_input_catalogue.h"
 #include "test_support.h"
 
-#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/mask_blocks.h"
+#include "kernels/cpu/tile_product.h"
 #include "kernels/cpu/tiled_attention.h"
 #include "sdpa/block_mask.h"
 
@@ -188,7 +188,7 @@ void expect_bfloat16_within_twice_libtorchs_error(
   const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   const auto grads = torch::autograd::grad({flat(out)}, {q, k, v}, {upstream});
-  if (attn::detail::amx_products_run()) { // forward and backward on the bfloat16 loops
+  if (attn::detail::bf16_products_outrun_float()) { // forward and backward on the bfloat16 loops
     EXPECT_EQ(attn::detail::tiled_bf16_calls(), bf16_calls + 2);
   }
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(out), libtorch, expected);

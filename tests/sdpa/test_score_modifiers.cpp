@@ -15,7 +15,7 @@
 
 #include "test_support.h"
 
-#include "kernels/cpu/amx_products.h"
+#include "kernels/cpu/tile_product.h"
 #include "kernels/cpu/tiled_attention.h"
 #include "sdpa/score_modifiers.h"
 
@@ -372,7 +372,7 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), bf16);
-  if (attn::detail::amx_products_run()) { // forward and backward on the bfloat16 loops
+  if (attn::detail::bf16_products_outrun_float()) { // forward and backward on the bfloat16 loops
     EXPECT_EQ(attn::detail::tiled_bf16_calls(), bf16_calls + 2);
   }
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, reference);
@@ -392,8 +392,9 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   }
 }
 
-// Where AMX is granted the fused kernel computes these in bfloat16,
-// elsewhere in float32: the rule holds either way.
+// Where its bfloat16 products outrun float ones (AMX, AVX512-BF16 on AMD's
+// cores) the fused kernel computes these in bfloat16, elsewhere in
+// float32: the rule holds either way.
 TEST(ScoreModifiers, FusedKernelInBfloat16IsWithinTwiceLibTorchsBfloat16Error) {
   const ThreadCount two_threads(2);
   for (const auto& c : cases()) {

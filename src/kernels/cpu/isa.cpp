@@ -3,6 +3,9 @@
 #include "kernels/cpu/micro_tile.h"
 #include "kernels/cpu/vector_loops.h"
 
+#include <cstring>
+#include <string>
+
 #if defined(__x86_64__) || defined(__i386__)
 #define ATTN_X86 1
 #include <cpuid.h>
@@ -50,6 +53,19 @@ uint64_t saved_register_state(const CpuidLeaf& leaf1) {
   return (uint64_t{high} << 32) | low;
 }
 
+// "GenuineIntel" or "AuthenticAMD" in EBX, EDX, ECX of leaf 0.
+CpuVendor vendor() {
+  const CpuidLeaf leaf0 = cpuid(0, 0);
+  char name[13] = {};
+  std::memcpy(name, &leaf0.ebx, 4);
+  std::memcpy(name + 4, &leaf0.edx, 4);
+  std::memcpy(name + 8, &leaf0.ecx, 4);
+  const std::string id(name);
+  return id == "GenuineIntel" ? CpuVendor::intel
+      : id == "AuthenticAMD"  ? CpuVendor::amd
+                              : CpuVendor::other;
+}
+
 CpuFeatures probe() {
   // Bit positions: Intel SDM vol. 2A, CPUID; XCR0 vol. 1, 13.3.
   const CpuidLeaf leaf1 = cpuid(1, 0), leaf7 = cpuid(7, 0), leaf7_1 = cpuid(7, 1);
@@ -60,6 +76,7 @@ CpuFeatures probe() {
   const bool ymm = (xcr0 & kYmmState) == kYmmState;
   const bool zmm = (xcr0 & kZmmState) == kZmmState;
   CpuFeatures f;
+  f.vendor = vendor();
   f.fma = ymm && bit(leaf1.ecx, 12);
   f.f16c = ymm && bit(leaf1.ecx, 29);
   f.avx2 = ymm && bit(leaf7.ebx, 5);

@@ -16,9 +16,14 @@ struct Bf16MicroTiles;
 struct ShortHeadsLoops;
 struct DropoutRow;
 
+// Who designed the processor (CPUID leaf 0's vendor string): the same
+// instruction runs at different rates on their cores.
+enum class CpuVendor { other, intel, amd };
+
 // What the processor has and the operating system saves across context
 // switches (a set whose registers the OS does not save counts as absent).
 struct CpuFeatures {
+  CpuVendor vendor = CpuVendor::other;
   bool avx2 = false;
   bool fma = false;
   bool f16c = false;

@@ -182,21 +182,6 @@ const char* product_loops_name(ProductLoops loops) {
   return "?";
 }
 
-ScopedProductLoops::ScopedProductLoops(ProductLoops loops)
-    : previous_(chosen_product_loops().exchange(loops, std::memory_order_relaxed)) {
-  const auto available = available_product_loops();
-  if (std::find(available.begin(), available.end(), loops) == available.end()) {
-    chosen_product_loops().store(previous_, std::memory_order_relaxed);
-    TORCH_CHECK(
-        false, "ScopedProductLoops: this build or CPU cannot run ", product_loops_name(loops),
-        " loops");
-  }
-}
-
-ScopedProductLoops::~ScopedProductLoops() {
-  chosen_product_loops().store(previous_, std::memory_order_relaxed);
-}
-
 ProductLoops active_product_loops() {
   return chosen_product_loops().load(std::memory_order_relaxed);
 }
@@ -278,11 +263,36 @@ std::atomic<Bf16Products>& chosen_bf16_products() {
   return chosen;
 }
 
+// What ScopedProducts<P> reads for each kind of products: the choice in
+// force, those available, their names.
+std::atomic<ProductLoops>& chosen(ProductLoops /*kind*/) {
+  return chosen_product_loops();
+}
+std::atomic<Bf16Products>& chosen(Bf16Products /*kind*/) {
+  return chosen_bf16_products();
+}
+std::vector<ProductLoops> available(ProductLoops /*kind*/) {
+  return available_product_loops();
+}
+std::vector<Bf16Products> available(Bf16Products /*kind*/) {
+  return available_bf16_products();
+}
+const char* name(ProductLoops loops) {
+  return product_loops_name(loops);
+}
+const char* name(Bf16Products products) {
+  return bf16_products_name(products);
+}
+
 } // namespace
 
 bool bf16_gemm_runs() {
   static const bool runs = !available_bf16_products().empty();
   return runs;
+}
+
+bool bf16_products_outrun_float() {
+  return amx_products_run() || (bf16_products_run() && cpu_features().vendor == CpuVendor::amd);
 }
 
 bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
@@ -293,20 +303,23 @@ bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
   return false;
 }
 
-ScopedBf16Products::ScopedBf16Products(Bf16Products products)
-    : previous_(chosen_bf16_products().exchange(products, std::memory_order_relaxed)) {
-  const auto available = available_bf16_products();
-  if (std::find(available.begin(), available.end(), products) == available.end()) {
-    chosen_bf16_products().store(previous_, std::memory_order_relaxed);
-    TORCH_CHECK(
-        false, "ScopedBf16Products: this build or CPU cannot run ", bf16_products_name(products),
-        " products");
+template <typename Products>
+ScopedProducts<Products>::ScopedProducts(Products choice)
+    : previous_(chosen(choice).exchange(choice, std::memory_order_relaxed)) {
+  const auto runs = available(choice);
+  if (std::find(runs.begin(), runs.end(), choice) == runs.end()) {
+    chosen(choice).store(previous_, std::memory_order_relaxed);
+    TORCH_CHECK(false, "this build or CPU cannot run ", name(choice), " products");
   }
 }
 
-ScopedBf16Products::~ScopedBf16Products() {
-  chosen_bf16_products().store(previous_, std::memory_order_relaxed);
+template <typename Products>
+ScopedProducts<Products>::~ScopedProducts() {
+  chosen(previous_).store(previous_, std::memory_order_relaxed);
 }
+
+template class ScopedProducts<ProductLoops>;
+template class ScopedProducts<Bf16Products>;
 
 void pack_bf16_pairs(
     int64_t depth,

@@ -41,20 +41,24 @@ ProductLoops active_product_loops();
 // (where its right operand's rows are contiguous).
 bool tile_products_run(torch::ScalarType dtype);
 
-// While one lives, the float products run on `loops`, one of
-// available_product_loops() (a c10::Error names any other), so that tests
-// and benchmarks can compare the loops in one process. Set it while no
-// kernel runs on another thread.
-class ScopedProductLoops {
+// While one lives, the products of its kind (ProductLoops: the float
+// products; Bf16Products: gemm_bf16) run on `choice`, one of those
+// available (available_product_loops, available_bf16_products; a
+// c10::Error names any other), so that tests and benchmarks can compare
+// them in one process. Set it while no kernel runs on another thread.
+template <typename Products>
+class ScopedProducts {
  public:
-  explicit ScopedProductLoops(ProductLoops loops);
-  ~ScopedProductLoops();
-  ScopedProductLoops(const ScopedProductLoops&) = delete;
-  ScopedProductLoops& operator=(const ScopedProductLoops&) = delete;
+  explicit ScopedProducts(Products choice);
+  ~ScopedProducts();
+  ScopedProducts(const ScopedProducts&) = delete;
+  ScopedProducts& operator=(const ScopedProducts&) = delete;
 
  private:
-  ProductLoops previous_;
+  Products previous_;
 };
+
+using ScopedProductLoops = ScopedProducts<ProductLoops>;
 
 // out = beta·out + alpha·a·b with `beta` 0 or 1: a (m, k), b (k, n) and out
 // (m, n), any strides.
@@ -198,23 +202,19 @@ const char* bf16_products_name(Bf16Products products);
 // Whether gemm_bf16 runs on this CPU.
 bool bf16_gemm_runs();
 
+// Whether gemm_bf16's products outrun the float loops' (tile_gemm) on this
+// CPU, so that attn's loops multiply bfloat16 in bfloat16: AMX tiles where
+// this process runs them (amx_products_run), or AVX512-BF16 on AMD's cores,
+// whose vdpbf16ps makes twice the products of a float FMA per cycle (Zen 4:
+// 1.9-2.0x the float loops, `attn_training_bench --products`). On Intel's
+// cores AVX512-BF16 alone measured 0.53-0.57x the float loops: false there.
+bool bf16_products_outrun_float();
+
 // tile_gemm_bf16's product on the active bfloat16 products. Returns false,
 // computing nothing, where bf16_gemm_runs() is false.
 bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
 
-// While one lives, gemm_bf16 runs on `products`, one of
-// available_bf16_products() (a c10::Error names any other). Set it while
-// no kernel runs on another thread.
-class ScopedBf16Products {
- public:
-  explicit ScopedBf16Products(Bf16Products products);
-  ~ScopedBf16Products();
-  ScopedBf16Products(const ScopedBf16Products&) = delete;
-  ScopedBf16Products& operator=(const ScopedBf16Products&) = delete;
-
- private:
-  Bf16Products previous_;
-};
+using ScopedBf16Products = ScopedProducts<Bf16Products>;
 
 // B (depth, cols), element (i, j) at from[i·from_row_stride +
 // j·from_column_stride], in pairs along the depth for tile_gemm_bf16:

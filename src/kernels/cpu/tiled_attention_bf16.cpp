@@ -155,6 +155,23 @@ struct PairedKeys {
   int64_t count; // keys in whole pairs
 };
 
+// A tile's rows of weights for its block's paired keys (PairedKeys),
+// rounded to bfloat16, one key block apart: the left operand of P V and
+// dS K.
+struct RoundedRows {
+  RoundedRows(int64_t rows, int64_t key_block)
+      : ld(key_block), bits(static_cast<size_t>(rows * key_block)) {}
+
+  // Row r of m (keys [j0, j0 + m.cols)): its paired keys rounded.
+  void round(const Rounding& rounding, const MatrixRef<float>& m, int64_t r, int64_t j0) {
+    const PairedKeys paired(j0, m.cols);
+    rounding.row(m.row(r) + paired.lead, paired.count, bits.data() + r * ld);
+  }
+
+  int64_t ld;
+  std::vector<uint16_t> bits;
+};
+
 // c (m.rows × key_rows.cols, rows ldc apart) += the columns of `m` (keys
 // [j0, j0 + m.cols)) that PairedKeys leaves alone, times their rows of
 // `key_rows` (K or V of one head), in float.
@@ -183,14 +200,13 @@ void add_lone_keys(
   }
 }
 
-// c (rows × key_rows.cols) += `rounded` (rows of the paired keys'
-// weights, rounded_ld apart) times those keys' pairs, then the lone keys
-// of `m` (add_lone_keys): m times the keys [j0, j0 + m.cols).
+// c (rows × key_rows.cols) += `rounded` (m's rows, RoundedRows::round)
+// times those keys' pairs, then the lone keys of `m` (add_lone_keys): m
+// times the keys [j0, j0 + m.cols).
 void add_times_keys(
     const MatrixRef<float>& m,
     int64_t j0,
-    const uint16_t* rounded,
-    int64_t rounded_ld,
+    const RoundedRows& rounded,
     const PackedHeads& pairs,
     const uint16_t* head_pairs,
     const MatrixRef<bf16>& key_rows,
@@ -200,8 +216,8 @@ void add_times_keys(
   if (paired.count > 0) {
     multiply(
         m.rows, key_rows.cols,
-        {paired.count, 1.0F, rounded, rounded_ld, head_pairs + (j0 + paired.lead) / 2 * pairs.ld,
-         pairs.ld, c, ldc, /*accumulate=*/true});
+        {paired.count, 1.0F, rounded.bits.data(), rounded.ld,
+         head_pairs + (j0 + paired.lead) / 2 * pairs.ld, pairs.ld, c, ldc, /*accumulate=*/true});
   }
   add_lone_keys(m, j0, key_rows, c, ldc);
 }
@@ -236,20 +252,18 @@ struct Bf16ForwardInputs : Bf16Inputs {
 // online softmax and output accumulated in float.
 struct Bf16ForwardScratch {
   OwnedMatrix<float> scores; // (kQueryTile, key_block)
-  std::vector<uint16_t> probs;
-  int64_t probs_ld;
+  RoundedRows probs;
   std::vector<float> out; // (kQueryTile, Dv)
   OnlineSoftmax<float> softmax;
 };
 
 Bf16ForwardScratch forward_scratch(const Bf16ForwardInputs& in) {
   const int64_t rows = std::min(kQueryTile, in.L);
-  const int64_t probs_ld = in.key_block;
   return Bf16ForwardScratch{
       OwnedMatrix<float>(spread_workspace_tensor(
           WorkspaceSlot::tile_scores, {rows, in.key_block}, torch::dtype(torch::kFloat))),
-      std::vector<uint16_t>(static_cast<size_t>(rows * probs_ld)), probs_ld,
-      std::vector<float>(static_cast<size_t>(rows * in.Dv)), OnlineSoftmax<float>{}};
+      RoundedRows(rows, in.key_block), std::vector<float>(static_cast<size_t>(rows * in.Dv)),
+      OnlineSoftmax<float>{}};
 }
 
 // Keys [j0, j0 + cols) of one query tile: the scores, the row pass
@@ -262,18 +276,16 @@ void forward_block(
     int64_t cols) {
   const auto scores = scratch.scores.matrix.row_block(0, tile.rows).column_block(0, cols);
   in.score(tile, j0, cols, scores);
-  const PairedKeys paired(j0, cols);
   for (int64_t r = 0; r < tile.rows; ++r) {
     forward_row<float>(
         in, scratch.softmax, tile, r, j0, scores.row(r), cols, scratch.out.data() + r * in.Dv,
         in.Dv);
-    in.round.row(
-        scores.row(r) + paired.lead, paired.count, scratch.probs.data() + r * scratch.probs_ld);
+    scratch.probs.round(in.round, scores, r, j0);
   }
   const int64_t kv_head = tile.h / in.group;
   add_times_keys(
-      scores, j0, scratch.probs.data(), scratch.probs_ld, in.values,
-      in.values.head(tile.b, kv_head), in.v.head(tile.b, kv_head), scratch.out.data(), in.Dv);
+      scores, j0, scratch.probs, in.values, in.values.head(tile.b, kv_head),
+      in.v.head(tile.b, kv_head), scratch.out.data(), in.Dv);
 }
 
 void bf16_forward(const Bf16ForwardInputs& in, const ForwardResult& result) {
@@ -337,9 +349,8 @@ struct Bf16BackwardScratch {
   OwnedMatrix<float> probs, grad_scores, score_slopes; // (kQueryTile, key_block)
   std::vector<float> delta;                            // (kQueryTile)
   std::vector<IndexRange> whole_rows;                  // every row block sees every key
-  int64_t pairs_ld, rows_ld;
-  std::vector<uint16_t> pairs;     // P or dS in pairs of rows: (kQueryTile / 2, pairs_ld)
-  std::vector<uint16_t> ds_rows;   // dS rounded: (kQueryTile, rows_ld)
+  std::vector<uint16_t> pairs;     // P or dS in pairs of rows: (kQueryTile / 2, 2 key_block)
+  RoundedRows ds_rows;             // dS rounded
   std::vector<uint16_t> q_t, go_t; // the tile's Qᵀ (D, kQueryTile) and dOᵀ (Dv, kQueryTile)
   std::vector<float> dq;           // (kQueryTile, D)
   std::vector<float> dk_t, dv_t;   // (D, keys), (Dv, keys) of the task's keys
@@ -352,25 +363,20 @@ Bf16BackwardScratch backward_scratch(const Bf16BackwardInputs& in, int64_t keys_
         spread_workspace_tensor(slot, {rows, in.key_block}, torch::dtype(torch::kFloat)));
   };
   const auto size = [](int64_t n) { return static_cast<size_t>(n); };
-  Bf16BackwardScratch scratch{
+  return Bf16BackwardScratch{
       tile(WorkspaceSlot::tile_scores),
       tile(WorkspaceSlot::tile_grad_scores),
       in.modifiers.bends_scores() ? tile(WorkspaceSlot::tile_score_slopes)
                                   : OwnedMatrix<float>(torch::empty({0, 0})),
       std::vector<float>(size(kQueryTile)),
       {},
-      2 * in.key_block,
-      in.key_block,
-      {},
-      {},
+      std::vector<uint16_t>(size(ceil_div(rows, 2) * 2 * in.key_block)),
+      RoundedRows(rows, in.key_block),
       std::vector<uint16_t>(size(in.D * rows)),
       std::vector<uint16_t>(size(in.Dv * rows)),
       std::vector<float>(size(rows * in.D)),
       std::vector<float>(size(in.D * keys_per_task)),
       std::vector<float>(size(in.Dv * keys_per_task))};
-  scratch.pairs.resize(size(ceil_div(rows, 2) * scratch.pairs_ld));
-  scratch.ds_rows.resize(size(rows * scratch.rows_ld));
-  return scratch;
 }
 
 // One query tile of a backward task: where it is, and the rows it reads.
@@ -418,10 +424,11 @@ void add_left_times_pairs(
     int64_t rows,
     float* c,
     int64_t ld) {
-  round_rows_in_pairs(in.round, m, scratch.pairs.data(), scratch.pairs_ld);
+  const int64_t pairs_ld = 2 * in.key_block;
+  round_rows_in_pairs(in.round, m, scratch.pairs.data(), pairs_ld);
   multiply(
       rows, m.cols,
-      {m.rows, 1.0F, left, m.rows, scratch.pairs.data(), scratch.pairs_ld, c, ld,
+      {m.rows, 1.0F, left, m.rows, scratch.pairs.data(), pairs_ld, c, ld,
        /*accumulate=*/true});
 }
 
@@ -468,14 +475,12 @@ void backward_block(
   if (bent || t.modifiers.any()) {
     modifier_backward_rows<float>(in, t.modifiers, tile, bt.task, ds, slopes, j0, keys_of);
   }
-  const PairedKeys paired(j0, cols);
   for (int64_t r = 0; r < rows; ++r) {
-    in.round.row(
-        ds.row(r) + paired.lead, paired.count, scratch.ds_rows.data() + r * scratch.rows_ld);
+    scratch.ds_rows.round(in.round, ds, r, j0);
   }
   add_times_keys(
-      ds, j0, scratch.ds_rows.data(), scratch.rows_ld, in.keys, in.keys.head(tile.b, kv_head),
-      in.k.head(tile.b, kv_head), scratch.dq.data(), in.D); // dQ += dS K
+      ds, j0, scratch.ds_rows, in.keys, in.keys.head(tile.b, kv_head), in.k.head(tile.b, kv_head),
+      scratch.dq.data(), in.D); // dQ += dS K
   add_left_times_pairs(
       in, scratch, ds, scratch.q_t.data(), in.D, scratch.dk_t.data() + column,
       keys_per_task); // dKᵀ += Qᵀ dS
