@@ -486,20 +486,49 @@ void backward_block(
       keys_per_task); // dKᵀ += Qᵀ dS
 }
 
-// dst's rows (rows × cols, bfloat16 or float) = factor · src (rows ×
-// cols, float, rows `ld` apart), or its transpose with `transposed` (src
-// cols × rows).
+// `to` (n elements) = `from`, rounded to bfloat16 where `to` is.
+void store_row(const Rounding& round, const float* from, int64_t n, bf16* to) {
+  round.row(from, n, reinterpret_cast<uint16_t*>(to));
+}
+void store_row(const Rounding& /*round*/, const float* from, int64_t n, float* to) {
+  std::copy(from, from + n, to);
+}
+
+// dst (rows × cols, bfloat16 or float) = factor · src (rows × cols,
+// contiguous), which is scaled in place.
 template <typename T>
-void write_rounded(
+void write_scaled(const Rounding& round, const MatrixRef<T>& dst, float* src, float factor) {
+  for (int64_t r = 0; r < dst.rows; ++r) {
+    float* row = src + r * dst.cols;
+    for (int64_t c = 0; c < dst.cols; ++c) {
+      row[c] *= factor;
+    }
+    store_row(round, row, dst.cols, dst.row(r));
+  }
+}
+
+// dst (rows × cols, bfloat16 or float) = factor · srcᵀ, src (cols × rows,
+// rows `ld` apart): kTransposeRows rows at a time, each read in runs of
+// src's rows and transposed through a float block, then stored whole.
+template <typename T>
+void write_transposed(
+    const Rounding& round,
     const MatrixRef<T>& dst,
     const float* src,
     int64_t ld,
-    float factor,
-    bool transposed) {
-  for (int64_t r = 0; r < dst.rows; ++r) {
-    T* row = dst.row(r);
+    float factor) {
+  constexpr int64_t kTransposeRows = 16;
+  std::vector<float> block(static_cast<size_t>(kTransposeRows * dst.cols));
+  for (int64_t r0 = 0; r0 < dst.rows; r0 += kTransposeRows) {
+    const int64_t n = std::min(kTransposeRows, dst.rows - r0);
     for (int64_t c = 0; c < dst.cols; ++c) {
-      row[c] = T(factor * (transposed ? src[c * ld + r] : src[r * ld + c]));
+      const float* from = src + c * ld + r0;
+      for (int64_t k = 0; k < n; ++k) {
+        block[static_cast<size_t>(k * dst.cols + c)] = factor * from[k];
+      }
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      store_row(round, block.data() + k * dst.cols, dst.cols, dst.row(r0 + k));
     }
   }
 }
@@ -508,6 +537,7 @@ void write_rounded(
 // (bfloat16, or float where grouped heads' gradients are summed after) =
 // factor · srcᵀ, src the task's (features, keys) accumulator.
 void write_key_rows(
+    const Rounding& round,
     const torch::Tensor& grad,
     int64_t b,
     int64_t h,
@@ -517,9 +547,9 @@ void write_key_rows(
     int64_t ld,
     float factor) {
   if (grad.scalar_type() == torch::kFloat) {
-    write_rounded(Heads<float>(grad).head(b, h).row_block(first, n), src, ld, factor, true);
+    write_transposed(round, Heads<float>(grad).head(b, h).row_block(first, n), src, ld, factor);
   } else {
-    write_rounded(Heads<bf16>(grad).head(b, h).row_block(first, n), src, ld, factor, true);
+    write_transposed(round, Heads<bf16>(grad).head(b, h).row_block(first, n), src, ld, factor);
   }
 }
 
@@ -575,20 +605,22 @@ void bf16_backward(
             }
           }
           if (splits == 1) {
-            write_rounded(
-                dq_heads.head(b, h).row_block(i0, tile.rows), scratch.dq.data(), in.D, in.scale,
-                /*transposed=*/false);
+            write_scaled(
+                in.round, dq_heads.head(b, h).row_block(i0, tile.rows), scratch.dq.data(),
+                in.scale);
           } else {
             float* part = dq_parts.data_ptr<float>() +
                 (((split * in.B + b) * in.H + h) * in.L + i0) * in.D;
-            for (int64_t k = 0; k < tile.rows * in.D; ++k) {
-              part[k] = in.scale * scratch.dq[static_cast<size_t>(k)];
-            }
+            write_scaled(
+                in.round, MatrixRef<float>{part, tile.rows, in.D, in.D}, scratch.dq.data(),
+                in.scale);
           }
         }
         const int64_t n = keys_end - keys_begin;
-        write_key_rows(t.dk, b, h, keys_begin, n, scratch.dk_t.data(), keys_per_task, in.scale);
-        write_key_rows(t.dv, b, h, keys_begin, n, scratch.dv_t.data(), keys_per_task, 1.0F);
+        write_key_rows(
+            in.round, t.dk, b, h, keys_begin, n, scratch.dk_t.data(), keys_per_task, in.scale);
+        write_key_rows(
+            in.round, t.dv, b, h, keys_begin, n, scratch.dv_t.data(), keys_per_task, 1.0F);
       });
   if (splits > 1) {
     grads.dq.copy_(dq_parts.sum(0));
