@@ -180,7 +180,7 @@ bool libtorch_faster_on_cpu(
     // bfloat16: attn's kernel computes it in bfloat16 on AMX, and trains
     // 1.5-3.7x faster than LibTorch's; LibTorch's forward alone stays
     // 1.0-1.6x faster. Without AMX, attn: on Zen 4's AVX512-BF16 its
-    // forward ran 1.8-2.7x LibTorch's, its training 1.6-3.0x.
+    // forward ran 1.5-3.6x LibTorch's, its training 1.5-3.7x.
     case torch::kBFloat16: return cpu.amx_bf16 && !inputs_need_grad(query, key, value);
     default: return false;
   }
