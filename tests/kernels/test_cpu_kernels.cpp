@@ -294,6 +294,11 @@ TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
   using attn::detail::Bf16GemmOperands;
   const auto flags = attn::testing::linux_cpu_flags();
   EXPECT_EQ(attn::detail::bf16_products_run(), flags.count("avx512_bf16") > 0);
+  // The loops multiply bfloat16 in bfloat16 on AMX, or on AMD's AVX512-BF16.
+  const bool amd = attn::testing::linux_cpuinfo_field("vendor_id") == "AuthenticAMD";
+  EXPECT_EQ(
+      attn::detail::bf16_products_outrun_float(),
+      attn::detail::amx_products_run() || (amd && flags.count("avx512_bf16") > 0));
   std::vector<
       std::pair<std::string, std::function<bool(int64_t, int64_t, const Bf16GemmOperands&)>>>
       products;

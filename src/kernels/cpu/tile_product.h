@@ -58,6 +58,7 @@ class ScopedProducts {
   Products previous_;
 };
 
+extern template class ScopedProducts<ProductLoops>; // tile_product.cpp
 using ScopedProductLoops = ScopedProducts<ProductLoops>;
 
 // out = beta·out + alpha·a·b with `beta` 0 or 1: a (m, k), b (k, n) and out
@@ -202,18 +203,21 @@ const char* bf16_products_name(Bf16Products products);
 // Whether gemm_bf16 runs on this CPU.
 bool bf16_gemm_runs();
 
-// Whether gemm_bf16's products outrun the float loops' (tile_gemm) on this
-// CPU, so that attn's loops multiply bfloat16 in bfloat16: AMX tiles where
-// this process runs them (amx_products_run), or AVX512-BF16 on AMD's cores,
-// whose vdpbf16ps makes twice the products of a float FMA per cycle (Zen 4:
-// 1.9-2.0x the float loops, `attn_training_bench --products`). On Intel's
-// cores AVX512-BF16 alone measured 0.53-0.57x the float loops: false there.
+// Whether this CPU's own bfloat16 products (the last of
+// available_bf16_products, whatever a ScopedBf16Products chooses) outrun
+// the float loops' (tile_gemm), so that attn's loops multiply bfloat16 in
+// bfloat16: AMX tiles where this process runs them (amx_products_run), or
+// AVX512-BF16 on AMD's cores, whose vdpbf16ps makes twice the products of
+// a float FMA per cycle (Zen 4: 1.9-2.0x the float loops, `attn_training_bench
+// --products`; later AMD cores unmeasured). On Intel's cores AVX512-BF16
+// alone measured 0.53-0.57x the float loops: false there.
 bool bf16_products_outrun_float();
 
 // tile_gemm_bf16's product on the active bfloat16 products. Returns false,
 // computing nothing, where bf16_gemm_runs() is false.
 bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
 
+extern template class ScopedProducts<Bf16Products>; // tile_product.cpp
 using ScopedBf16Products = ScopedProducts<Bf16Products>;
 
 // B (depth, cols), element (i, j) at from[i·from_row_stride +

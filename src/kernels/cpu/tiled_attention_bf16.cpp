@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
