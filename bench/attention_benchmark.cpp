@@ -493,7 +493,7 @@ void register_cpu() {
       {Impl::ours, Impl::builtin, Impl::naive, Impl::attn_default}};
   if (attn::detail::kHasNativeAttention) {
     // LibTorch's own fused CPU attention beside attn's kernel and attn's
-    // default choice; bfloat16 likewise.
+    // default choice; bfloat16 and float16 likewise.
     float32.core.insert(float32.core.end(), Impl::aten_sdpa);
     float32.core_backward.insert(float32.core_backward.end(), Impl::aten_sdpa);
     register_suite(
@@ -502,6 +502,13 @@ void register_cpu() {
          {Impl::ours, Impl::aten_sdpa, Impl::attn_default},
          {Impl::ours, Impl::builtin},
          {Impl::ours, Impl::builtin}},
+        shapes);
+    register_suite(
+        {torch::kCPU, torch::kHalf},
+        {{Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+         {},
+         {}},
         shapes);
   }
   register_suite(cpu, float32, shapes);
