@@ -27,6 +27,7 @@ namespace {
 
 using attn::testing::additive_bias;
 using attn::testing::Tolerance;
+using attn::testing::WithinFloat32RoundedToFloat16;
 
 using attn::testing::kInf;
 constexpr uint64_t kBaseSeed = 1000;
@@ -291,16 +292,19 @@ TEST(PropertySweep, FunctionAndModuleMatchTheFloat64Reference) {
 }
 
 // ---------------------------------------------------------------------------
-// bfloat16, by FlashAttention's rule (test_support.h): against the float64
-// oracle of the same bfloat16 inputs, attn's error is at most twice the
-// error of LibTorch's own bfloat16 computation, softmax(Q Kᵀ·scale + bias)
-// V op by op in bfloat16, for the output and each gradient.
+// Half precision. bfloat16 by FlashAttention's rule (test_support.h):
+// against the float64 oracle of the same bfloat16 inputs, attn's error is
+// at most twice the error of LibTorch's own bfloat16 computation,
+// softmax(Q Kᵀ·scale + bias) V op by op in bfloat16, for the output and
+// each gradient. float16, whose loops multiply its exact values in float:
+// by WithinFloat32RoundedToFloat16 (test_support.h), with the sweep's
+// float32 tolerance.
 
-constexpr int kBfloat16Cases = 40;
+constexpr int kHalfPrecisionCases = 40;
 
-// Where the fused kernel's tiled loops compute in bfloat16 (a request the
-// short heads' loops would not take in float32) and elsewhere.
-SdpaCase draw_bfloat16_case(uint64_t seed) {
+// Where the fused kernel's tiled loops compute in half precision (a
+// request the short heads' loops would not take in float32) and elsewhere.
+SdpaCase draw_half_precision_case(uint64_t seed, torch::ScalarType dtype) {
   std::mt19937_64 rng(seed);
   SdpaCase c;
   c.seed = seed;
@@ -318,15 +322,22 @@ SdpaCase draw_bfloat16_case(uint64_t seed) {
   c.requires_grad = coin(rng);
   c.mask_requires_grad = false;
   c.scale = coin(rng) ? c10::optional<double>(pick(rng, {0.05, 0.7})) : c10::nullopt;
-  c.dtype = torch::kBFloat16;
+  c.dtype = dtype;
   c.layout = pick(rng, {Layout::contiguous, Layout::transposed});
   c.products = attn::detail::active_product_loops();
   return c;
 }
 
+// Whether the half-precision loops of c's dtype run here: bfloat16 where
+// its products outrun float ones, float16 wherever attn's loops widen it.
+bool half_precision_loops_run(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? attn::detail::bf16_products_outrun_float()
+                                   : attn::detail::half_products_run();
+}
+
 // Checks the case; returns whether the fused kernel's tiled loops took it
-// (in bfloat16 where the CPU has bfloat16 products).
-bool check_bfloat16_case(const SdpaCase& c) {
+// (in its half precision where those loops run).
+bool check_half_precision_case(const SdpaCase& c) {
   const auto [q, k, v] = case_inputs(c);
   // Every row sees a key, so that LibTorch's rows are defined: key 0
   // without a window, key i (in every band: windows come with L <= S).
@@ -342,11 +353,12 @@ bool check_bfloat16_case(const SdpaCase& c) {
   }
   const bool tiled = attn::select_backend(q, k, v, options) == attn::AttentionBackend::fused_cpu &&
       !attn::detail::short_heads_run(torch::kFloat, c.L, c.S);
-  const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
+  const int64_t calls = attn::detail::tiled_half_calls(c.dtype);
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
-  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
-  if (tiled && attn::detail::bf16_products_outrun_float()) {
-    EXPECT_GT(attn::detail::tiled_bf16_calls(), bf16_calls) << "the bfloat16 loops did not run";
+  EXPECT_EQ(out.scalar_type(), c.dtype);
+  if (tiled && half_precision_loops_run(c.dtype)) {
+    EXPECT_GT(attn::detail::tiled_half_calls(c.dtype), calls)
+        << "the half-precision loops did not run";
   }
 
   const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
@@ -357,10 +369,18 @@ bool check_bfloat16_case(const SdpaCase& c) {
   const auto bias = reference_bias(c, mask);
   const auto q64 = as_leaf(q, torch::kDouble), k64 = as_leaf(k, torch::kDouble);
   const auto v64 = as_leaf(v, torch::kDouble);
-  const auto ref_out = attn::testing::reference_attention(q64, k64, v64, bias, scale).first;
+  const auto [ref_out, ref_weights] = attn::testing::reference_attention(
+      q64, k64, v64, bias, scale);
+  const bool bfloat16 = c.dtype == torch::kBFloat16;
   const auto q16 = as_leaf(q, c.dtype), k16 = as_leaf(k, c.dtype), v16 = as_leaf(v, c.dtype);
-  const auto libtorch_out = attn::testing::composite_attention(q16, k16, v16, bias, scale);
-  EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(out), libtorch_out, ref_out);
+  const auto libtorch_out = bfloat16
+      ? attn::testing::composite_attention(q16, k16, v16, bias, scale)
+      : torch::Tensor();
+  if (bfloat16) {
+    EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(out), libtorch_out, ref_out);
+  } else {
+    EXPECT_TRUE(WithinFloat32RoundedToFloat16(flat(out), ref_out, tolerance(torch::kFloat, false)));
+  }
   if (!c.requires_grad) {
     return tiled;
   }
@@ -368,43 +388,65 @@ bool check_bfloat16_case(const SdpaCase& c) {
   const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
   const auto ref_grads = attn::testing::reference_attention_gradients(
       q64, k64, v64, bias, scale, flat(upstream).to(torch::kDouble));
-  const auto libtorch_grads = torch::autograd::grad(
-      {libtorch_out}, {q16, k16, v16}, {flat(upstream)});
+  const auto libtorch_grads = bfloat16
+      ? torch::autograd::grad({libtorch_out}, {q16, k16, v16}, {flat(upstream)})
+      : std::vector<torch::Tensor>{};
+  const auto carried = attn::testing::float16_delta_error(
+      q64, k64, ref_out, ref_weights, flat(upstream), scale);
+  const torch::Tensor carried_into[] = {carried.dq, carried.dk, torch::Tensor()};
   const char* names[] = {"d query", "d key", "d value"};
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(grads[i]), libtorch_grads[i], ref_grads[i])
-        << names[i];
+  for (size_t i = 0; i < 3; ++i) {
+    if (bfloat16) {
+      EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(grads[i]), libtorch_grads[i], ref_grads[i])
+          << names[i];
+    } else {
+      EXPECT_TRUE(WithinFloat32RoundedToFloat16(
+          flat(grads[i]), ref_grads[i], tolerance(torch::kFloat, true), carried_into[i]))
+          << names[i];
+    }
   }
   return tiled;
 }
 
+// The sweep of `dtype`'s cases, at least a quarter of them on the tiled
+// loops.
+void sweep_half_precision(torch::ScalarType dtype) {
+  int tiled = 0;
+  for (int i = 0; i < kHalfPrecisionCases && !::testing::Test::HasFailure(); ++i) {
+    const auto c = draw_half_precision_case(kBaseSeed + i, dtype);
+    SCOPED_TRACE(c.describe());
+    tiled += check_half_precision_case(c) ? 1 : 0;
+  }
+  if (!::testing::Test::HasFailure()) {
+    EXPECT_GE(tiled, kHalfPrecisionCases / 4) << "cases on the tiled loops";
+  }
+}
+
 // On each of the bfloat16 products this CPU runs (the bfloat16 loops run
-// where they outrun float ones: backend.h, fused_cpu_computes_bf16), and on none
+// where they outrun float ones: backend.h, fused_cpu_computes_half), and on none
 // (the request computed in float32) where it runs neither.
 TEST(PropertySweep, Bfloat16IsWithinTwiceLibTorchsBfloat16Error) {
   const auto products = attn::detail::available_bf16_products();
   if (products.empty()) {
     std::cout << "[  NOTE    ] this CPU has no bfloat16 products (AVX512-BF16, AMX): the sweep "
                  "checks the float32 computation of bfloat16 requests\n";
+    sweep_half_precision(torch::kBFloat16);
   }
-  const auto sweep = [&] {
-    int tiled = 0;
-    for (int i = 0; i < kBfloat16Cases && !HasFailure(); ++i) {
-      const auto c = draw_bfloat16_case(kBaseSeed + i);
-      SCOPED_TRACE(c.describe());
-      tiled += check_bfloat16_case(c) ? 1 : 0;
-    }
-    if (!HasFailure()) {
-      EXPECT_GE(tiled, kBfloat16Cases / 4) << "cases on the tiled loops";
-    }
-  };
   for (const auto p : products) {
     SCOPED_TRACE(std::string("bfloat16 products: ") + attn::detail::bf16_products_name(p));
     const attn::detail::ScopedBf16Products on(p);
-    sweep();
+    sweep_half_precision(torch::kBFloat16);
   }
-  if (products.empty()) {
-    sweep();
+}
+
+// On each of attn's float loops this CPU runs, whose micro-tiles widen
+// float16 (backend.h, fused_cpu_computes_half), and on the BLAS, where the
+// request is computed in float32.
+TEST(PropertySweep, Float16IsWithinFloat32RoundedToFloat16) {
+  for (const auto loops : attn::detail::available_product_loops()) {
+    SCOPED_TRACE(std::string("product loops: ") + attn::detail::product_loops_name(loops));
+    const attn::detail::ScopedProductLoops on(loops);
+    sweep_half_precision(torch::kHalf);
   }
 }
 

@@ -157,7 +157,11 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
 // products outrun float ones (AMX, or AVX512-BF16 on AMD's cores):
 // it is computed in bfloat16 there, and
 // PropertySweep.Bfloat16IsWithinTwiceLibTorchsBfloat16Error holds it to
-// LibTorch's own bfloat16 error.
+// LibTorch's own bfloat16 error. float16 stays in float32 on every route
+// here: the tiled route runs on the BLAS's products (keep_to_route), where
+// the fused kernel computes float16 in float32 (backend.h,
+// fused_cpu_computes_half); PropertySweep.Float16IsWithinFloat32RoundedToFloat16
+// holds its float16 loops.
 TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
   torch::manual_seed(13);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {

@@ -113,6 +113,48 @@ torch::Tensor composite_attention(
   return result;
 }
 
+::testing::AssertionResult WithinFloat32RoundedToFloat16(
+    const torch::Tensor& ours,
+    const torch::Tensor& reference,
+    const Tolerance& float32,
+    const torch::Tensor& carried) {
+  if (!ours.defined() || ours.sizes() != reference.sizes()) {
+    return ::testing::AssertionFailure()
+        << "the result is " << (ours.defined() ? "shaped " : "undefined")
+        << (ours.defined() ? c10::str(ours.sizes()) : "") << ", the reference "
+        << reference.sizes();
+  }
+  const auto error = (cpu64(ours) - reference).abs();
+  auto bound = std::ldexp(1.0, -11) * reference.abs() + float32.allowed(reference);
+  if (carried.defined()) {
+    bound = bound + carried;
+  }
+  const auto excess = error - bound;
+  if (excess.numel() == 0 || (excess <= 0).all().item<bool>()) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+      << "the largest error is " << error.max().item<double>()
+      << "; an element exceeds float32's tolerance plus half a float16 ulp"
+      << (carried.defined() ? " plus the output's rounding carried" : "") << " by "
+      << excess.max().item<double>();
+}
+
+Float16DeltaError float16_delta_error(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& out,
+    const torch::Tensor& weights,
+    const torch::Tensor& upstream,
+    double scale) {
+  const auto delta_error = std::ldexp(1.0, -11) *
+      (cpu64(upstream) * cpu64(out)).abs().sum(-1, /*keepdim=*/true); // (…, L, 1)
+  const auto p = cpu64(weights);
+  return {
+      scale * delta_error * p.matmul(cpu64(k).abs()),
+      scale * p.transpose(-2, -1).matmul(delta_error * cpu64(q).abs())};
+}
+
 torch::Tensor additive_bias(const torch::Tensor& mask) {
   if (mask.scalar_type() != torch::kBool) {
     return cpu64(mask);

@@ -94,6 +94,38 @@ Tolerance tolerance_for(torch::ScalarType dtype);
 #define EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(ours, libtorch, reference) \
   EXPECT_PRED_FORMAT3(::attn::testing::WithinTwiceLibTorchsError, ours, libtorch, reference)
 
+// The rule for float16 where attn multiplies float16's exact values in
+// float (its tiled loops), and LibTorch 1.13 has no float16 product on the
+// CPU to compare with: each element of `ours` within `float32` (a float32
+// computation's tolerance, relative to the largest magnitude of the
+// float64 `reference`) plus half an ulp of float16 (2^-11) of the element
+// itself, plus `carried` where defined (Float16DeltaError).
+::testing::AssertionResult WithinFloat32RoundedToFloat16(
+    const torch::Tensor& ours,
+    const torch::Tensor& reference,
+    const Tolerance& float32,
+    const torch::Tensor& carried = {});
+
+// What a FlashAttention backward carries into dQ and dK from the output it
+// reads as the forward stored it, in float16: it takes each row's delta_i
+// = Σ_d dO_id·O_id (Dao 2022, FlashAttention, Algorithm 4), which the
+// rounding of O moves by up to 2^-11·Σ_d |dO_id·O_id|, and dS_ij =
+// P_ij·(dP_ij − delta_i) carries that into dQ_i = scale·Σ_j dS_ij·K_j and
+// dK_j = scale·Σ_i dS_ij·Q_i. From float64 q (…, L, D), k (…, S, D) per
+// query head, the oracle's output (…, L, Dv) and weights P (…, L, S), and
+// upstream dO: bounds on the elements of dQ (…, L, D) and of dK per query
+// head (…, S, D; summed over a group by its caller).
+struct Float16DeltaError {
+  torch::Tensor dq, dk;
+};
+Float16DeltaError float16_delta_error(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& out,
+    const torch::Tensor& weights,
+    const torch::Tensor& upstream,
+    double scale);
+
 // `mask` as the additive float64 bias that reference_attention takes, on
 // the CPU: a bool mask (true: may attend) becomes 0 where true and -inf
 // where false; a float mask is additive already.

@@ -149,6 +149,12 @@ struct QkvHeads {
 // self-attention computes them with one product): views of it.
 QkvHeads heads_of_projection(const torch::Tensor& qkv);
 
+// Whether the kernels compute `dtype` as half precision: bfloat16 or
+// float16 elements, everything else (softmax, sums, log-sum-exp) in float.
+inline bool is_half_precision(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 || dtype == torch::kHalf;
+}
+
 // An attention request as the kernels read it, its arguments already
 // checked: q (B, H, L, D), k (B, Hkv, S, D) and v (B, Hkv, S, Dv) with Hkv
 // dividing H (query head h reads key/value head h / (H / Hkv)), any

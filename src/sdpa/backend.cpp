@@ -313,11 +313,14 @@ FusedLoops fused_cpu_loops(const AttentionParams& params) {
   return fused_cpu_loops_in(params, params.q.scalar_type());
 }
 
-bool fused_cpu_computes_bf16(const AttentionParams& params) {
+bool fused_cpu_computes_half(const AttentionParams& params) {
   const bool every_size_positive = params.q.numel() > 0 && params.k.numel() > 0 &&
       params.v.numel() > 0;
-  return params.q.scalar_type() == torch::kBFloat16 && params.q.device().is_cpu() &&
-      every_size_positive && bf16_products_outrun_float() &&
+  const auto dtype = params.q.scalar_type();
+  const bool products_pay = dtype == torch::kBFloat16
+      ? bf16_products_outrun_float()
+      : dtype == torch::kHalf && half_products_run();
+  return params.q.device().is_cpu() && every_size_positive && products_pay &&
       fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::tiled;
 }
 

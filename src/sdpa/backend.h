@@ -62,13 +62,16 @@ AttentionBackend choose_backend(
 FusedLoops fused_cpu_loops(const AttentionParams& params);
 
 // Whether the fused CPU kernel computes `params`, whose q, k and v are
-// bfloat16 (the mask and the modifiers' tensors float), in bfloat16: on
-// its tiled loops, where no size is 0, this CPU's bfloat16 products
-// outrun its float ones (kernels/cpu/tile_product.h,
-// bf16_products_outrun_float: AMX tiles, or AVX512-BF16 on AMD's cores)
-// and the same request in float32 would not take the short heads' loops.
-// Elsewhere the request is computed in float32.
-bool fused_cpu_computes_bf16(const AttentionParams& params);
+// bfloat16 or float16 (the mask and the modifiers' tensors float), in
+// their own dtype (products of half-precision operands, accumulated in
+// float): on its tiled loops, where no size is 0, the same request in
+// float32 would not take the short heads' loops, and the products pay
+// (kernels/cpu/tile_product.h): for bfloat16, where this CPU's bfloat16
+// products outrun its float ones (bf16_products_outrun_float: AMX tiles,
+// or AVX512-BF16 on AMD's cores); for float16, wherever attn's float loops
+// widen float16 in registers (half_products_run), at their float rate.
+// Elsewhere the request is computed in float32, converted whole.
+bool fused_cpu_computes_half(const AttentionParams& params);
 
 // The fused CPU kernel's forward and backward on its chosen loops, for
 // callers that merge partial results (the context-parallel ring):

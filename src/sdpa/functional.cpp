@@ -286,8 +286,8 @@ SDPAOptions with_float32_mask(SDPAOptions options) {
   return options;
 }
 
-// A half-precision request as attn's CPU backends compute it: in
-// bfloat16 where the fused kernel does (backend.h, fused_cpu_computes_bf16),
+// A half-precision request as attn's CPU backends compute it: in its own
+// dtype where the fused kernel does (backend.h, fused_cpu_computes_half),
 // else in float32, converted whole, its results rounded once (scores and
 // softmax sums held in 8 or 11 mantissa bits would lose most of the
 // weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU).
@@ -299,7 +299,7 @@ detail::AttentionParams half_precision_params(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   auto params = attention_params(query, key, value, with_float32_mask(options), torch::kFloat);
-  if (backend == AttentionBackend::fused_cpu && detail::fused_cpu_computes_bf16(params)) {
+  if (backend == AttentionBackend::fused_cpu && detail::fused_cpu_computes_half(params)) {
     return params;
   }
   params.q = params.q.to(torch::kFloat);

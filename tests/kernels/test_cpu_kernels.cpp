@@ -283,6 +283,49 @@ TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
   });
 }
 
+// Rows widened from float16 and rounded to it as c10::Half converts, bit
+// for bit, at every tail length of the registers: finite values, ±0,
+// infinities, NaN, float16's subnormals, ties, and floats beyond its range;
+// on each instruction set's loops (AVX2's with F16C), and one by one while
+// the BLAS multiplies.
+TEST(TileProduct, Float16RowsConvertAsC10Half) {
+  torch::manual_seed(19);
+  const bool f16c = attn::testing::linux_cpu_flags().count("f16c") > 0;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float specials[] = {0.0F,     -0.0F,    inf,     -inf,     std::nanf(""),   65504.0F,
+                            65520.0F, 70000.0F, 6.0e-8F, -3.0e-5F, 1.0F + 0x1p-11F, 1.0F + 0x3p-11F,
+                            1e-9F,    0x1p-24F};
+  for_each_product_loops([&] {
+    using attn::detail::ProductLoops;
+    const auto loops = attn::detail::active_product_loops();
+    EXPECT_EQ(
+        attn::detail::half_products_run(),
+        loops == ProductLoops::avx512 || (loops == ProductLoops::avx2 && f16c));
+    for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 33}) {
+      SCOPED_TRACE("n=" + std::to_string(n));
+      // Random values of float16's range at odd places, the specials at even ones.
+      auto floats = torch::randn({n}) * 100;
+      for (int64_t j = 0; j < n; j += 2) {
+        floats[j] = specials[j / 2 % static_cast<int64_t>(std::size(specials))];
+      }
+      std::vector<uint16_t> rounded(static_cast<size_t>(n) + 1, 0xABCD);
+      attn::detail::round_half_row(floats.data_ptr<float>(), n, rounded.data());
+      std::vector<float> widened(static_cast<size_t>(n) + 1, 42.0F);
+      attn::detail::widen_half_row(rounded.data(), n, widened.data());
+      for (int64_t j = 0; j < n; ++j) {
+        const auto expected = c10::Half(floats[j].item<float>());
+        const auto at = static_cast<size_t>(j);
+        EXPECT_EQ(rounded[at], expected.x) << "rounding " << floats[j].item<float>();
+        const float back = static_cast<float>(expected);
+        EXPECT_TRUE(widened[at] == back || (std::isnan(widened[at]) && std::isnan(back)))
+            << "widening " << back << " gave " << widened[at];
+      }
+      EXPECT_EQ(rounded.back(), 0xABCD) << "a write past the row";
+      EXPECT_EQ(widened.back(), 42.0F) << "a write past the row";
+    }
+  });
+}
+
 // attn's bfloat16 products, accumulated in float (AVX512-BF16's vdpbf16ps
 // micro-tiles, AMX tiles), against the float64 product of the same
 // bfloat16 values: around every edge of the micro-tiles (8 × 32) and of

@@ -189,11 +189,24 @@ struct DropoutCase {
   int threads;
 };
 
-// The oracle: scores = scale·Q·Kᵀ, masked and banded (-inf), softmax with a
-// row that sees no key all zeros, the weights multiplied by keep / (1 - p)
-// for the probability p that a weight is dropped, times V, in the inputs'
-// dtype (float64; bfloat16 as LibTorch's own computation) with autograd
-// for the gradients.
+// The oracle's weights before dropout: scores = scale·Q·Kᵀ, masked and
+// banded (-inf), softmax with a row that sees no key all zeros.
+torch::Tensor oracle_weights(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& allowed,
+    double scale) {
+  const int64_t group = q.size(1) / k.size(1);
+  const auto scores = torch::matmul(q, k.repeat_interleave(group, 1).transpose(-2, -1)) * scale;
+  const auto masked = scores.masked_fill(
+      allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  const auto empty = allowed.logical_not().all(-1, /*keepdim=*/true);
+  return torch::softmax(masked.masked_fill(empty, 0), -1).masked_fill(empty, 0);
+}
+
+// The oracle: its weights multiplied by keep / (1 - p) for the probability
+// p that a weight is dropped, times V, in the inputs' dtype (float64;
+// bfloat16 as LibTorch's own computation) with autograd for the gradients.
 torch::Tensor dropout_oracle(
     const torch::Tensor& q,
     const torch::Tensor& k,
@@ -202,14 +215,40 @@ torch::Tensor dropout_oracle(
     const torch::Tensor& keep,
     double scale,
     double p) {
-  const int64_t group = q.size(1) / k.size(1);
-  const auto scores = torch::matmul(q, k.repeat_interleave(group, 1).transpose(-2, -1)) * scale;
-  const auto masked = scores.masked_fill(
-      allowed.logical_not(), -std::numeric_limits<double>::infinity());
-  const auto empty = allowed.logical_not().all(-1, /*keepdim=*/true);
-  const auto probs = torch::softmax(masked.masked_fill(empty, 0), -1).masked_fill(empty, 0);
+  const auto probs = oracle_weights(q, k, allowed, scale);
   const auto dropped = probs * keep.to(probs.scalar_type()) / (1 - p);
-  return torch::matmul(dropped, v.repeat_interleave(group, 1));
+  return torch::matmul(dropped, v.repeat_interleave(q.size(1) / k.size(1), 1));
+}
+
+// The kernel's float16 results against the float64 oracle's, on `exact`
+// (q, k, v in float64): WithinFloat32RoundedToFloat16 with this test's
+// float32 tolerance, dQ and dK with what the output's rounding carries
+// into them (Float16DeltaError, from the oracle's weights before dropout).
+void expect_float16_within_float32_rounded(
+    const std::vector<torch::Tensor>& exact,
+    const torch::Tensor& out,
+    const std::vector<torch::Tensor>& grads,
+    const torch::Tensor& expected,
+    const std::vector<torch::Tensor>& expected_grads,
+    const torch::Tensor& weights,
+    const torch::Tensor& upstream,
+    double scale) {
+  const Tolerance float32{2e-5, 2e-5};
+  EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(out, expected, float32));
+  const auto& k = exact[1];
+  const int64_t group = exact[0].size(1) / k.size(1);
+  const auto carried = attn::testing::float16_delta_error(
+      exact[0], k.repeat_interleave(group, 1), expected, weights, upstream, scale);
+  const auto summed_over_groups = [&](const torch::Tensor& t) {
+    return t.view({k.size(0), k.size(1), group, k.size(2), k.size(3)}).sum(2);
+  };
+  const torch::Tensor carried_into[] = {carried.dq, summed_over_groups(carried.dk), {}};
+  const char* names[] = {"dq", "dk", "dv"};
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(
+        grads[i], expected_grads[i], float32, carried_into[i]))
+        << names[i];
+  }
 }
 
 TEST(FusedKernelDropout, OutputAndEveryGradientAreTheOraclesWithTheEngineMask) {
@@ -222,10 +261,15 @@ TEST(FusedKernelDropout, OutputAndEveryGradientAreTheOraclesWithTheEngineMask) {
       {2, 3, 3, 33, 70, 64, true, true, 0.9, 1},
   };
   for (const auto& c : cases) {
-    for (const auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16}) {
+    for (const auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16, torch::kHalf}) {
       if (dtype == torch::kBFloat16 && !attn::detail::bf16_gemm_runs()) {
         std::cout << "[  NOTE    ] no bfloat16 products on this CPU (AVX512-BF16, AMX): the "
                      "fused kernel computes bfloat16 in float32, through the public function\n";
+        continue;
+      }
+      if (dtype == torch::kHalf && !attn::detail::half_products_run()) {
+        std::cout << "[  NOTE    ] attn's loops do not widen float16 here: the fused kernel "
+                     "computes float16 in float32, through the public function\n";
         continue;
       }
       SCOPED_TRACE(
@@ -268,6 +312,13 @@ TEST(FusedKernelDropout, OutputAndEveryGradientAreTheOraclesWithTheEngineMask) {
           drop_probability(c.p));
       const auto expected_grads = torch::autograd::grad(
           {expected}, exact, {upstream.to(torch::kDouble)});
+      if (dtype == torch::kHalf) {
+        expect_float16_within_float32_rounded(
+            exact, out, grads, expected, expected_grads,
+            oracle_weights(exact[0], exact[1], allowed.logical_and(band), params.scale), upstream,
+            params.scale);
+        continue;
+      }
       const char* names[] = {"dq", "dk", "dv"};
       if (dtype == torch::kBFloat16) { // FlashAttention's rule (test_support.h)
         std::vector<torch::Tensor> low{

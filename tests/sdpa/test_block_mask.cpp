@@ -185,11 +185,11 @@ void expect_bfloat16_within_twice_libtorchs_error(
   const auto grads16 = torch::autograd::grad({libtorch}, {q16, k16, v16}, {upstream});
 
   SCOPED_TRACE(label + " in bfloat16");
-  const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
+  const int64_t bf16_calls = attn::detail::tiled_half_calls(torch::kBFloat16);
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   const auto grads = torch::autograd::grad({flat(out)}, {q, k, v}, {upstream});
   if (attn::detail::bf16_products_outrun_float()) { // forward and backward on the bfloat16 loops
-    EXPECT_EQ(attn::detail::tiled_bf16_calls(), bf16_calls + 2);
+    EXPECT_EQ(attn::detail::tiled_half_calls(torch::kBFloat16), bf16_calls + 2);
   }
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(out), libtorch, expected);
   for (size_t i = 0; i < 3; ++i) {

@@ -99,19 +99,16 @@ torch::Tensor user_value_of(const torch::Tensor& s) {
   return s * (1.0 + 0.1 * head) + 0.3 * torch::sin(s) - 0.05 * distance.to(s.scalar_type());
 }
 
-// Attention with the options' modifiers, from the formulas above, in the
-// inputs' dtype (float64 for the oracle; bfloat16 for LibTorch's own
-// bfloat16 computation): q (B, H, L, D), k and v (B, Hkv, S, ·); the
-// modifiers' tensors as given (leaves, for autograd).
-torch::Tensor oracle(
+// The weights of attention with the options' modifiers (B, H, L, S), from
+// the formulas above, in the inputs' dtype (float64 for the oracle;
+// bfloat16 for LibTorch's own bfloat16 computation): q (B, H, L, D), k (B,
+// Hkv, S, D); the modifiers' tensors as given (leaves, for autograd).
+torch::Tensor oracle_weights(
     const torch::Tensor& q,
     const torch::Tensor& k,
-    const torch::Tensor& v,
     const SDPAOptions& options) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  const int64_t group = H / k.size(1);
-  const auto keys = k.repeat_interleave(group, 1);
-  const auto values = v.repeat_interleave(group, 1);
+  const auto keys = k.repeat_interleave(H / k.size(1), 1);
   const double scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
   auto s = torch::einsum("bhid,bhjd->bhij", {q, keys}) * scale;
   if (options.softcap()) {
@@ -146,13 +143,21 @@ torch::Tensor oracle(
   s = s.masked_fill(band.logical_not(), -kInf);
   if (options.sinks().defined()) {
     const auto sink = options.sinks().view({1, H, 1, 1}).expand({B, H, L, 1});
-    const auto p = torch::softmax(torch::cat({s, sink}, -1), -1).narrow(-1, 0, S);
-    return torch::matmul(p, values);
+    return torch::softmax(torch::cat({s, sink}, -1), -1).narrow(-1, 0, S);
   }
   // Rows that see no key: zero weights.
   const auto empty = (s == -kInf).all(-1, /*keepdim=*/true);
-  const auto p = torch::softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0);
-  return torch::matmul(p, values);
+  return torch::softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0);
+}
+
+// The oracle's output: its weights times V (B, Hkv, S, Dv).
+torch::Tensor oracle(
+    const torch::Tensor& q,
+    const torch::Tensor& k,
+    const torch::Tensor& v,
+    const SDPAOptions& options) {
+  return torch::matmul(
+      oracle_weights(q, k, options), v.repeat_interleave(q.size(1) / k.size(1), 1));
 }
 
 // One request: sizes, the band and which modifiers are set.
@@ -341,39 +346,62 @@ TEST(ScoreModifiers, FusedKernelMatchesTheFloat64OracleInEveryGradient) {
   }
 }
 
+// A tensor's values as a leaf of `dtype` that requires grad.
+torch::Tensor leaf_in(const torch::Tensor& t, torch::ScalarType dtype) {
+  return t.detach().to(dtype).requires_grad_();
+}
+
+// A request of `c` in half precision: inputs, upstream gradient and the
+// modifiers' tensors drawn and rounded to `dtype` (leaves that require
+// grad), and the same values in float64 for the oracle.
+struct HalfPrecisionRequest {
+  torch::Tensor q, k, v, upstream;
+  SDPAOptions options;
+  torch::Tensor q64, k64, v64;
+  SDPAOptions options64;
+};
+
+HalfPrecisionRequest half_precision_request(const Case& c, torch::ScalarType dtype) {
+  torch::manual_seed(3);
+  HalfPrecisionRequest r;
+  r.q = leaf_in(torch::randn({c.B, c.H, c.L, c.D}), dtype);
+  r.k = leaf_in(torch::randn({c.B, c.Hkv, c.S, c.D}), dtype);
+  r.v = leaf_in(torch::randn({c.B, c.Hkv, c.S, c.D}), dtype);
+  r.upstream = torch::randn({c.B, c.H, c.L, c.D}).to(dtype);
+  r.options = in_dtype(options_of(c), dtype);
+  r.q64 = leaf_in(r.q, torch::kDouble);
+  r.k64 = leaf_in(r.k, torch::kDouble);
+  r.v64 = leaf_in(r.v, torch::kDouble);
+  r.options64 = in_dtype(r.options, torch::kDouble);
+  return r;
+}
+
 // In bfloat16, by FlashAttention's rule (test_support.h): inputs and
 // modifiers' tensors rounded to bfloat16; the reference is the oracle on
 // them in float64, LibTorch's error that of the oracle's operations in
 // bfloat16.
 void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   SCOPED_TRACE(c.name + " in BFloat16");
-  torch::manual_seed(3);
   const auto bf16 = torch::kBFloat16;
-  const auto leaf = [](const torch::Tensor& t, torch::ScalarType dtype) {
-    return t.detach().to(dtype).requires_grad_();
-  };
-  const auto q = leaf(torch::randn({c.B, c.H, c.L, c.D}), bf16);
-  const auto k = leaf(torch::randn({c.B, c.Hkv, c.S, c.D}), bf16);
-  const auto v = leaf(torch::randn({c.B, c.Hkv, c.S, c.D}), bf16);
-  const auto upstream = torch::randn({c.B, c.H, c.L, c.D}).to(bf16);
-  const auto options = in_dtype(options_of(c), bf16);
-  const auto options64 = in_dtype(options, torch::kDouble);
+  const auto r = half_precision_request(c, bf16);
+  const auto &q = r.q, &k = r.k, &v = r.v, &upstream = r.upstream;
+  const auto &q64 = r.q64, &k64 = r.k64, &v64 = r.v64;
+  const auto& options = r.options;
+  const auto& options64 = r.options64;
   const auto options16 = in_dtype(options, bf16);
-  const auto q64 = leaf(q, torch::kDouble), k64 = leaf(k, torch::kDouble);
-  const auto v64 = leaf(v, torch::kDouble);
-  const auto q16 = leaf(q, bf16), k16 = leaf(k, bf16), v16 = leaf(v, bf16);
+  const auto q16 = leaf_in(q, bf16), k16 = leaf_in(k, bf16), v16 = leaf_in(v, bf16);
   (oracle(q64, k64, v64, options64) * upstream.to(torch::kDouble)).sum().backward();
   const auto reference = oracle(q64, k64, v64, options64).detach();
   const auto libtorch = oracle(q16, k16, v16, options16);
   (libtorch * upstream).sum().backward();
 
   ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
-  const int64_t bf16_calls = attn::detail::tiled_bf16_calls();
+  const int64_t bf16_calls = attn::detail::tiled_half_calls(torch::kBFloat16);
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), bf16);
   if (attn::detail::bf16_products_outrun_float()) { // forward and backward on the bfloat16 loops
-    EXPECT_EQ(attn::detail::tiled_bf16_calls(), bf16_calls + 2);
+    EXPECT_EQ(attn::detail::tiled_half_calls(torch::kBFloat16), bf16_calls + 2);
   }
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, reference);
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(q.grad(), q16.grad(), q64.grad());
@@ -399,6 +427,61 @@ TEST(ScoreModifiers, FusedKernelInBfloat16IsWithinTwiceLibTorchsBfloat16Error) {
   const ThreadCount two_threads(2);
   for (const auto& c : cases()) {
     expect_bfloat16_within_twice_libtorchs_error(c);
+  }
+}
+
+// In float16 (test_support.h, WithinFloat32RoundedToFloat16): inputs and
+// the modifiers' tensors rounded to float16, the reference the oracle on
+// them in float64; out and the gradients of q, k and v within the float32
+// check's tolerance plus half a float16 ulp, dQ and dK plus what the
+// output's rounding carries into them (Float16DeltaError, from the
+// oracle's weights, times the largest slope of a score function, which
+// multiplies dS: user_value_of's is below 1.3 + 0.1·h, soft-capping's at
+// most 1). The learned tensors' gradients, sums of dS over many pairs,
+// are checked in float32 and bfloat16 above: the loops' row passes and
+// score-gradient buffers are the same code for every half precision; only
+// the products differ.
+void expect_float16_within_float32_rounded(const Case& c) {
+  SCOPED_TRACE(c.name + " in Float16");
+  const auto f16 = torch::kHalf;
+  const auto r = half_precision_request(c, f16);
+  const auto &q = r.q, &k = r.k, &v = r.v, &upstream = r.upstream;
+  const auto &q64 = r.q64, &k64 = r.k64, &v64 = r.v64;
+  const auto& options = r.options;
+  const auto& options64 = r.options64;
+  const auto reference = oracle(q64, k64, v64, options64);
+  (reference * upstream.to(torch::kDouble)).sum().backward();
+
+  ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
+  const int64_t calls = attn::detail::tiled_half_calls(f16);
+  const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
+  (out * upstream).sum().backward();
+  EXPECT_EQ(out.scalar_type(), f16);
+  if (attn::detail::half_products_run()) { // forward and backward on the float16 loops
+    EXPECT_EQ(attn::detail::tiled_half_calls(f16), calls + 2);
+  }
+  const Tolerance float32{0.0, 2e-5};
+  EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(out, reference, float32));
+  const int64_t group = c.H / c.Hkv;
+  const auto carried = attn::testing::float16_delta_error(
+      q64, k64.repeat_interleave(group, 1), reference, oracle_weights(q64, k64, options64),
+      upstream, options.scale().value_or(1.0 / std::sqrt(static_cast<double>(c.D))));
+  const double slope = c.user ? 1.3 + 0.1 * static_cast<double>(c.H - 1) : 1.0;
+  const auto dq_carried = slope * carried.dq;
+  const auto dk_carried = slope * carried.dk.view({c.B, c.Hkv, group, c.S, c.D}).sum(2);
+  EXPECT_TRUE(
+      attn::testing::WithinFloat32RoundedToFloat16(q.grad(), q64.grad(), float32, dq_carried));
+  EXPECT_TRUE(
+      attn::testing::WithinFloat32RoundedToFloat16(k.grad(), k64.grad(), float32, dk_carried));
+  EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(v.grad(), v64.grad(), float32));
+}
+
+// Wherever attn's float loops widen float16 the fused kernel computes
+// these in float16, elsewhere in float32: the rule holds either way.
+TEST(ScoreModifiers, FusedKernelInFloat16IsWithinFloat32RoundedToFloat16) {
+  const ThreadCount two_threads(2);
+  for (const auto& c : cases()) {
+    expect_float16_within_float32_rounded(c);
   }
 }
 

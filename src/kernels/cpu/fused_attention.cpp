@@ -43,11 +43,11 @@ AttentionParams with_heads_for_kernels(const AttentionParams& params) {
 }
 
 // The options of what the kernels compute in their score dtype (the row
-// log-sum-exp, the scores' gradients): float for bfloat16 inputs, whose
-// softmax runs in float; else the inputs' own.
+// log-sum-exp, the scores' gradients): float for half-precision inputs,
+// whose softmax runs in float; else the inputs' own.
 torch::TensorOptions score_options(const AttentionParams& params) {
   const auto dtype = params.q.scalar_type();
-  return params.q.options().dtype(dtype == torch::kBFloat16 ? torch::kFloat : dtype);
+  return params.q.options().dtype(is_half_precision(dtype) ? torch::kFloat : dtype);
 }
 
 // Which of the tensors that add to the scores get a gradient.
@@ -90,7 +90,7 @@ InputGradients input_gradients(
     const ScoreGradientsWanted& wanted = {}) {
   auto grads = score_gradients(params, wanted);
   // Grouped heads' key/value gradients are summed over each group after:
-  // in the score dtype (float for bfloat16), rounded once after the sum.
+  // in the score dtype (float for half precision), rounded once after the sum.
   const auto key_options = params.group() > 1 ? score_options(params) : params.k.options();
   grads.dq = torch::empty(params.q.sizes(), params.q.options());
   grads.dk = torch::empty({params.B(), params.H(), params.S(), params.D()}, key_options);

@@ -47,6 +47,12 @@ struct MicroTiles {
   const MicroTileFn* edge;
   int64_t transpose_block;
   TransposeBlockFn transpose;
+  // to[0..n) = from[0..n): float16 (its bits) widened to float (exact),
+  // and floats rounded to the nearest float16 (ties to even; beyond its
+  // range, infinity), as c10::Half converts. The AVX2 set's need F16C,
+  // which its callers check.
+  void (*widen_half_row)(const uint16_t* from, int64_t n, float* to);
+  void (*round_half_row)(const float* from, int64_t n, uint16_t* to);
 };
 
 // The operands of one bfloat16 product with float accumulation: c (rows,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <utility>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -102,6 +103,46 @@ constexpr std::array<MicroTileFn, sizeof...(Rows)> micro_tiles(
 constexpr auto kFullMicroTiles = micro_tiles<true>(std::make_integer_sequence<int, kTileRows>());
 constexpr auto kEdgeMicroTiles = micro_tiles<false>(std::make_integer_sequence<int, kTileRows>());
 
+// float16 rows widened and rounded with F16C's vcvtph2ps and vcvtps2ph
+// (which the callers check the CPU has): whole registers loaded and stored
+// as they are, the last part of a row through a copy, so that nothing
+// past it is read.
+__attribute__((target("avx2,fma,f16c"))) void widen_half_row(
+    const uint16_t* from,
+    int64_t n,
+    float* to) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    _mm256_storeu_ps(
+        to + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j))));
+  }
+  if (j < n) {
+    alignas(16) uint16_t halves[kLanes] = {};
+    std::memcpy(halves, from + j, static_cast<size_t>(n - j) * sizeof(uint16_t));
+    const __m256 values = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(halves)));
+    _mm256_maskstore_ps(to + j, first_lanes(n - j), values);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void round_half_row(
+    const float* from,
+    int64_t n,
+    uint16_t* to) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(to + j), _mm256_cvtps_ph(_mm256_loadu_ps(from + j), kNearest));
+  }
+  if (j < n) {
+    alignas(16) uint16_t halves[kLanes];
+    _mm_store_si128(
+        reinterpret_cast<__m128i*>(halves),
+        _mm256_cvtps_ph(_mm256_maskload_ps(from + j, first_lanes(n - j)), kNearest));
+    std::memcpy(to + j, halves, static_cast<size_t>(n - j) * sizeof(uint16_t));
+  }
+}
+
 // An 8 × 8 block of `from` (rows of unit stride) transposed into `to`, in
 // registers: pairs of rows interleaved at 32, then 64 bits, within 128-bit
 // lanes, then the lanes exchanged. (GCC 12's unpack intrinsics warn as in
@@ -141,8 +182,8 @@ __attribute__((target("avx2,fma"))) void transpose_block8(
 
 const MicroTiles* avx2_micro_tiles() {
   static const MicroTiles tiles{
-      kTileRows, kTileCols,       kBandedTileRows, kFullMicroTiles.data(), kEdgeMicroTiles.data(),
-      kLanes,    transpose_block8};
+      kTileRows, kTileCols,        kBandedTileRows, kFullMicroTiles.data(), kEdgeMicroTiles.data(),
+      kLanes,    transpose_block8, widen_half_row,  round_half_row};
   return &tiles;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <utility>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -79,6 +80,56 @@ constexpr std::array<MicroTileFn, sizeof...(Rows)> micro_tiles(
 constexpr auto kFullMicroTiles = micro_tiles<true>(std::make_integer_sequence<int, kTileRows>());
 constexpr auto kEdgeMicroTiles = micro_tiles<false>(std::make_integer_sequence<int, kTileRows>());
 
+// The lanes [0, n) of a register, n ≤ kLanes.
+__attribute__((target("avx512f"), always_inline)) inline __mmask16 first_lanes(int64_t n) {
+  return static_cast<__mmask16>(n >= kLanes ? 0xFFFFU : (1U << static_cast<unsigned>(n)) - 1U);
+}
+
+// float16 rows widened and rounded with vcvtph2ps and vcvtps2ph. (GCC
+// 12's conversion intrinsics start from a vector initialised from itself,
+// which -Wmaybe-uninitialized reports at every call, as its unpack
+// intrinsics below.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// Whole registers loaded and stored as they are; the last part of a row
+// through a copy, so that nothing past it is read (a masked load of 16-bit
+// lanes needs AVX512-BW).
+__attribute__((target("avx512f"))) void widen_half_row(const uint16_t* from, int64_t n, float* to) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    _mm512_storeu_ps(
+        to + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + j))));
+  }
+  if (j < n) {
+    alignas(32) uint16_t halves[kLanes] = {};
+    std::memcpy(halves, from + j, static_cast<size_t>(n - j) * sizeof(uint16_t));
+    const __m512 values = _mm512_cvtph_ps(
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(halves)));
+    _mm512_mask_storeu_ps(to + j, first_lanes(n - j), values);
+  }
+}
+
+__attribute__((target("avx512f"))) void round_half_row(const float* from, int64_t n, uint16_t* to) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(to + j), _mm512_cvtps_ph(_mm512_loadu_ps(from + j), kNearest));
+  }
+  if (j < n) {
+    alignas(32) uint16_t halves[kLanes];
+    _mm256_store_si256(
+        reinterpret_cast<__m256i*>(halves),
+        _mm512_cvtps_ph(_mm512_maskz_loadu_ps(first_lanes(n - j), from + j), kNearest));
+    std::memcpy(to + j, halves, static_cast<size_t>(n - j) * sizeof(uint16_t));
+  }
+}
+
+#pragma GCC diagnostic pop
+
 // A 16 × 16 block of `from` (rows of unit stride) transposed into `to`,
 // in registers: pairs of rows interleaved at 32, then 64 bits, within
 // 128-bit lanes, then the lanes exchanged twice. (GCC 12's unpack
@@ -131,8 +182,8 @@ __attribute__((target("avx512f"))) void transpose_block16(
 
 const MicroTiles* avx512_micro_tiles() {
   static const MicroTiles tiles{
-      kTileRows, kTileCols,        kTileRows, kFullMicroTiles.data(), kEdgeMicroTiles.data(),
-      kLanes,    transpose_block16};
+      kTileRows, kTileCols,         kTileRows,      kFullMicroTiles.data(), kEdgeMicroTiles.data(),
+      kLanes,    transpose_block16, widen_half_row, round_half_row};
   return &tiles;
 }
 

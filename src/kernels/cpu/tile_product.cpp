@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -211,6 +212,42 @@ bool tile_gemm_float(
       *tiles, rows, cols,
       {depth, alpha, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate});
   return true;
+}
+
+namespace {
+
+// The active micro-tiles where they widen float16 (the AVX2 set needs
+// F16C), else null.
+const MicroTiles* active_half_micro_tiles() {
+  const MicroTiles* tiles = active_micro_tiles();
+  const bool widens = active_product_loops() != ProductLoops::avx2 || cpu_features().f16c;
+  return widens ? tiles : nullptr;
+}
+
+} // namespace
+
+bool half_products_run() {
+  return active_half_micro_tiles() != nullptr;
+}
+
+void widen_half_row(const uint16_t* from, int64_t n, float* to) {
+  if (const MicroTiles* tiles = active_half_micro_tiles()) {
+    tiles->widen_half_row(from, n, to);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    to[j] = static_cast<float>(c10::Half(from[j], c10::Half::from_bits()));
+  }
+}
+
+void round_half_row(const float* from, int64_t n, uint16_t* to) {
+  if (const MicroTiles* tiles = active_half_micro_tiles()) {
+    tiles->round_half_row(from, n, to);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    to[j] = c10::Half(from[j]).x;
+  }
 }
 
 bool bf16_products_run() {

@@ -176,6 +176,18 @@ bool tile_gemm_float(
     int64_t ldc,
     bool accumulate);
 
+// Whether attn's loops compute the float products (active_product_loops
+// is not the BLAS) on a CPU that widens float16 in registers (AVX-512, or
+// AVX2 with F16C): the float16 kernels' products, float products of
+// operands widened per tile (widen_half_row).
+bool half_products_run();
+
+// to[0..n) = from[0..n): float16 (its bits) widened to float, and floats
+// rounded to the nearest float16 (ties to even), as c10::Half converts; on
+// the active loops' instructions where half_products_run(), else one by one.
+void widen_half_row(const uint16_t* from, int64_t n, float* to);
+void round_half_row(const float* from, int64_t n, uint16_t* to);
+
 // Whether tile_gemm_bf16 runs on this CPU (AVX512-BF16's products, isa.h).
 bool bf16_products_run();
 

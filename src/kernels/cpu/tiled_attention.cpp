@@ -16,87 +16,6 @@ namespace {
 
 static_assert(kQueryTile == MaskBlocks::kRows, "a query tile is a row of mask blocks");
 
-// The part of one query tile × key block that the band (causal, window)
-// leaves visible, in the blocks that attn's products work in
-// (tile_addmm_banded): for each block of kProductRowBlock queries, the keys
-// (from the block's first) that some row of it sees, widened to whole
-// panels; for each block of kProductRowBlock keys, the queries of the
-// query blocks that compute it. The products compute, and the row passes
-// visit, only these parts. Where BLAS computes the products, every part is
-// the whole tile.
-struct TileBands {
-  std::vector<IndexRange> keys_of_query_block, queries_of_key_block;
-
-  template <typename scalar_t>
-  void fit_queries(
-      const MaskView<scalar_t>& mask,
-      const QueryTile& tile,
-      int64_t j0,
-      int64_t cols,
-      bool banded) {
-    keys_of_query_block.resize(ceil_div(tile.rows, kProductRowBlock));
-    for (size_t block = 0; block < keys_of_query_block.size(); ++block) {
-      const int64_t first = tile.i0 + static_cast<int64_t>(block) * kProductRowBlock;
-      const int64_t last = std::min(tile.i0 + tile.rows, first + kProductRowBlock) - 1;
-      const auto keys = mask.rows_keys(tile.b, first, last);
-      const int64_t begin = std::clamp<int64_t>(keys.begin - j0, 0, cols);
-      const int64_t end = std::clamp<int64_t>(keys.end - j0, 0, cols);
-      if (!banded) {
-        keys_of_query_block[block] = {0, cols};
-      } else if (begin >= end) {
-        keys_of_query_block[block] = {0, 0};
-      } else {
-        keys_of_query_block[block] = {
-            begin / kProductColumnPanel * kProductColumnPanel,
-            std::min(cols, ceil_div(end, kProductColumnPanel) * kProductColumnPanel)};
-      }
-    }
-    if (banded && mask.bounds_keys()) {
-      fill_inner_gaps();
-    }
-  }
-
-  // Key bounds may leave a query block between two others empty (a
-  // sequence without keys): it takes its predecessor's keys, all hidden
-  // from its rows, so that the blocks that compute any one key stay
-  // consecutive, as fit_keys needs.
-  void fill_inner_gaps() {
-    const auto empty = [](const IndexRange& range) { return range.begin >= range.end; };
-    const auto first = std::find_if_not(
-        keys_of_query_block.begin(), keys_of_query_block.end(), empty);
-    const auto last = std::find_if_not(
-        keys_of_query_block.rbegin(), keys_of_query_block.rend(), empty);
-    if (first == keys_of_query_block.end()) {
-      return;
-    }
-    for (auto block = first + 1; block < last.base(); ++block) {
-      if (empty(*block)) {
-        *block = *(block - 1);
-      }
-    }
-  }
-
-  // After fit_queries, for products whose rows are the block's keys.
-  void fit_keys(int64_t rows, int64_t cols) {
-    queries_of_key_block.resize(ceil_div(cols, kProductRowBlock));
-    for (size_t block = 0; block < queries_of_key_block.size(); ++block) {
-      const int64_t key = static_cast<int64_t>(block) * kProductRowBlock;
-      // Query blocks' key ranges are nondecreasing, apart from empty ones:
-      // those that hold `key` are consecutive.
-      int64_t first = -1, last = -1;
-      for (size_t q = 0; q < keys_of_query_block.size(); ++q) {
-        if (keys_of_query_block[q].begin <= key && key < keys_of_query_block[q].end) {
-          first = first < 0 ? static_cast<int64_t>(q) : first;
-          last = static_cast<int64_t>(q);
-        }
-      }
-      queries_of_key_block[block] = first < 0
-          ? IndexRange{0, 0}
-          : IndexRange{first * kProductRowBlock, std::min(rows, (last + 1) * kProductRowBlock)};
-    }
-  }
-};
-
 // Zeroes a matrix whose rows have unit stride.
 template <typename scalar_t>
 void zero_matrix(const MatrixRef<scalar_t>& m) {
@@ -535,8 +454,9 @@ void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult&
 } // namespace
 
 void tiled_forward(const AttentionParams& params, const ForwardResult& result) {
-  if (params.q.scalar_type() == torch::kBFloat16) {
-    TORCH_INTERNAL_ASSERT(tiled_forward_bf16(params, result), "no bfloat16 products on this CPU");
+  if (is_half_precision(params.q.scalar_type())) {
+    TORCH_INTERNAL_ASSERT(
+        tiled_forward_half(params, result), "no half-precision products on this CPU");
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_forward", [&] {
@@ -549,9 +469,10 @@ void tiled_backward(
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
-  if (params.q.scalar_type() == torch::kBFloat16) {
+  if (is_half_precision(params.q.scalar_type())) {
     TORCH_INTERNAL_ASSERT(
-        tiled_backward_bf16(params, forward, grad_out, grads), "no bfloat16 products on this CPU");
+        tiled_backward_half(params, forward, grad_out, grads),
+        "no half-precision products on this CPU");
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_backward", [&] {

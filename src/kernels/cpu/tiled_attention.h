@@ -40,8 +40,9 @@ void tiled_backward(
 // backward: callers use it when no gradient is needed.
 ForwardResult tiled_forward_with_weights(const AttentionParams& params);
 
-// How many calls (forward and backward) the tiled loops ran in bfloat16
-// in this process: for tests that check which loops took a request.
-int64_t tiled_bf16_calls();
+// How many calls (forward and backward) the tiled loops ran in `dtype`
+// (bfloat16 or float16) in this process: for tests that check which loops
+// took a request.
+int64_t tiled_half_calls(torch::ScalarType dtype);
 
 } // namespace attn::detail

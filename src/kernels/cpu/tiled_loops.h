@@ -1,10 +1,10 @@
 #pragma once
 
 // What the tiled loops of every element type share (tiled_attention.cpp in
-// float and double, tiled_attention_bf16.cpp in bfloat16): the parallel loop
-// over query tiles, the per-row inputs (mask, score modifiers, dropout) and
-// the forward's online softmax, all in float or double whatever the
-// elements of Q, K and V.
+// float and double, tiled_attention_half.cpp in bfloat16 and float16): the
+// parallel loop over query tiles, the per-row inputs (mask, score
+// modifiers, dropout), the forward's online softmax and the bands of a
+// causal tile, all in float or double whatever the elements of Q, K and V.
 
 #include "kernels/attention_params.h"
 #include "kernels/cpu/dropout.h"
@@ -339,6 +339,87 @@ struct ScoreGradientBuffers {
   torch::Tensor offset_rows, mask;
 };
 
+// The part of one query tile × key block that the band (causal, window)
+// leaves visible, in the blocks that attn's products work in
+// (tile_addmm_banded): for each block of kProductRowBlock queries, the keys
+// (from the block's first) that some row of it sees, widened to whole
+// panels; for each block of kProductRowBlock keys, the queries of the
+// query blocks that compute it. The products compute, and the row passes
+// visit, only these parts. Where BLAS computes the products, every part is
+// the whole tile.
+struct TileBands {
+  std::vector<IndexRange> keys_of_query_block, queries_of_key_block;
+
+  template <typename scalar_t>
+  void fit_queries(
+      const MaskView<scalar_t>& mask,
+      const QueryTile& tile,
+      int64_t j0,
+      int64_t cols,
+      bool banded) {
+    keys_of_query_block.resize(ceil_div(tile.rows, kProductRowBlock));
+    for (size_t block = 0; block < keys_of_query_block.size(); ++block) {
+      const int64_t first = tile.i0 + static_cast<int64_t>(block) * kProductRowBlock;
+      const int64_t last = std::min(tile.i0 + tile.rows, first + kProductRowBlock) - 1;
+      const auto keys = mask.rows_keys(tile.b, first, last);
+      const int64_t begin = std::clamp<int64_t>(keys.begin - j0, 0, cols);
+      const int64_t end = std::clamp<int64_t>(keys.end - j0, 0, cols);
+      if (!banded) {
+        keys_of_query_block[block] = {0, cols};
+      } else if (begin >= end) {
+        keys_of_query_block[block] = {0, 0};
+      } else {
+        keys_of_query_block[block] = {
+            begin / kProductColumnPanel * kProductColumnPanel,
+            std::min(cols, ceil_div(end, kProductColumnPanel) * kProductColumnPanel)};
+      }
+    }
+    if (banded && mask.bounds_keys()) {
+      fill_inner_gaps();
+    }
+  }
+
+  // Key bounds may leave a query block between two others empty (a
+  // sequence without keys): it takes its predecessor's keys, all hidden
+  // from its rows, so that the blocks that compute any one key stay
+  // consecutive, as fit_keys needs.
+  void fill_inner_gaps() {
+    const auto empty = [](const IndexRange& range) { return range.begin >= range.end; };
+    const auto first = std::find_if_not(
+        keys_of_query_block.begin(), keys_of_query_block.end(), empty);
+    const auto last = std::find_if_not(
+        keys_of_query_block.rbegin(), keys_of_query_block.rend(), empty);
+    if (first == keys_of_query_block.end()) {
+      return;
+    }
+    for (auto block = first + 1; block < last.base(); ++block) {
+      if (empty(*block)) {
+        *block = *(block - 1);
+      }
+    }
+  }
+
+  // After fit_queries, for products whose rows are the block's keys.
+  void fit_keys(int64_t rows, int64_t cols) {
+    queries_of_key_block.resize(ceil_div(cols, kProductRowBlock));
+    for (size_t block = 0; block < queries_of_key_block.size(); ++block) {
+      const int64_t key = static_cast<int64_t>(block) * kProductRowBlock;
+      // Query blocks' key ranges are nondecreasing, apart from empty ones:
+      // those that hold `key` are consecutive.
+      int64_t first = -1, last = -1;
+      for (size_t q = 0; q < keys_of_query_block.size(); ++q) {
+        if (keys_of_query_block[q].begin <= key && key < keys_of_query_block[q].end) {
+          first = first < 0 ? static_cast<int64_t>(q) : first;
+          last = static_cast<int64_t>(q);
+        }
+      }
+      queries_of_key_block[block] = first < 0
+          ? IndexRange{0, 0}
+          : IndexRange{first * kProductRowBlock, std::min(rows, (last + 1) * kProductRowBlock)};
+    }
+  }
+};
+
 // Into how many key ranges the backward splits each head: one when there
 // are at least as many heads as threads; else enough ranges of whole key
 // blocks for a task per thread, as far as the keys allow.
@@ -352,17 +433,18 @@ inline int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) 
       std::max<int64_t>(ceil_div(S, key_block), 1));
 }
 
-// The bfloat16 loops (tiled_attention_bf16.cpp): tiled_forward's results
-// for q, k, v in bfloat16, the mask and the modifiers' tensors in float;
-// out in bfloat16 and lse in float. False, computing nothing, where the CPU
-// has no bfloat16 products (tile_product.h, bf16_gemm_runs).
-bool tiled_forward_bf16(const AttentionParams& params, const ForwardResult& result);
+// The half-precision loops (tiled_attention_half.cpp): tiled_forward's
+// results for q, k, v in bfloat16 or float16, the mask and the modifiers'
+// tensors in float; out in q's dtype and lse in float. False, computing
+// nothing, where the CPU cannot run that type's products (tile_product.h:
+// bf16_gemm_runs, half_products_run).
+bool tiled_forward_half(const AttentionParams& params, const ForwardResult& result);
 
-// The bfloat16 backward: tiled_backward's gradients for the bfloat16
-// forward's inputs and results, in bfloat16 (the score gradients in
-// float). False, computing nothing, where the CPU has no bfloat16
+// The half-precision backward: tiled_backward's gradients for the
+// forward's inputs and results, in their dtype (the score gradients in
+// float). False, computing nothing, where the CPU cannot run that type's
 // products.
-bool tiled_backward_bf16(
+bool tiled_backward_half(
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
