@@ -232,10 +232,30 @@ void add_times_keys(
   add_lone_keys(m, j0, key_rows, c, ldc);
 }
 
+// What the operands of either type read of a request: its sizes, scale
+// and direction, and its heads in their 16 bits.
+template <typename Element>
+struct RequestHeads {
+  RequestHeads(const AttentionParams& params, Direction direction)
+      : D(params.D()),
+        Dv(params.Dv()),
+        group(params.group()),
+        scale(params.scale),
+        direction(direction),
+        q(params.q),
+        k(params.k),
+        v(params.v) {}
+
+  int64_t D, Dv, group;
+  double scale;
+  Direction direction;
+  Heads<Element> q, k, v;
+};
+
 // The products of the bfloat16 loops, on bfloat16 operands: Q and dO as
 // they are (and transposed per tile), K, Kᵀ, V and Vᵀ packed in pairs per
 // call, P and dS rounded per tile.
-class Bf16Operands {
+class Bf16Operands : RequestHeads<bf16> {
  public:
   using Element = bf16;
   // It accumulates dK and dV transposed (features × keys), the rows of
@@ -245,15 +265,8 @@ class Bf16Operands {
   static bool runs() { return bf16_gemm_runs(); }
 
   Bf16Operands(const AttentionParams& params, Direction direction)
-      : D_(params.D()),
-        Dv_(params.Dv()),
-        group_(params.group()),
-        scale_(static_cast<float>(params.scale)),
-        direction_(direction),
+      : RequestHeads<bf16>(params, direction),
         round_(rounding()),
-        q_(params.q),
-        k_(params.k),
-        v_(params.v),
         keys_t_(packed_pairs(params.k, /*rows_are_depth=*/false, WorkspaceSlot::keys_transposed)) {
     if (direction == Direction::forward) {
       values_ = packed_pairs(params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed);
@@ -275,27 +288,27 @@ class Bf16Operands {
 
   Scratch scratch(int64_t rows, int64_t key_block) const {
     const auto size = [&](int64_t n) {
-      return static_cast<size_t>(direction_ == Direction::backward ? n : 0);
+      return static_cast<size_t>(direction == Direction::backward ? n : 0);
     };
     return Scratch{
         RoundedRows(rows, key_block),
         std::vector<uint16_t>(size(ceil_div(rows, 2) * 2 * key_block)),
-        std::vector<uint16_t>(size(D_ * rows)), std::vector<uint16_t>(size(Dv_ * rows))};
+        std::vector<uint16_t>(size(D * rows)), std::vector<uint16_t>(size(Dv * rows))};
   }
 
   // The backward's Qᵀ and dOᵀ of `tile`; nothing in the forward.
   void start_tile(Scratch& s, const QueryTile& tile, const MatrixRef<bf16>& grad_out) const {
-    if (direction_ == Direction::forward) {
+    if (direction == Direction::forward) {
       return;
     }
-    const auto q_tile = q_.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+    const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
     for (int64_t r = 0; r < tile.rows; ++r) {
       const uint16_t* q_row = bits_of(q_tile.row(r));
-      for (int64_t d = 0; d < D_; ++d) {
+      for (int64_t d = 0; d < D; ++d) {
         s.q_t[d * tile.rows + r] = q_row[d];
       }
       const uint16_t* go_row = bits_of(grad_out.row(r));
-      for (int64_t d = 0; d < Dv_; ++d) {
+      for (int64_t d = 0; d < Dv; ++d) {
         s.go_t[d * tile.rows + r] = go_row[d];
       }
     }
@@ -311,11 +324,11 @@ class Bf16Operands {
       int64_t j0,
       const MatrixRef<float>& scores,
       const TileBands& /*whole*/) const {
-    const auto q_tile = q_.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+    const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
     multiply(
         tile.rows, scores.cols,
-        {D_, scale_, bits_of(q_tile.data), q_tile.row_stride,
-         keys_t_.head(tile.b, tile.h / group_) + 2 * j0, keys_t_.ld, scores.data, scores.row_stride,
+        {D, static_cast<float>(scale), bits_of(q_tile.data), q_tile.row_stride,
+         keys_t_.head(tile.b, tile.h / group) + 2 * j0, keys_t_.ld, scores.data, scores.row_stride,
          /*accumulate=*/false});
   }
 
@@ -334,9 +347,9 @@ class Bf16Operands {
       const MatrixRef<float>& p,
       const MatrixRef<float>& out,
       const TileBands& /*whole*/) const {
-    const int64_t kv_head = tile.h / group_;
+    const int64_t kv_head = tile.h / group;
     add_times_keys(
-        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v_.head(tile.b, kv_head), out.data,
+        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out.data,
         out.row_stride);
   }
 
@@ -350,8 +363,8 @@ class Bf16Operands {
       const TileBands& /*whole*/) const {
     multiply(
         tile.rows, dp.cols,
-        {Dv_, 1.0F, bits_of(grad_out.data), grad_out.row_stride,
-         values_t_.head(tile.b, tile.h / group_) + 2 * j0, values_t_.ld, dp.data, dp.row_stride,
+        {Dv, 1.0F, bits_of(grad_out.data), grad_out.row_stride,
+         values_t_.head(tile.b, tile.h / group) + 2 * j0, values_t_.ld, dp.data, dp.row_stride,
          /*accumulate=*/false});
   }
 
@@ -361,7 +374,7 @@ class Bf16Operands {
       const MatrixRef<float>& p,
       const MatrixRef<float>& dv_t,
       const TileBands& /*whole*/) const {
-    add_left_times_pairs(s, p, s.go_t.data(), Dv_, dv_t.data, dv_t.row_stride);
+    add_left_times_pairs(s, p, s.go_t.data(), Dv, dv_t.data, dv_t.row_stride);
   }
 
   // dQ (ds.rows × D) += dS K, without the scale.
@@ -375,9 +388,9 @@ class Bf16Operands {
     for (int64_t r = 0; r < ds.rows; ++r) {
       s.rows.round(round_, ds, r, j0);
     }
-    const int64_t kv_head = tile.h / group_;
+    const int64_t kv_head = tile.h / group;
     add_times_keys(
-        ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head), k_.head(tile.b, kv_head), dq.data,
+        ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head), k.head(tile.b, kv_head), dq.data,
         dq.row_stride);
   }
 
@@ -387,7 +400,7 @@ class Bf16Operands {
       const MatrixRef<float>& ds,
       const MatrixRef<float>& dk_t,
       const TileBands& /*whole*/) const {
-    add_left_times_pairs(s, ds, s.q_t.data(), D_, dk_t.data, dk_t.row_stride);
+    add_left_times_pairs(s, ds, s.q_t.data(), D, dk_t.data, dk_t.row_stride);
   }
 
   void round_row(const float* from, int64_t n, bf16* to) const {
@@ -418,11 +431,7 @@ class Bf16Operands {
         {m.rows, 1.0F, left, m.rows, s.pairs.data(), pairs_ld, c, ld, /*accumulate=*/true});
   }
 
-  int64_t D_, Dv_, group_;
-  float scale_;
-  Direction direction_;
   Rounding round_;
-  Heads<bf16> q_, k_, v_;
   PackedHeads keys_t_;   // Kᵀ in pairs along the features, for the scores
   PackedHeads values_;   // forward: V in pairs along the keys, for P V
   PackedHeads keys_;     // backward: K in pairs along the keys, for dQ = dS K
@@ -479,7 +488,7 @@ struct WidenedBlock {
 // stay float. A block is widened once for a tile's 128 queries, not again
 // by every 8-row micro-tile that reads it (docs/design/cpu-kernels.md,
 // "The float16 loops").
-class Float16Operands {
+class Float16Operands : RequestHeads<half> {
  public:
   using Element = half;
   // It accumulates dK and dV as the float loops do (keys × features).
@@ -488,17 +497,10 @@ class Float16Operands {
   static bool runs() { return half_products_run(); }
 
   Float16Operands(const AttentionParams& params, Direction direction)
-      : D_(params.D()),
-        Dv_(params.Dv()),
-        group_(params.group()),
-        scale_(params.scale),
-        direction_(direction),
-        q_(params.q),
-        k_(params.k),
-        v_(params.v),
+      : RequestHeads<half>(params, direction),
         keys_t_(transposed_heads(params.k, WorkspaceSlot::keys_transposed)) {
     TORCH_INTERNAL_ASSERT(
-        (k_.cols <= 1 || k_.column_stride == 1) && (v_.cols <= 1 || v_.column_stride == 1),
+        (k.cols <= 1 || k.column_stride == 1) && (v.cols <= 1 || v.column_stride == 1),
         "the keys and values have rows of unit stride");
     if (direction == Direction::backward) {
       values_t_ = transposed_heads(params.v, WorkspaceSlot::values_transposed);
@@ -515,11 +517,11 @@ class Float16Operands {
   };
 
   Scratch scratch(int64_t rows, int64_t key_block) const {
-    const bool backward = direction_ == Direction::backward;
-    const int64_t features = std::max(D_, Dv_);
+    const bool backward = direction == Direction::backward;
+    const int64_t features = std::max(D, Dv);
     return Scratch{
-        std::vector<float>(static_cast<size_t>(rows * D_)),
-        std::vector<float>(static_cast<size_t>(backward ? rows * Dv_ : 0)),
+        std::vector<float>(static_cast<size_t>(rows * D)),
+        std::vector<float>(static_cast<size_t>(backward ? rows * Dv : 0)),
         WidenedBlock(features, key_block), WidenedBlock(key_block, features)};
   }
 
@@ -527,18 +529,18 @@ class Float16Operands {
   // windowed tile's bands (tile_addmm_banded), as the float kernel does.
   bool computes_bands(const MatrixRef<float>& scores) const {
     return tile_loops_take(
-        scores, MatrixRef<float>{nullptr, scores.rows, D_, D_, 1},
-        MatrixRef<float>{nullptr, D_, scores.cols, scores.cols, 1}, 0);
+        scores, MatrixRef<float>{nullptr, scores.rows, D, D, 1},
+        MatrixRef<float>{nullptr, D, scores.cols, scores.cols, 1}, 0);
   }
 
   // The tile's Q and, in the backward, dO widened.
   void start_tile(Scratch& s, const QueryTile& tile, const MatrixRef<half>& grad_out) const {
     s.rows = tile.rows;
-    const auto q_tile = q_.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+    const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
     for (int64_t r = 0; r < tile.rows; ++r) {
-      widen_row(q_tile.row(r), D_, s.q.data() + r * D_);
-      if (direction_ == Direction::backward) {
-        widen_row(grad_out.row(r), Dv_, s.grad_out.data() + r * Dv_);
+      widen_row(q_tile.row(r), D, s.q.data() + r * D);
+      if (direction == Direction::backward) {
+        widen_row(grad_out.row(r), Dv, s.grad_out.data() + r * Dv);
       }
     }
   }
@@ -552,9 +554,9 @@ class Float16Operands {
       const MatrixRef<float>& scores,
       const TileBands& bands) const {
     const auto keys_t = s.features_by_keys.widen(
-        keys_t_.head(tile.b, tile.h / group_) + j0, keys_t_.ld, D_, scores.cols);
+        keys_t_.head(tile.b, tile.h / group) + j0, keys_t_.ld, D, scores.cols);
     tile_addmm_banded(
-        scores, queries(s), keys_t, 0, scale_, ProductBand::columns, bands.keys_of_query_block);
+        scores, queries(s), keys_t, 0, scale, ProductBand::columns, bands.keys_of_query_block);
   }
 
   // The weights stay float: nothing to do per row.
@@ -572,7 +574,7 @@ class Float16Operands {
       const MatrixRef<float>& p,
       const MatrixRef<float>& out,
       const TileBands& bands) const {
-    add_times_widened_rows(s, p, v_.head(tile.b, tile.h / group_), j0, out, bands);
+    add_times_widened_rows(s, p, v.head(tile.b, tile.h / group), j0, out, bands);
   }
 
   // dp = dO Vᵀ for keys [j0, j0 + dp.cols), in the bands.
@@ -584,7 +586,7 @@ class Float16Operands {
       const MatrixRef<float>& dp,
       const TileBands& bands) const {
     const auto values_t = s.features_by_keys.widen(
-        values_t_.head(tile.b, tile.h / group_) + j0, values_t_.ld, Dv_, dp.cols);
+        values_t_.head(tile.b, tile.h / group) + j0, values_t_.ld, Dv, dp.cols);
     tile_addmm_banded(
         dp, grad_outputs(s), values_t, 0, 1, ProductBand::columns, bands.keys_of_query_block);
   }
@@ -607,7 +609,7 @@ class Float16Operands {
       const MatrixRef<float>& ds,
       const MatrixRef<float>& dq,
       const TileBands& bands) const {
-    add_times_widened_rows(s, ds, k_.head(tile.b, tile.h / group_), j0, dq, bands);
+    add_times_widened_rows(s, ds, k.head(tile.b, tile.h / group), j0, dq, bands);
   }
 
   // dK (ds.cols × D) += dSᵀ Q, without the scale, each key over the
@@ -630,10 +632,8 @@ class Float16Operands {
   }
 
  private:
-  MatrixRef<float> queries(Scratch& s) const { return {s.q.data(), s.rows, D_, D_, 1}; }
-  MatrixRef<float> grad_outputs(Scratch& s) const {
-    return {s.grad_out.data(), s.rows, Dv_, Dv_, 1};
-  }
+  MatrixRef<float> queries(Scratch& s) const { return {s.q.data(), s.rows, D, D, 1}; }
+  MatrixRef<float> grad_outputs(Scratch& s) const { return {s.grad_out.data(), s.rows, Dv, Dv, 1}; }
 
   // c (m.rows × keys.cols) += m times the rows [j0, j0 + m.cols) of
   // `keys` (V or K of one head), widened, in the bands.
@@ -649,10 +649,6 @@ class Float16Operands {
     tile_addmm_banded(c, m, rows, 1, 1, ProductBand::depth, bands.keys_of_query_block);
   }
 
-  int64_t D_, Dv_, group_;
-  double scale_;
-  Direction direction_;
-  Heads<half> q_, k_, v_;
   PackedHeads keys_t_;   // Kᵀ, for the scores
   PackedHeads values_t_; // backward: Vᵀ, for dP = dO Vᵀ
 };
