@@ -303,7 +303,8 @@ TEST(PropertySweep, FunctionAndModuleMatchTheFloat64Reference) {
 constexpr int kHalfPrecisionCases = 40;
 
 // Where the fused kernel's tiled loops compute in half precision (a
-// request the short heads' loops would not take in float32) and elsewhere.
+// request the short heads' loops would not take in float32), where its
+// short heads' loops do, and elsewhere.
 SdpaCase draw_half_precision_case(uint64_t seed, torch::ScalarType dtype) {
   std::mt19937_64 rng(seed);
   SdpaCase c;
@@ -311,7 +312,7 @@ SdpaCase draw_half_precision_case(uint64_t seed, torch::ScalarType dtype) {
   c.module = false;
   c.batch = pick<std::vector<int64_t>>(rng, {{2}, {1, 3}, {2, 2}});
   c.L = pick<int64_t>(rng, {1, 17, 128, 129, 300});
-  c.S = pick<int64_t>(rng, {1, 6, 65, 511, 512, 513, 700});
+  c.S = pick<int64_t>(rng, {1, 6, 40, 64, 65, 511, 512, 513, 700});
   c.E = pick<int64_t>(rng, {8, 16, 64});
   c.Ev = pick<int64_t>(rng, {c.E, 5});
   c.mask = pick(rng, {SdpaMask::none, SdpaMask::bool_pairs, SdpaMask::float_full});
@@ -335,9 +336,12 @@ bool half_precision_loops_run(torch::ScalarType dtype) {
                                    : attn::detail::half_products_run();
 }
 
-// Checks the case; returns whether the fused kernel's tiled loops took it
-// (in its half precision where those loops run).
-bool check_half_precision_case(const SdpaCase& c) {
+// Which of the fused kernel's loops a case took: the tiled loops, the
+// short heads' (each in its half precision where they compute it) or none.
+enum class FusedRoute { tiled, short_heads, none };
+
+// Checks the case; returns which of the fused kernel's loops took it.
+FusedRoute check_half_precision_case(const SdpaCase& c) {
   const auto [q, k, v] = case_inputs(c);
   // Every row sees a key, so that LibTorch's rows are defined: key 0
   // without a window, key i (in every band: windows come with L <= S).
@@ -351,14 +355,22 @@ bool check_half_precision_case(const SdpaCase& c) {
   if (c.window > 0) {
     options.window(c.window);
   }
-  const bool tiled = attn::select_backend(q, k, v, options) == attn::AttentionBackend::fused_cpu &&
-      !attn::detail::short_heads_run(torch::kFloat, c.L, c.S);
-  const int64_t calls = attn::detail::tiled_half_calls(c.dtype);
+  const bool fused = attn::select_backend(q, k, v, options) == attn::AttentionBackend::fused_cpu;
+  const bool short_heads = attn::detail::short_heads_run(torch::kFloat, c.L, c.S);
+  const auto route = !fused ? FusedRoute::none
+      : short_heads         ? FusedRoute::short_heads
+                            : FusedRoute::tiled;
+  const int64_t tiled_calls = attn::detail::tiled_half_calls(c.dtype);
+  const int64_t short_calls = attn::detail::short_heads_half_calls(c.dtype);
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   EXPECT_EQ(out.scalar_type(), c.dtype);
-  if (tiled && half_precision_loops_run(c.dtype)) {
-    EXPECT_GT(attn::detail::tiled_half_calls(c.dtype), calls)
+  if (route == FusedRoute::tiled && half_precision_loops_run(c.dtype)) {
+    EXPECT_GT(attn::detail::tiled_half_calls(c.dtype), tiled_calls)
         << "the half-precision loops did not run";
+  }
+  if (route == FusedRoute::short_heads) {
+    EXPECT_GT(attn::detail::short_heads_half_calls(c.dtype), short_calls)
+        << "the short heads' loops did not compute the half precision";
   }
 
   const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
@@ -382,7 +394,7 @@ bool check_half_precision_case(const SdpaCase& c) {
     EXPECT_TRUE(WithinFloat32RoundedToFloat16(flat(out), ref_out, tolerance(torch::kFloat, false)));
   }
   if (!c.requires_grad) {
-    return tiled;
+    return route;
   }
   const auto upstream = torch::randn(out.sizes()).to(c.dtype);
   const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
@@ -405,20 +417,25 @@ bool check_half_precision_case(const SdpaCase& c) {
           << names[i];
     }
   }
-  return tiled;
+  return route;
 }
 
 // The sweep of `dtype`'s cases, at least a quarter of them on the tiled
-// loops.
+// loops, and some on the short heads' where they run.
 void sweep_half_precision(torch::ScalarType dtype) {
-  int tiled = 0;
+  int tiled = 0, short_heads = 0;
   for (int i = 0; i < kHalfPrecisionCases && !::testing::Test::HasFailure(); ++i) {
     const auto c = draw_half_precision_case(kBaseSeed + i, dtype);
     SCOPED_TRACE(c.describe());
-    tiled += check_half_precision_case(c) ? 1 : 0;
+    const auto route = check_half_precision_case(c);
+    tiled += route == FusedRoute::tiled ? 1 : 0;
+    short_heads += route == FusedRoute::short_heads ? 1 : 0;
   }
   if (!::testing::Test::HasFailure()) {
     EXPECT_GE(tiled, kHalfPrecisionCases / 4) << "cases on the tiled loops";
+    if (attn::detail::short_heads_run(torch::kFloat, 1, 1)) {
+      EXPECT_GE(short_heads, kHalfPrecisionCases / 8) << "cases on the short heads' loops";
+    }
   }
 }
 

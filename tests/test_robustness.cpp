@@ -157,11 +157,15 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
 // products outrun float ones (AMX, or AVX512-BF16 on AMD's cores):
 // it is computed in bfloat16 there, and
 // PropertySweep.Bfloat16IsWithinTwiceLibTorchsBfloat16Error holds it to
-// LibTorch's own bfloat16 error. float16 stays in float32 on every route
-// here: the tiled route runs on the BLAS's products (keep_to_route), where
-// the fused kernel computes float16 in float32 (backend.h,
+// LibTorch's own bfloat16 error. float16 stays in float32 on the tiled
+// route here, which runs on the BLAS's products (keep_to_route), where the
+// fused kernel computes float16 in float32 (backend.h,
 // fused_cpu_computes_half); PropertySweep.Float16IsWithinFloat32RoundedToFloat16
-// holds its float16 loops.
+// holds its float16 loops. The short heads' loops compute both half
+// precisions on each head's values widened to float: their output is the
+// float32 one rounded once, and so is dV, but dQ and dK read the output as
+// stored (delta_i = dO_i·O_i), whose rounding they carry
+// (ShortHeads.HalfPrecisionIsTheFloatComputationOfItsValuesRoundedOnce).
 TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
   torch::manual_seed(13);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
@@ -201,6 +205,9 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
         const auto grads32 = torch::autograd::grad(
             {out32}, {q32, k32, v32}, {upstream.to(torch::kFloat)});
         for (int i = 0; i < 3; ++i) {
+          if (route.short_heads && i < 2) {
+            continue; // dQ and dK carry the stored output's rounding (above)
+          }
           EXPECT_TRUE(within_half_ulp(grads[i], grads32[i])) << "gradient " << i;
         }
       }

@@ -320,8 +320,8 @@ bool fused_cpu_computes_half(const AttentionParams& params) {
   const bool products_pay = dtype == torch::kBFloat16
       ? bf16_products_outrun_float()
       : dtype == torch::kHalf && half_products_run();
-  return params.q.device().is_cpu() && every_size_positive && products_pay &&
-      fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::tiled;
+  const bool short_heads = fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::short_heads;
+  return params.q.device().is_cpu() && every_size_positive && (short_heads || products_pay);
 }
 
 ForwardResult fused_cpu_forward(const AttentionParams& params) {

@@ -64,12 +64,14 @@ FusedLoops fused_cpu_loops(const AttentionParams& params);
 // Whether the fused CPU kernel computes `params`, whose q, k and v are
 // bfloat16 or float16 (the mask and the modifiers' tensors float), in
 // their own dtype (products of half-precision operands, accumulated in
-// float): on its tiled loops, where no size is 0, the same request in
-// float32 would not take the short heads' loops, and the products pay
-// (kernels/cpu/tile_product.h): for bfloat16, where this CPU's bfloat16
-// products outrun its float ones (bf16_products_outrun_float: AMX tiles,
-// or AVX512-BF16 on AMD's cores); for float16, wherever attn's float loops
-// widen float16 in registers (half_products_run), at their float rate.
+// float), where no size is 0:
+// - on the short heads' loops wherever the same request in float32 takes
+//   them: each head widened into float copies of its own (short_heads.h);
+// - on the tiled loops where the products pay (kernels/cpu/tile_product.h):
+//   for bfloat16, where this CPU's bfloat16 products outrun its float ones
+//   (bf16_products_outrun_float: AMX tiles, or AVX512-BF16 on AMD's
+//   cores); for float16, wherever attn's float loops widen float16 in
+//   registers (half_products_run), at their float rate.
 // Elsewhere the request is computed in float32, converted whole.
 bool fused_cpu_computes_half(const AttentionParams& params);
 

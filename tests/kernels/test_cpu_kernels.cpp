@@ -326,6 +326,52 @@ TEST(TileProduct, Float16RowsConvertAsC10Half) {
   });
 }
 
+// bfloat16 rows (tile_product.h, half_rows) widened and rounded as
+// c10::BFloat16 converts, bit for bit, at every tail length of the
+// registers: finite values, ±0, infinities, NaN, ties, floats beyond its
+// range; subnormals round to c10's value or, on AVX512-BF16, to zero; on
+// each instruction set's loops, and one by one while the BLAS multiplies.
+TEST(TileProduct, Bfloat16RowsConvertAsC10BFloat16) {
+  torch::manual_seed(23);
+  const float inf = std::numeric_limits<float>::infinity();
+  const float specials[] = {0.0F,           -0.0F,   inf,       -inf,
+                            std::nanf(""),  3.0e38F, 3.4e38F,   1.0F + 0x1p-8F,
+                            1.0F + 0x3p-8F, -1e-39F, 0x1p-130F, 1.0F + 0x1p-9F};
+  const auto rows = attn::detail::half_rows(torch::kBFloat16);
+  for_each_product_loops([&] {
+    for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 33}) {
+      SCOPED_TRACE("n=" + std::to_string(n));
+      // Random values at odd places, the specials at even ones.
+      auto floats = torch::randn({n}) * 100;
+      for (int64_t j = 0; j < n; j += 2) {
+        floats[j] = specials[j / 2 % static_cast<int64_t>(std::size(specials))];
+      }
+      std::vector<uint16_t> rounded(static_cast<size_t>(n) + 1, 0xABCD);
+      rows.round(floats.data_ptr<float>(), n, rounded.data());
+      std::vector<float> widened(static_cast<size_t>(n) + 1, 42.0F);
+      rows.widen(rounded.data(), n, widened.data());
+      for (int64_t j = 0; j < n; ++j) {
+        const float value = floats[j].item<float>();
+        const auto expected = c10::BFloat16(value);
+        const auto at = static_cast<size_t>(j);
+        const bool nan = std::isnan(value);
+        const bool flushed = std::fpclassify(value) == FP_SUBNORMAL && (rounded[at] & 0x7FFFU) == 0;
+        EXPECT_TRUE(
+            rounded[at] == expected.x || flushed || (nan && (rounded[at] & 0x7FFFU) > 0x7F80U))
+            << "rounding " << value;
+        const float back = c10::BFloat16(rounded[at], c10::BFloat16::from_bits());
+        EXPECT_TRUE(widened[at] == back || (std::isnan(widened[at]) && std::isnan(back)))
+            << "widening " << back << " gave " << widened[at];
+        if (!std::isnan(back)) {
+          EXPECT_EQ(std::signbit(widened[at]), std::signbit(back)) << "widening " << back;
+        }
+      }
+      EXPECT_EQ(rounded.back(), 0xABCD) << "a write past the row";
+      EXPECT_EQ(widened.back(), 42.0F) << "a write past the row";
+    }
+  });
+}
+
 // attn's bfloat16 products, accumulated in float (AVX512-BF16's vdpbf16ps
 // micro-tiles, AMX tiles), against the float64 product of the same
 // bfloat16 values: around every edge of the micro-tiles (8 × 32) and of
@@ -609,12 +655,18 @@ struct KernelRun {
   torch::Tensor math_out, math_weights;
   Tolerance tolerance, gradient_tolerance;
 
-  explicit KernelRun(const KernelCase& c) {
+  // `values_of`: the dtype whose values the inputs take (held in c.dtype),
+  // for half-precision runs checked against float64 on the same values.
+  explicit KernelRun(const KernelCase& c, c10::optional<torch::ScalarType> values_of = {}) {
     torch::manual_seed(static_cast<uint64_t>(c.L * 1000 + c.S));
     const auto opts = torch::TensorOptions(c.dtype);
-    q = torch::randn({c.B, c.H, c.L, c.D}, opts).requires_grad_();
-    k = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
-    v = torch::randn({c.B, c.Hkv, c.S, c.Dv}, opts).requires_grad_();
+    const auto input = [&](int64_t heads, int64_t T, int64_t F) {
+      const auto drawn = torch::randn({c.B, heads, T, F}, opts);
+      return (values_of ? drawn.to(*values_of).to(c.dtype) : drawn).requires_grad_();
+    };
+    q = input(c.H, c.L, c.D);
+    k = input(c.Hkv, c.S, c.D);
+    v = input(c.Hkv, c.S, c.Dv);
     const auto mask = make_mask(c);
     const double scale = 1.0 / std::sqrt(c.D);
     params = kernel_params(q, k, v, scale, c.causal);
@@ -771,6 +823,60 @@ TEST(ShortHeads, EveryInstructionSetMatchesTheMathPathInOutputAndGradients) {
   });
 }
 
+// bfloat16 and float16 on the short loops, which widen each head exactly
+// into float copies and round each result once (short_heads.h): the
+// short-head cases, grouped heads among them, against the float64 math
+// path of the same rounded inputs. The output within float32's tolerance
+// plus half an ulp of the half precision, relative to the largest; each
+// gradient within float32's plus four such ulps (dQ and dK carry the
+// stored output's rounding through delta_i = dO_i·O_i: test_support.h,
+// float16_delta_error). Wrong heads, rows or groups miss by O(1).
+TEST(ShortHeads, HalfPrecisionIsTheFloatComputationOfItsValuesRoundedOnce) {
+  for_each_product_loops([] {
+    if (attn::detail::active_product_loops() == attn::detail::ProductLoops::blas) {
+      return; // no short loops while the BLAS multiplies
+    }
+    for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+      const double half_ulp = std::ldexp(1.0, dtype == torch::kBFloat16 ? -8 : -11);
+      for (auto c : short_head_cases(16)) {
+        c.dtype = torch::kDouble;
+        SCOPED_TRACE(c.describe() + " computed in " + c10::toString(dtype));
+        ASSERT_TRUE(attn::detail::short_heads_run(dtype, c.L, c.S));
+        ThreadCount threads(c.threads);
+        const KernelRun reference(c, dtype);
+        auto params = reference.params;
+        const auto in_half = [&](const torch::Tensor& t) {
+          return t.detach().to(dtype).requires_grad_();
+        };
+        params.q = in_half(reference.q);
+        params.k = in_half(reference.k);
+        params.v = in_half(reference.v);
+        if (params.mask.defined() && params.mask.is_floating_point()) {
+          params.mask = params.mask.to(torch::kFloat);
+        }
+        const int64_t calls = attn::detail::short_heads_half_calls(dtype);
+        const auto out = attn::detail::fused_attention(FusedLoops::short_heads, params);
+        ASSERT_EQ(out.scalar_type(), dtype);
+        EXPECT_CLOSE(out, reference.math_out, (Tolerance{2e-5, half_ulp}));
+        const auto upstream = torch::randn(out.sizes()).to(dtype);
+        const auto grads = torch::autograd::grad({out}, {params.q, params.k, params.v}, {upstream});
+        const auto math_grads = torch::autograd::grad(
+            {reference.math_out}, {reference.q, reference.k, reference.v},
+            {upstream.to(torch::kDouble)});
+        const char* names[] = {"dq", "dk", "dv"};
+        for (int i = 0; i < 3; ++i) {
+          ASSERT_EQ(grads[i].scalar_type(), dtype) << names[i];
+          EXPECT_CLOSE(grads[i], math_grads[i], (Tolerance{5e-5, 5e-5 + 4 * half_ulp})) << names[i];
+        }
+        EXPECT_EQ(attn::detail::short_heads_half_calls(dtype), calls + 2);
+        if (HasFailure()) {
+          return; // one reproducible configuration is enough to report
+        }
+      }
+    }
+  });
+}
+
 TEST(ShortHeads, TakeHeadsUpToTheirBoundsOnly) {
   using attn::detail::kMaxShortKeys;
   using attn::detail::kMaxShortQueries;
@@ -783,6 +889,10 @@ TEST(ShortHeads, TakeHeadsUpToTheirBoundsOnly) {
     EXPECT_FALSE(short_heads_run(torch::kFloat, kMaxShortQueries + 1, kMaxShortKeys));
     EXPECT_FALSE(short_heads_run(torch::kFloat, kMaxShortQueries, kMaxShortKeys + 1));
     EXPECT_FALSE(short_heads_run(torch::kDouble, 16, 16));
+    for (const auto half : {torch::kBFloat16, torch::kHalf}) {
+      EXPECT_EQ(short_heads_run(half, kMaxShortQueries, kMaxShortKeys), short_loops);
+      EXPECT_FALSE(short_heads_run(half, kMaxShortQueries + 1, kMaxShortKeys));
+    }
   });
 }
 

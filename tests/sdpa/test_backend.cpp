@@ -276,8 +276,8 @@ TEST(BackendRules, EveryRuleDecidesSomeRequest) {
 }
 
 // Which loops run the fused kernel (sdpa/backend.cpp alone decides): the
-// short heads' within their bounds (128 queries, 64 keys, float) where
-// they run, the tiled ones elsewhere.
+// short heads' within their bounds (128 queries, 64 keys; float, bfloat16
+// or float16) where they run, the tiled ones elsewhere.
 TEST(BackendSelection, TheFusedKernelTakesTheShortLoopsWithinTheirBounds) {
   using attn::detail::FusedLoops;
   const auto loops = [](int64_t L, int64_t S, torch::ScalarType dtype) {
@@ -293,6 +293,8 @@ TEST(BackendSelection, TheFusedKernelTakesTheShortLoopsWithinTheirBounds) {
   EXPECT_EQ(loops(129, 64, torch::kFloat), FusedLoops::tiled);
   EXPECT_EQ(loops(128, 65, torch::kFloat), FusedLoops::tiled);
   EXPECT_EQ(loops(16, 16, torch::kDouble), FusedLoops::tiled);
+  EXPECT_EQ(loops(128, 64, torch::kBFloat16), within);
+  EXPECT_EQ(loops(64, 64, torch::kHalf), within);
 }
 
 // The measured rule of docs/BACKENDS.md, cpu-libtorch-faster: LibTorch's kernel where it was
@@ -364,8 +366,8 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(lengths(512, 512, torch::kBFloat16, true), causal, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kBFloat16, true), no_weights, AttentionBackend::fused_cpu);
   // Where LibTorch's kernel is not the faster, short sequences take the
-  // short loops, computing half precision in float32, or the batched
-  // kernel.
+  // short loops (computing half precision on each head's values widened
+  // to float), or the batched kernel.
   const auto short_half = short_loops() ? AttentionBackend::fused_cpu
                                         : AttentionBackend::batched_cpu;
   expect(lengths(64, 64, torch::kBFloat16, true), no_weights, short_half, short_elsewhere);

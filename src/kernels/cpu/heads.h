@@ -16,6 +16,8 @@ namespace attn::detail {
 
 template <typename scalar_t>
 struct Heads {
+  Heads() = default; // no heads: every head an empty matrix
+
   explicit Heads(const torch::Tensor& t)
       : data(t.numel() == 0 ? nullptr : t.data_ptr<scalar_t>()),
         rows(t.size(2)),
@@ -25,14 +27,26 @@ struct Heads {
         row_stride(t.stride(2)),
         column_stride(t.stride(3)) {}
 
+  // One matrix that every (b, h) names: rows × cols, rows of unit stride
+  // row_stride apart (a task's copy of the one head it computes).
+  static Heads every_head_at(scalar_t* data, int64_t rows, int64_t cols, int64_t row_stride) {
+    Heads one;
+    one.data = data;
+    one.rows = rows;
+    one.cols = cols;
+    one.row_stride = row_stride;
+    one.column_stride = 1;
+    return one;
+  }
+
   MatrixRef<scalar_t> head(int64_t b, int64_t h) const {
     return {
         data == nullptr ? nullptr : data + b * batch_stride + h * head_stride, rows, cols,
         row_stride, column_stride};
   }
 
-  scalar_t* data;
-  int64_t rows, cols, batch_stride, head_stride, row_stride, column_stride;
+  scalar_t* data = nullptr;
+  int64_t rows = 0, cols = 0, batch_stride = 0, head_stride = 0, row_stride = 0, column_stride = 0;
 };
 
 // A (B, H, T, F) view of memory laid out as (B, T, H, F), so that a kernel

@@ -53,6 +53,9 @@ struct MicroTiles {
   // which its callers check.
   void (*widen_half_row)(const uint16_t* from, int64_t n, float* to);
   void (*round_half_row)(const float* from, int64_t n, uint16_t* to);
+  // to[0..n) = from[0..n): bfloat16 (its bits) widened to float, exactly
+  // (the bits shifted into float's upper half).
+  void (*widen_bf16_row)(const uint16_t* from, int64_t n, float* to);
 };
 
 // The operands of one bfloat16 product with float accumulation: c (rows,

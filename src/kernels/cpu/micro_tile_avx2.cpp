@@ -143,6 +143,30 @@ __attribute__((target("avx2,fma,f16c"))) void round_half_row(
   }
 }
 
+// bfloat16 rows widened: each element's bits shifted into a float's
+// upper half (AVX2 alone; no F16C needed).
+__attribute__((target("avx2,fma"))) inline __m256 widen_bf16(__m128i halves) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+__attribute__((target("avx2,fma"))) void widen_bf16_row(
+    const uint16_t* from,
+    int64_t n,
+    float* to) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    _mm256_storeu_ps(
+        to + j, widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + j))));
+  }
+  if (j < n) {
+    alignas(16) uint16_t halves[kLanes] = {};
+    std::memcpy(halves, from + j, static_cast<size_t>(n - j) * sizeof(uint16_t));
+    _mm256_maskstore_ps(
+        to + j, first_lanes(n - j),
+        widen_bf16(_mm_load_si128(reinterpret_cast<const __m128i*>(halves))));
+  }
+}
+
 // An 8 × 8 block of `from` (rows of unit stride) transposed into `to`, in
 // registers: pairs of rows interleaved at 32, then 64 bits, within 128-bit
 // lanes, then the lanes exchanged. (GCC 12's unpack intrinsics warn as in
@@ -183,7 +207,7 @@ __attribute__((target("avx2,fma"))) void transpose_block8(
 const MicroTiles* avx2_micro_tiles() {
   static const MicroTiles tiles{
       kTileRows, kTileCols,        kBandedTileRows, kFullMicroTiles.data(), kEdgeMicroTiles.data(),
-      kLanes,    transpose_block8, widen_half_row,  round_half_row};
+      kLanes,    transpose_block8, widen_half_row,  round_half_row,         widen_bf16_row};
   return &tiles;
 }
 

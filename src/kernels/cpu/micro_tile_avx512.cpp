@@ -128,6 +128,27 @@ __attribute__((target("avx512f"))) void round_half_row(const float* from, int64_
   }
 }
 
+// bfloat16 rows widened: each element's bits shifted into a float's
+// upper half.
+__attribute__((target("avx512f"))) inline __m512 widen_bf16(__m256i halves) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+__attribute__((target("avx512f"))) void widen_bf16_row(const uint16_t* from, int64_t n, float* to) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    _mm512_storeu_ps(
+        to + j, widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + j))));
+  }
+  if (j < n) {
+    alignas(32) uint16_t halves[kLanes] = {};
+    std::memcpy(halves, from + j, static_cast<size_t>(n - j) * sizeof(uint16_t));
+    _mm512_mask_storeu_ps(
+        to + j, first_lanes(n - j),
+        widen_bf16(_mm256_load_si256(reinterpret_cast<const __m256i*>(halves))));
+  }
+}
+
 #pragma GCC diagnostic pop
 
 // A 16 × 16 block of `from` (rows of unit stride) transposed into `to`,
@@ -183,7 +204,7 @@ __attribute__((target("avx512f"))) void transpose_block16(
 const MicroTiles* avx512_micro_tiles() {
   static const MicroTiles tiles{
       kTileRows, kTileCols,         kTileRows,      kFullMicroTiles.data(), kEdgeMicroTiles.data(),
-      kLanes,    transpose_block16, widen_half_row, round_half_row};
+      kLanes,    transpose_block16, widen_half_row, round_half_row,         widen_bf16_row};
   return &tiles;
 }
 

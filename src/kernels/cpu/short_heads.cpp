@@ -5,7 +5,14 @@
 #include "kernels/cpu/short_heads_loops.h"
 #include "kernels/cpu/tile_product.h"
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/torch.h>
+
+#include <atomic>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace attn::detail {
 namespace {
@@ -36,23 +43,27 @@ const ShortHeadsLoops& admitted_loops() {
   return *loops;
 }
 
-// `run` over every (b, h) head, in parallel where the work pays for it.
-void parallel_heads(
-    const ShortHeadsCall& call,
-    int64_t B,
-    double flops_per_head,
-    ShortHeadsFn run) {
+// `run(begin, end)` over the (B, H) grid's heads [begin, end), in
+// parallel where the work pays for it.
+template <typename Run>
+void parallel_heads(int64_t heads, double flops_per_head, const Run& run) {
   const int64_t grain = parallel_grain(flops_per_head, kMinShortHeadsTaskFlops);
-  parallel_for(0, B * call.H, grain, [&](int64_t begin, int64_t end) { run(call, begin, end); });
+  parallel_for(0, heads, grain, run);
 }
 
+// The call of params' sizes, scale and mask; its heads those of params
+// and `out` where they are float, else none (HalfHeadCopies names them).
 ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) {
   TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the short-head loops drop no weights");
+  const bool in_float = params.q.scalar_type() == torch::kFloat;
+  const auto heads = [&](const torch::Tensor& t) {
+    return in_float ? Heads<float>(t) : Heads<float>();
+  };
   return {
-      Heads<float>(params.q),
-      Heads<float>(params.k),
-      Heads<float>(params.v),
-      Heads<float>(out),
+      heads(params.q),
+      heads(params.k),
+      heads(params.v),
+      heads(out),
       MaskView<float>(params),
       static_cast<float>(params.scale),
       params.H(),
@@ -63,11 +74,133 @@ ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) 
       params.Dv()};
 }
 
+// A task's float copies of one head of a half-precision call's tensors
+// (Element: c10::BFloat16 or c10::Half), for the loops' float heads
+// (ShortHeadsConversion): those it reads widened before each head, those
+// it writes rounded after. At most L × D + 2·S × D floats and the
+// results' rows: no copy of a whole tensor.
+template <typename Element>
+class HalfHeadCopies final : public ShortHeadsConversion {
+ public:
+  explicit HalfHeadCopies(int64_t group)
+      : group_(group), rows_(half_rows(c10::CppTypeToScalarType<Element>::value)) {}
+
+  // Heads naming a float copy of t's head, widened before each head's
+  // loops: per key/value head (h / group) for K and V.
+  Heads<float> read(const torch::Tensor& t, bool per_kv_head = false) {
+    reads_.push_back(copy_of(t, per_kv_head));
+    return reads_.back().floats();
+  }
+
+  // Heads whose writes reach t: t itself where it is float (grouped
+  // heads' key and value gradients, summed after in float), else a float
+  // copy rounded into t after each head.
+  Heads<float> write(const torch::Tensor& t) {
+    if (t.scalar_type() == torch::kFloat) {
+      return Heads<float>(t);
+    }
+    writes_.push_back(copy_of(t, false));
+    return writes_.back().floats();
+  }
+
+  void widen_head(int64_t b, int64_t h) override {
+    for (auto& copy : reads_) {
+      const int64_t head = copy.per_kv_head ? h / group_ : h;
+      if (copy.held_b != b || copy.held_head != head) { // K, V: once per group
+        copy.held_b = b;
+        copy.held_head = head;
+        const auto from = copy.half.head(b, head);
+        for (int64_t r = 0; r < from.rows; ++r) {
+          rows_.widen(half_bits(from.row(r)), from.cols, copy.row(r));
+        }
+      }
+    }
+  }
+
+  void round_head(int64_t b, int64_t h) override {
+    for (auto& copy : writes_) {
+      const auto to = copy.half.head(b, h);
+      for (int64_t r = 0; r < to.rows; ++r) {
+        rows_.round(copy.row(r), to.cols, half_bits(to.row(r)));
+      }
+    }
+  }
+
+ private:
+  struct Copy {
+    Heads<Element> half;
+    std::vector<float> memory; // rows × cols
+    bool per_kv_head;
+    int64_t held_b = -1, held_head = -1; // the head `memory` holds (reads)
+
+    float* row(int64_t r) { return memory.data() + r * half.cols; }
+    Heads<float> floats() {
+      return Heads<float>::every_head_at(memory.data(), half.rows, half.cols, half.cols);
+    }
+  };
+
+  static Copy copy_of(const torch::Tensor& t, bool per_kv_head) {
+    TORCH_INTERNAL_ASSERT(t.scalar_type() == c10::CppTypeToScalarType<Element>::value);
+    TORCH_INTERNAL_ASSERT(t.size(3) <= 1 || t.stride(3) == 1, "rows of unit stride");
+    Heads<Element> half(t);
+    std::vector<float> memory(static_cast<size_t>(half.rows * half.cols));
+    return {half, std::move(memory), per_kv_head};
+  }
+
+  int64_t group_;
+  HalfRows rows_;
+  std::vector<Copy> reads_, writes_; // moving a Copy keeps its memory where it is
+};
+
+// The calls of the loops on half-precision inputs, per dtype.
+std::atomic<int64_t>& short_half_calls_in(torch::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(is_half_precision(dtype), "the short heads' half calls count ", dtype);
+  static std::atomic<int64_t> bfloat16{0}, float16{0};
+  return dtype == torch::kBFloat16 ? bfloat16 : float16;
+}
+
+// `run(element)` with a value of the half-precision type of `dtype`.
+template <typename Run>
+void with_half_type(torch::ScalarType dtype, const Run& run) {
+  short_half_calls_in(dtype).fetch_add(1, std::memory_order_relaxed);
+  if (dtype == torch::kBFloat16) {
+    run(c10::BFloat16());
+  } else {
+    run(c10::Half());
+  }
+}
+
+// `loops` over the call's heads, each task's call naming a HalfHeadCopies
+// of its own: name(copies, task_call, task_gradients) sets its heads.
+template <typename Name>
+void run_in_half(
+    const AttentionParams& params,
+    const ShortHeadsCall& base,
+    double flops_per_head,
+    ShortHeadsFn loops,
+    const Name& name) {
+  with_half_type(params.q.scalar_type(), [&](auto element) {
+    using Element = decltype(element);
+    parallel_heads(params.B() * base.H, flops_per_head, [&](int64_t begin, int64_t end) {
+      HalfHeadCopies<Element> copies(base.group);
+      auto call = base;
+      ShortHeadsGradients gradients;
+      name(copies, call, gradients);
+      call.conversion = &copies;
+      loops(call, begin, end);
+    });
+  });
+}
+
 } // namespace
 
 bool short_heads_run(torch::ScalarType dtype, int64_t L, int64_t S) {
-  return dtype == torch::kFloat && L <= kMaxShortQueries && S <= kMaxShortKeys &&
-      active_loops() != nullptr;
+  const bool computed = dtype == torch::kFloat || is_half_precision(dtype);
+  return computed && L <= kMaxShortQueries && S <= kMaxShortKeys && active_loops() != nullptr;
+}
+
+int64_t short_heads_half_calls(torch::ScalarType dtype) {
+  return short_half_calls_in(dtype).load(std::memory_order_relaxed);
 }
 
 void short_heads_forward(const AttentionParams& params, const ForwardResult& result) {
@@ -76,8 +209,20 @@ void short_heads_forward(const AttentionParams& params, const ForwardResult& res
   }
   auto call = call_of(params, result.out);
   call.lse_out = result.lse.data_ptr<float>();
-  parallel_heads(
-      call, params.B(), 2.0 * call.L * call.S * (call.D + call.Dv), admitted_loops().forward);
+  const double flops_per_head = 2.0 * call.L * call.S * (call.D + call.Dv);
+  const auto loops = admitted_loops().forward;
+  if (params.q.scalar_type() == torch::kFloat) {
+    parallel_heads(params.B() * call.H, flops_per_head, [&](int64_t begin, int64_t end) {
+      loops(call, begin, end);
+    });
+    return;
+  }
+  run_in_half(params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto&) {
+    task.q = copies.read(params.q);
+    task.k = copies.read(params.k, /*per_kv_head=*/true);
+    task.v = copies.read(params.v, /*per_kv_head=*/true);
+    task.out = copies.write(result.out);
+  });
 }
 
 void short_heads_backward(
@@ -90,13 +235,28 @@ void short_heads_backward(
   }
   auto call = call_of(params, forward.out);
   call.lse = forward.lse.data_ptr<float>();
-  const ShortHeadsGradients gradients{
-      Heads<float>(grad_out), Heads<float>(grads.dq), Heads<float>(grads.dk),
-      Heads<float>(grads.dv)};
-  call.gradients = &gradients;
-  parallel_heads(
-      call, params.B(), 2.0 * call.L * call.S * (3 * call.D + 2 * call.Dv),
-      admitted_loops().backward);
+  const double flops_per_head = 2.0 * call.L * call.S * (3 * call.D + 2 * call.Dv);
+  const auto loops = admitted_loops().backward;
+  if (params.q.scalar_type() == torch::kFloat) {
+    const ShortHeadsGradients gradients{
+        Heads<float>(grad_out), Heads<float>(grads.dq), Heads<float>(grads.dk),
+        Heads<float>(grads.dv)};
+    call.gradients = &gradients;
+    parallel_heads(params.B() * call.H, flops_per_head, [&](int64_t begin, int64_t end) {
+      loops(call, begin, end);
+    });
+    return;
+  }
+  run_in_half(params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto& gradients) {
+    task.q = copies.read(params.q);
+    task.k = copies.read(params.k, /*per_kv_head=*/true);
+    task.v = copies.read(params.v, /*per_kv_head=*/true);
+    task.out = copies.read(forward.out);
+    gradients = {
+        copies.read(grad_out), copies.write(grads.dq), copies.write(grads.dk),
+        copies.write(grads.dv)};
+    task.gradients = &gradients;
+  });
 }
 
 } // namespace attn::detail

@@ -32,10 +32,20 @@ constexpr int64_t kMaxShortKeys = 64;
 constexpr int64_t kMaxShortQueries = 128;
 
 // Whether heads of L queries and S keys in `dtype` take the short loops:
-// float, within the bounds above, on a CPU where attn's AVX-512 or AVX2
-// loops compute the float products (tile_product.h: the one a
-// ScopedProductLoops chooses; none while the BLAS does).
+// float, bfloat16 or float16, within the bounds above, on a CPU where
+// attn's AVX-512 or AVX2 loops compute the float products (tile_product.h:
+// the one a ScopedProductLoops chooses; none while the BLAS does).
+//
+// Half precision runs on the float loops: each task widens the head it
+// computes into float copies of its own (exactly), and rounds the head's
+// results into the request's tensors once (tile_product.h, half_rows);
+// the row log-sum-exp stays float. No tensor is copied whole.
 bool short_heads_run(torch::ScalarType dtype, int64_t L, int64_t S);
+
+// How many calls (forward and backward) the short loops ran in `dtype`
+// (bfloat16 or float16) in this process: for tests that check which loops
+// took a request.
+int64_t short_heads_half_calls(torch::ScalarType dtype);
 
 // Writes `result`'s out (B, H, L, Dv) and lse (B, H, L, contiguous).
 void short_heads_forward(const AttentionParams& params, const ForwardResult& result);

@@ -436,7 +436,14 @@ void run_heads(const ShortHeadsCall& call, int64_t begin, int64_t end) {
   Scratch scratch;
   const int64_t key_vectors = vectors_for(std::max<int64_t>(call.S, 1));
   for (int64_t unit = begin; unit < end; ++unit) {
-    run_head<kBudget, Scratch>(key_vectors, call, scratch, unit / call.H, unit % call.H);
+    const int64_t b = unit / call.H, h = unit % call.H;
+    if (call.conversion != nullptr) {
+      call.conversion->widen_head(b, h);
+    }
+    run_head<kBudget, Scratch>(key_vectors, call, scratch, b, h);
+    if (call.conversion != nullptr) {
+      call.conversion->round_head(b, h);
+    }
   }
 }
 

@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -248,6 +250,67 @@ void round_half_row(const float* from, int64_t n, uint16_t* to) {
   for (int64_t j = 0; j < n; ++j) {
     to[j] = c10::Half(from[j]).x;
   }
+}
+
+namespace {
+
+// x rounded to the nearest bfloat16, ties to even (NaN stays NaN), as
+// c10::BFloat16 rounds: where the CPU has no AVX512-BF16 to round a row.
+uint16_t bf16_bits(float x) {
+  if (std::isnan(x)) {
+    return 0x7FC0;
+  }
+  uint32_t bits = 0;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
+}
+
+void round_bf16_row_portable(const float* from, int64_t n, uint16_t* to) {
+  for (int64_t j = 0; j < n; ++j) {
+    to[j] = bf16_bits(from[j]);
+  }
+}
+
+void round_bf16_row_pairs_portable(
+    const float* first,
+    const float* second,
+    int64_t n,
+    uint16_t* to) {
+  for (int64_t j = 0; j < n; ++j) {
+    to[2 * j] = bf16_bits(first[j]);
+    to[2 * j + 1] = second != nullptr ? bf16_bits(second[j]) : uint16_t{0};
+  }
+}
+
+// bfloat16 is float's upper half: widening is exact, a shift; in the
+// active loops' registers where they run.
+void widen_bf16_row(const uint16_t* from, int64_t n, float* to) {
+  if (const MicroTiles* tiles = active_micro_tiles()) {
+    tiles->widen_bf16_row(from, n, to);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t bits = uint32_t{from[j]} << 16;
+    std::memcpy(to + j, &bits, sizeof(bits));
+  }
+}
+
+void round_bf16_row(const float* from, int64_t n, uint16_t* to) {
+  bf16_rounding().row(from, n, to);
+}
+
+} // namespace
+
+Bf16Rounding bf16_rounding() {
+  const Bf16MicroTiles* loops = bf16_micro_tiles();
+  return loops != nullptr ? Bf16Rounding{loops->round_row, loops->round_row_pairs}
+                          : Bf16Rounding{round_bf16_row_portable, round_bf16_row_pairs_portable};
+}
+
+HalfRows half_rows(torch::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(dtype == torch::kBFloat16 || dtype == torch::kHalf, "not a half precision");
+  return dtype == torch::kBFloat16 ? HalfRows{widen_bf16_row, round_bf16_row}
+                                   : HalfRows{widen_half_row, round_half_row};
 }
 
 bool bf16_products_run() {

@@ -188,6 +188,38 @@ bool half_products_run();
 void widen_half_row(const uint16_t* from, int64_t n, float* to);
 void round_half_row(const float* from, int64_t n, uint16_t* to);
 
+// Floats rounded to the nearest bfloat16 (its bits; ties to even, NaN
+// kept): one row, and two rows in pairs (to[2j] = first[j], to[2j + 1] =
+// second[j], 0 where second is null: pack_bf16_pairs's layout). On
+// AVX512-BF16's instructions where the CPU runs them (subnormals become 0,
+// as the kernels' float arithmetic has them), else one by one as
+// c10::BFloat16 rounds.
+struct Bf16Rounding {
+  void (*row)(const float* from, int64_t n, uint16_t* to);
+  void (*row_pairs)(const float* first, const float* second, int64_t n, uint16_t* to);
+};
+Bf16Rounding bf16_rounding();
+
+// Rows of one half precision (its bits) and float, both ways: widened
+// exactly, and rounded to the nearest (widen_half_row and round_half_row
+// for float16; a shift and bf16_rounding().row for bfloat16).
+struct HalfRows {
+  void (*widen)(const uint16_t* from, int64_t n, float* to);
+  void (*round)(const float* from, int64_t n, uint16_t* to);
+};
+HalfRows half_rows(torch::ScalarType dtype); // kBFloat16 or kHalf
+
+// The bits of half-precision elements (c10::BFloat16, c10::Half), as the
+// conversions above read and write them.
+template <typename Element>
+const uint16_t* half_bits(const Element* data) {
+  return reinterpret_cast<const uint16_t*>(data);
+}
+template <typename Element>
+uint16_t* half_bits(Element* data) {
+  return reinterpret_cast<uint16_t*>(data);
+}
+
 // Whether tile_gemm_bf16 runs on this CPU (AVX512-BF16's products, isa.h).
 bool bf16_products_run();
 

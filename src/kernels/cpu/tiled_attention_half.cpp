@@ -28,9 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace attn::detail {
@@ -43,11 +41,6 @@ using half = c10::Half;
 // and V, the backward Kᵀ, K and Vᵀ.
 enum class Direction { forward, backward };
 
-template <typename T>
-const uint16_t* bits_of(const T* data) {
-  return reinterpret_cast<const uint16_t*>(data);
-}
-
 // Per (b, kv head), a (B, Hkv, ·, ·) tensor of 16-bit elements laid out as
 // the right operand of a product: `rows` rows per head, ld elements apart.
 struct PackedHeads {
@@ -55,7 +48,7 @@ struct PackedHeads {
   int64_t heads = 0, rows = 0, ld = 0;
 
   const uint16_t* head(int64_t b, int64_t kv_head) const {
-    return bits_of(static_cast<const char*>(memory.data_ptr())) + (b * heads + kv_head) * rows * ld;
+    return static_cast<const uint16_t*>(memory.data_ptr()) + (b * heads + kv_head) * rows * ld;
   }
 };
 
@@ -95,43 +88,6 @@ void pack_each_head(const torch::Tensor& t, const PackedHeads& packed, const Pac
 
 // ---------------------------------------------------------------------------
 // bfloat16: products of bfloat16 operands.
-
-// x rounded to the nearest bfloat16, ties to even (NaN stays NaN), as
-// c10::BFloat16 rounds: where the CPU has no AVX512-BF16 to round a row.
-uint16_t bf16_bits(float x) {
-  if (std::isnan(x)) {
-    return 0x7FC0;
-  }
-  uint32_t bits = 0;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFFU + ((bits >> 16) & 1U)) >> 16);
-}
-
-void round_row_portable(const float* from, int64_t n, uint16_t* to) {
-  for (int64_t j = 0; j < n; ++j) {
-    to[j] = bf16_bits(from[j]);
-  }
-}
-
-void round_row_pairs_portable(const float* first, const float* second, int64_t n, uint16_t* to) {
-  for (int64_t j = 0; j < n; ++j) {
-    to[2 * j] = bf16_bits(first[j]);
-    to[2 * j + 1] = second != nullptr ? bf16_bits(second[j]) : uint16_t{0};
-  }
-}
-
-// The roundings of Bf16MicroTiles (micro_tile.h): AVX512-BF16's where the
-// CPU runs it, else the portable ones.
-struct Rounding {
-  void (*row)(const float* from, int64_t n, uint16_t* to);
-  void (*row_pairs)(const float* first, const float* second, int64_t n, uint16_t* to);
-};
-
-Rounding rounding() {
-  const Bf16MicroTiles* loops = bf16_micro_tiles();
-  return loops != nullptr ? Rounding{loops->round_row, loops->round_row_pairs}
-                          : Rounding{round_row_portable, round_row_pairs_portable};
-}
 
 // gemm_bf16, which the callers' check (bf16_gemm_runs) lets run.
 void multiply(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
@@ -173,7 +129,7 @@ struct RoundedRows {
       : ld(key_block), bits(static_cast<size_t>(rows * key_block)) {}
 
   // Row r of m (keys [j0, j0 + m.cols)): its paired keys rounded.
-  void round(const Rounding& rounding, const MatrixRef<float>& m, int64_t r, int64_t j0) {
+  void round(const Bf16Rounding& rounding, const MatrixRef<float>& m, int64_t r, int64_t j0) {
     const PairedKeys paired(j0, m.cols);
     rounding.row(m.row(r) + paired.lead, paired.count, bits.data() + r * ld);
   }
@@ -266,7 +222,7 @@ class Bf16Operands : RequestHeads<bf16> {
 
   Bf16Operands(const AttentionParams& params, Direction direction)
       : RequestHeads<bf16>(params, direction),
-        round_(rounding()),
+        round_(bf16_rounding()),
         keys_t_(packed_pairs(params.k, /*rows_are_depth=*/false, WorkspaceSlot::keys_transposed)) {
     if (direction == Direction::forward) {
       values_ = packed_pairs(params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed);
@@ -303,11 +259,11 @@ class Bf16Operands : RequestHeads<bf16> {
     }
     const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
     for (int64_t r = 0; r < tile.rows; ++r) {
-      const uint16_t* q_row = bits_of(q_tile.row(r));
+      const uint16_t* q_row = half_bits(q_tile.row(r));
       for (int64_t d = 0; d < D; ++d) {
         s.q_t[d * tile.rows + r] = q_row[d];
       }
-      const uint16_t* go_row = bits_of(grad_out.row(r));
+      const uint16_t* go_row = half_bits(grad_out.row(r));
       for (int64_t d = 0; d < Dv; ++d) {
         s.go_t[d * tile.rows + r] = go_row[d];
       }
@@ -327,7 +283,7 @@ class Bf16Operands : RequestHeads<bf16> {
     const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
     multiply(
         tile.rows, scores.cols,
-        {D, static_cast<float>(scale), bits_of(q_tile.data), q_tile.row_stride,
+        {D, static_cast<float>(scale), half_bits(q_tile.data), q_tile.row_stride,
          keys_t_.head(tile.b, tile.h / group) + 2 * j0, keys_t_.ld, scores.data, scores.row_stride,
          /*accumulate=*/false});
   }
@@ -363,7 +319,7 @@ class Bf16Operands : RequestHeads<bf16> {
       const TileBands& /*whole*/) const {
     multiply(
         tile.rows, dp.cols,
-        {Dv, 1.0F, bits_of(grad_out.data), grad_out.row_stride,
+        {Dv, 1.0F, half_bits(grad_out.data), grad_out.row_stride,
          values_t_.head(tile.b, tile.h / group) + 2 * j0, values_t_.ld, dp.data, dp.row_stride,
          /*accumulate=*/false});
   }
@@ -404,7 +360,7 @@ class Bf16Operands : RequestHeads<bf16> {
   }
 
   void round_row(const float* from, int64_t n, bf16* to) const {
-    round_.row(from, n, reinterpret_cast<uint16_t*>(to));
+    round_.row(from, n, half_bits(to));
   }
 
   static void widen_row(const bf16* from, int64_t n, float* to) { std::copy(from, from + n, to); }
@@ -431,7 +387,7 @@ class Bf16Operands : RequestHeads<bf16> {
         {m.rows, 1.0F, left, m.rows, s.pairs.data(), pairs_ld, c, ld, /*accumulate=*/true});
   }
 
-  Rounding round_;
+  Bf16Rounding round_;
   PackedHeads keys_t_;   // Kᵀ in pairs along the features, for the scores
   PackedHeads values_;   // forward: V in pairs along the keys, for P V
   PackedHeads keys_;     // backward: K in pairs along the keys, for dQ = dS K
@@ -624,11 +580,11 @@ class Float16Operands : RequestHeads<half> {
   }
 
   static void round_row(const float* from, int64_t n, half* to) {
-    round_half_row(from, n, reinterpret_cast<uint16_t*>(to));
+    round_half_row(from, n, half_bits(to));
   }
 
   static void widen_row(const half* from, int64_t n, float* to) {
-    widen_half_row(bits_of(from), n, to);
+    widen_half_row(half_bits(from), n, to);
   }
 
  private:
@@ -645,7 +601,7 @@ class Float16Operands : RequestHeads<half> {
       const MatrixRef<float>& c,
       const TileBands& bands) {
     const auto rows = s.keys_by_features.widen(
-        bits_of(keys.row(j0)), keys.row_stride, m.cols, keys.cols);
+        half_bits(keys.row(j0)), keys.row_stride, m.cols, keys.cols);
     tile_addmm_banded(c, m, rows, 1, 1, ProductBand::depth, bands.keys_of_query_block);
   }
 
