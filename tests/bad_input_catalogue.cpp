@@ -362,7 +362,7 @@ std::vector<BadInput> scaled_dot_product_attention_cases() {
              Tolerance{1e-6});
        },
        ""},
-      {"float16 inputs on the CPU: computed in float32",
+      {"float16 inputs on the CPU: a float16 result near float32's",
        [=] {
          const auto out = output(q.to(torch::kHalf), k.to(torch::kHalf), v.to(torch::kHalf));
          EXPECT_EQ(out.scalar_type(), torch::kHalf);

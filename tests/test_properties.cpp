@@ -446,7 +446,7 @@ TEST(PropertySweep, Bfloat16IsWithinTwiceLibTorchsBfloat16Error) {
   const auto products = attn::detail::available_bf16_products();
   if (products.empty()) {
     std::cout << "[  NOTE    ] this CPU has no bfloat16 products (AVX512-BF16, AMX): the sweep "
-                 "checks the float32 computation of bfloat16 requests\n";
+                 "checks bfloat16 requests computed in float32 on the tiled route\n";
     sweep_half_precision(torch::kBFloat16);
   }
   for (const auto p : products) {

@@ -25,7 +25,8 @@ enum class AttentionBackend {
   /// kernel, applies the score modifiers (ALiBi, soft-cap, the
   /// relative-position table, sinks, a `score_function`) and gives a
   /// floating `attn_mask` its gradient, in its tiled loops. bfloat16 and
-  /// float16 are computed in float32.
+  /// float16 are computed in their own dtype with float32 softmax and
+  /// accumulators where docs/BACKENDS.md says, else in float32.
   fused_cpu,
   /// attn's CPU kernel that writes the weights as it goes, score modifiers
   /// included. CPU only, for inference: no gradients, no dropout.

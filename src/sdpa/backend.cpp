@@ -186,8 +186,9 @@ bool libtorch_faster_on_cpu(
   }
 }
 
-// The dtype attn's CPU kernels compute a request in: half precision in
-// float32.
+// The dtype whose loops the rules below consult for a request: float32
+// for half precision, which takes the loops float32 takes
+// (fused_cpu_computes_half).
 torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
   return query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
@@ -321,7 +322,8 @@ bool fused_cpu_computes_half(const AttentionParams& params) {
       ? bf16_products_outrun_float()
       : dtype == torch::kHalf && half_products_run();
   const bool short_heads = fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::short_heads;
-  return params.q.device().is_cpu() && every_size_positive && (short_heads || products_pay);
+  return params.q.device().is_cpu() && is_half_precision(dtype) && every_size_positive &&
+      (short_heads || products_pay);
 }
 
 ForwardResult fused_cpu_forward(const AttentionParams& params) {

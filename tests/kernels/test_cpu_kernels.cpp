@@ -329,8 +329,10 @@ TEST(TileProduct, Float16RowsConvertAsC10Half) {
 // bfloat16 rows (tile_product.h, half_rows) widened and rounded as
 // c10::BFloat16 converts, bit for bit, at every tail length of the
 // registers: finite values, ±0, infinities, NaN, ties, floats beyond its
-// range; subnormals round to c10's value or, on AVX512-BF16, to zero; on
-// each instruction set's loops, and one by one while the BLAS multiplies.
+// range; subnormals round to c10's value or, on AVX512-BF16, to zero.
+// Widened on each instruction set's loops, and one by one while the BLAS
+// multiplies; rounded on AVX512-BF16 where the CPU has it, else one by
+// one.
 TEST(TileProduct, Bfloat16RowsConvertAsC10BFloat16) {
   torch::manual_seed(23);
   const float inf = std::numeric_limits<float>::infinity();
@@ -838,7 +840,10 @@ TEST(ShortHeads, HalfPrecisionIsTheFloatComputationOfItsValuesRoundedOnce) {
     }
     for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
       const double half_ulp = std::ldexp(1.0, dtype == torch::kBFloat16 ? -8 : -11);
-      for (auto c : short_head_cases(16)) {
+      auto cases = short_head_cases(16);
+      // Eight heads of a million FLOPs each: one task per head on 2 threads.
+      cases.push_back({2, 4, 2, 128, 64, 64, 64, MaskKind::none, true, 0, 0, false, {}, 2});
+      for (auto c : cases) {
         c.dtype = torch::kDouble;
         SCOPED_TRACE(c.describe() + " computed in " + c10::toString(dtype));
         ASSERT_TRUE(attn::detail::short_heads_run(dtype, c.L, c.S));

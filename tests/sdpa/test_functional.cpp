@@ -232,7 +232,7 @@ TEST(ScaledDotProductAttention, WeightsOnlyWhenAskedForAndTheSameOutputEitherWay
 // K and V (sdpa/projection_attention.h) is the function over that
 // product's heads: outputs, weights and the projection's gradient, in
 // float32 (attn's kernels, qkv's gradient written in place) and bfloat16
-// (computed in float32 from converted copies), with and without weights,
+// (on the short heads' loops in bfloat16), with and without weights,
 // and with dropout while training (the same seed: the same draw).
 TEST(ScaledDotProductAttention, OverTheHeadsOfOneProjectionIsTheFunctionOverThoseHeads) {
   torch::manual_seed(9);

@@ -7,8 +7,9 @@
 // - FusedLoops::tiled (tiled_attention.h): any size, FlashAttention style;
 // - FusedLoops::short_heads (short_heads.h): heads of up to 128 queries
 //   and 64 keys, scores in registers.
-// Below the API boundary: `params` (attention_params.h) in float or double
-// (short heads: float).
+// Below the API boundary: `params` (attention_params.h) in float or double,
+// or bfloat16 or float16 where sdpa/backend.h's fused_cpu_computes_half
+// says (short heads: not double).
 
 #include "kernels/attention_params.h"
 

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -77,13 +78,16 @@ ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) 
 // A task's float copies of one head of a half-precision call's tensors
 // (Element: c10::BFloat16 or c10::Half), for the loops' float heads
 // (ShortHeadsConversion): those it reads widened before each head, those
-// it writes rounded after. At most L × D + 2·S × D floats and the
-// results' rows: no copy of a whole tensor.
+// it writes rounded after: a head of each tensor the loops read and
+// write (Q, K, V and the output; the backward's output gradient and
+// gradients too), no copy of a whole tensor.
 template <typename Element>
 class HalfHeadCopies final : public ShortHeadsConversion {
  public:
   explicit HalfHeadCopies(int64_t group)
       : group_(group), rows_(half_rows(c10::CppTypeToScalarType<Element>::value)) {}
+  HalfHeadCopies(const HalfHeadCopies&) = delete;
+  HalfHeadCopies& operator=(const HalfHeadCopies&) = delete;
 
   // Heads naming a float copy of t's head, widened before each head's
   // loops: per key/value head (h / group) for K and V.
@@ -130,7 +134,7 @@ class HalfHeadCopies final : public ShortHeadsConversion {
   struct Copy {
     Heads<Element> half;
     std::vector<float> memory; // rows × cols
-    bool per_kv_head;
+    bool per_kv_head = false;
     int64_t held_b = -1, held_head = -1; // the head `memory` holds (reads)
 
     float* row(int64_t r) { return memory.data() + r * half.cols; }
@@ -147,9 +151,13 @@ class HalfHeadCopies final : public ShortHeadsConversion {
     return {half, std::move(memory), per_kv_head};
   }
 
+  // The loops' heads point into each Copy's memory, which a Copy keeps
+  // where it is when the vectors below move it.
+  static_assert(std::is_nothrow_move_constructible_v<Copy>);
+
   int64_t group_;
   HalfRows rows_;
-  std::vector<Copy> reads_, writes_; // moving a Copy keeps its memory where it is
+  std::vector<Copy> reads_, writes_;
 };
 
 // The calls of the loops on half-precision inputs, per dtype.

@@ -232,24 +232,35 @@ bool half_products_run() {
   return active_half_micro_tiles() != nullptr;
 }
 
-void widen_half_row(const uint16_t* from, int64_t n, float* to) {
-  if (const MicroTiles* tiles = active_half_micro_tiles()) {
-    tiles->widen_half_row(from, n, to);
-    return;
-  }
+namespace {
+
+void widen_half_row_portable(const uint16_t* from, int64_t n, float* to) {
   for (int64_t j = 0; j < n; ++j) {
     to[j] = static_cast<float>(c10::Half(from[j], c10::Half::from_bits()));
   }
 }
 
-void round_half_row(const float* from, int64_t n, uint16_t* to) {
-  if (const MicroTiles* tiles = active_half_micro_tiles()) {
-    tiles->round_half_row(from, n, to);
-    return;
-  }
+void round_half_row_portable(const float* from, int64_t n, uint16_t* to) {
   for (int64_t j = 0; j < n; ++j) {
     to[j] = c10::Half(from[j]).x;
   }
+}
+
+// float16's conversions on the active loops' instructions, or portable.
+HalfRows float16_rows() {
+  const MicroTiles* tiles = active_half_micro_tiles();
+  return tiles != nullptr ? HalfRows{tiles->widen_half_row, tiles->round_half_row}
+                          : HalfRows{widen_half_row_portable, round_half_row_portable};
+}
+
+} // namespace
+
+void widen_half_row(const uint16_t* from, int64_t n, float* to) {
+  float16_rows().widen(from, n, to);
+}
+
+void round_half_row(const float* from, int64_t n, uint16_t* to) {
+  float16_rows().round(from, n, to);
 }
 
 namespace {
@@ -282,21 +293,12 @@ void round_bf16_row_pairs_portable(
   }
 }
 
-// bfloat16 is float's upper half: widening is exact, a shift; in the
-// active loops' registers where they run.
-void widen_bf16_row(const uint16_t* from, int64_t n, float* to) {
-  if (const MicroTiles* tiles = active_micro_tiles()) {
-    tiles->widen_bf16_row(from, n, to);
-    return;
-  }
+// bfloat16 is float's upper half: widening is exact, a shift.
+void widen_bf16_row_portable(const uint16_t* from, int64_t n, float* to) {
   for (int64_t j = 0; j < n; ++j) {
     const uint32_t bits = uint32_t{from[j]} << 16;
     std::memcpy(to + j, &bits, sizeof(bits));
   }
-}
-
-void round_bf16_row(const float* from, int64_t n, uint16_t* to) {
-  bf16_rounding().row(from, n, to);
 }
 
 } // namespace
@@ -309,8 +311,11 @@ Bf16Rounding bf16_rounding() {
 
 HalfRows half_rows(torch::ScalarType dtype) {
   TORCH_INTERNAL_ASSERT(dtype == torch::kBFloat16 || dtype == torch::kHalf, "not a half precision");
-  return dtype == torch::kBFloat16 ? HalfRows{widen_bf16_row, round_bf16_row}
-                                   : HalfRows{widen_half_row, round_half_row};
+  if (dtype == torch::kHalf) {
+    return float16_rows();
+  }
+  const MicroTiles* tiles = active_micro_tiles();
+  return {tiles != nullptr ? tiles->widen_bf16_row : widen_bf16_row_portable, bf16_rounding().row};
 }
 
 bool bf16_products_run() {

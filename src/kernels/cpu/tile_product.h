@@ -201,8 +201,10 @@ struct Bf16Rounding {
 Bf16Rounding bf16_rounding();
 
 // Rows of one half precision (its bits) and float, both ways: widened
-// exactly, and rounded to the nearest (widen_half_row and round_half_row
-// for float16; a shift and bf16_rounding().row for bfloat16).
+// exactly, and rounded to the nearest (as widen_half_row and
+// round_half_row for float16; a shift and bf16_rounding().row for
+// bfloat16), on the instructions of the loops active at the call: callers
+// keep the pair for a task's rows.
 struct HalfRows {
   void (*widen)(const uint16_t* from, int64_t n, float* to);
   void (*round)(const float* from, int64_t n, uint16_t* to);
@@ -213,10 +215,12 @@ HalfRows half_rows(torch::ScalarType dtype); // kBFloat16 or kHalf
 // conversions above read and write them.
 template <typename Element>
 const uint16_t* half_bits(const Element* data) {
+  static_assert(sizeof(Element) == sizeof(uint16_t), "a 16-bit element");
   return reinterpret_cast<const uint16_t*>(data);
 }
 template <typename Element>
 uint16_t* half_bits(Element* data) {
+  static_assert(sizeof(Element) == sizeof(uint16_t), "a 16-bit element");
   return reinterpret_cast<uint16_t*>(data);
 }
 
