@@ -160,6 +160,7 @@ enum class Impl {
   naive,
   aten_sdpa,
   ours_window,
+  ours_bias,
   attn_default
 };
 
@@ -172,6 +173,7 @@ const char* impl_name(Impl impl) {
     case Impl::naive: return "naive";
     case Impl::aten_sdpa: return "aten_sdpa";
     case Impl::ours_window: return "ours_window";
+    case Impl::ours_bias: return "ours_bias";
     case Impl::attn_default: return "attn_default";
   }
   return "";
@@ -265,8 +267,13 @@ void measure(benchmark::State& state, double flops, const Target& target, Step&&
 // ---------------------------------------------------------------------------
 // Benchmarks.
 
+// The longest T of the ours_bias rows.
+constexpr int64_t kLongestBias = 2048;
+
 // The attention core on (B, H, T, D) inputs; `backward` adds a backward
-// pass to every input. `ours` is attn's fused kernel (asked for by name),
+// pass to every input. `ours` is attn's fused kernel (asked for by name);
+// `ours_bias` the same with an additive (B, H, T, T) mask in the inputs'
+// dtype, such as a learned per-head bias (T <= kLongestBias),
 // `attn_default` the call with no option but causality: whatever
 // attn::select_backend picks for it.
 void attention_core(benchmark::State& state, Impl impl, bool backward, const Target& target) {
@@ -289,7 +296,15 @@ void attention_core(benchmark::State& state, Impl impl, bool backward, const Tar
   if (impl == Impl::ours_window) {
     options.window(kWindow);
   }
-  if ((impl == Impl::ours || impl == Impl::ours_window) && target.device.is_cpu()) {
+  if (impl == Impl::ours_bias) {
+    if (c.T > kLongestBias) {
+      state.SkipWithError("ours_bias: a (B, H, T, T) mask beyond T = 2048 takes gigabytes");
+      return;
+    }
+    options.attn_mask(torch::randn({c.B, kHeads, c.T, c.T}, target.options()));
+  }
+  const bool fused = impl == Impl::ours || impl == Impl::ours_window || impl == Impl::ours_bias;
+  if (fused && target.device.is_cpu()) {
     options.backend(attn::AttentionBackend::fused_cpu);
   }
   const auto forward = [&]() -> torch::Tensor {
@@ -352,7 +367,8 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
             causal_bias));
       case Impl::naive: return naive.forward(x, lower);
       case Impl::aten_sdpa:
-      case Impl::ours_window: break; // attention cores, not modules
+      case Impl::ours_window:
+      case Impl::ours_bias: break; // attention cores, not modules
     }
     return {};
   };
@@ -487,8 +503,9 @@ void register_cpu() {
       ->UseRealTime();
   // attn_default: what a call with no options but causality runs.
   Suite float32{
-      {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::naive, Impl::attn_default},
-      {Impl::ours, Impl::ours_weights, Impl::attn_default},
+      {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::ours_bias, Impl::naive,
+       Impl::attn_default},
+      {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::attn_default},
       {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive,
        Impl::attn_default},
       {Impl::ours, Impl::builtin, Impl::naive, Impl::attn_default}};
@@ -499,15 +516,15 @@ void register_cpu() {
     float32.core_backward.insert(float32.core_backward.end(), Impl::aten_sdpa);
     register_suite(
         {torch::kCPU, torch::kBFloat16},
-        {{Impl::ours, Impl::aten_sdpa, Impl::attn_default},
-         {Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+        {{Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
          {Impl::ours, Impl::builtin},
          {Impl::ours, Impl::builtin}},
         shapes);
     register_suite(
         {torch::kCPU, torch::kHalf},
-        {{Impl::ours, Impl::aten_sdpa, Impl::attn_default},
-         {Impl::ours, Impl::aten_sdpa, Impl::attn_default},
+        {{Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
          {},
          {}},
         shapes);
