@@ -467,6 +467,41 @@ TEST(PropertySweep, Float16IsWithinFloat32RoundedToFloat16) {
   }
 }
 
+// A floating mask in half precision stays in its dtype where the fused
+// kernel computes one (its loops widen it as they add it): read at any
+// stride, transposed, broadcast over the keys and per batch entry, on the
+// short heads' and the tiled loops, against the float64 oracle of the
+// same values. The output is rounded once into the half precision.
+TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
+  torch::manual_seed(31);
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const double half_ulp = std::ldexp(1.0, dtype == torch::kBFloat16 ? -8 : -11);
+    for (const auto [L, S] : {std::pair<int64_t, int64_t>{20, 30}, {150, 600}}) {
+      const auto input = [&](int64_t T) { return torch::randn({2, 3, T, 16}).to(dtype); };
+      const auto q = input(L), k = input(S), v = input(S);
+      const std::pair<const char*, torch::Tensor> masks[] = {
+          {"transposed", torch::randn({S, L}).to(dtype).t()},
+          {"broadcast over keys", torch::randn({L, 1}).to(dtype)},
+          {"per batch entry", torch::randn({2, 1, 1, S}).to(dtype)}};
+      for (const auto& [name, mask] : masks) {
+        SCOPED_TRACE(
+            ::testing::Message() << c10::toString(dtype) << " L=" << L << " S=" << S << " mask "
+                                 << name);
+        const auto options = attn::SDPAOptions().attn_mask(mask);
+        EXPECT_EQ(attn::select_backend(q, k, v, options), attn::AttentionBackend::fused_cpu);
+        const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+        const auto flat = [&](const torch::Tensor& t) {
+          return t.to(torch::kDouble).reshape({-1, t.size(-2), t.size(-1)});
+        };
+        const auto bias = mask.to(torch::kDouble).expand({2, 3, L, S}).reshape({-1, L, S});
+        const auto reference = std::get<0>(
+            attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, 0.25));
+        EXPECT_CLOSE(flat(out), reference, (Tolerance{1e-4, half_ulp}));
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // MultiHeadAttention.
 

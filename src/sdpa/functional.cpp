@@ -288,20 +288,22 @@ SDPAOptions with_float32_mask(SDPAOptions options) {
 
 // A half-precision request as attn's CPU backends compute it: in its own
 // dtype where the fused kernel does (backend.h, fused_cpu_computes_half),
-// else in float32, converted whole, its results rounded once (scores and
-// softmax sums held in 8 or 11 mantissa bits would lose most of the
-// weights' precision, and LibTorch 1.13 has no float16 GEMM on the CPU).
-// The mask and the modifiers' tensors are float either way.
+// a floating mask too (the kernels widen it as they add it); else in
+// float32, converted whole, its results rounded once (scores and softmax
+// sums held in 8 or 11 mantissa bits would lose most of the weights'
+// precision, and LibTorch 1.13 has no float16 GEMM on the CPU). The
+// modifiers' tensors are float either way.
 detail::AttentionParams half_precision_params(
     AttentionBackend backend,
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  auto params = attention_params(query, key, value, with_float32_mask(options), torch::kFloat);
+  auto params = attention_params(query, key, value, options, torch::kFloat);
   if (backend == AttentionBackend::fused_cpu && detail::fused_cpu_computes_half(params)) {
     return params;
   }
+  params = attention_params(query, key, value, with_float32_mask(options), torch::kFloat);
   params.q = params.q.to(torch::kFloat);
   params.k = params.k.to(torch::kFloat);
   params.v = params.v.to(torch::kFloat);

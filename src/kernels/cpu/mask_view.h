@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace attn::detail {
 
@@ -67,10 +68,25 @@ struct BlockView {
   }
 };
 
+// scores[0 .. n) += n elements of a half-precision mask (their bits) from
+// `from` on, `stride` apart, widened exactly by `widen` a run of keys at a
+// time. Out of line (mask_view.cpp), so that MaskView's loops over bool
+// and float masks stay as the compiler laid them out without it.
+void add_half_mask_row(
+    float* scores,
+    int64_t n,
+    const uint16_t* from,
+    int64_t stride,
+    void (*widen)(const uint16_t* from, int64_t n, float* to));
+
 template <typename scalar_t>
 struct MaskView {
   const bool* allowed = nullptr;  // bool mask: true = may attend
   const scalar_t* bias = nullptr; // additive mask
+  // An additive mask in bfloat16 or float16 (its bits) on float scores,
+  // widened a run of keys at a time as it is added: no float copy of it.
+  const uint16_t* half_bias = nullptr;
+  void (*widen_half_bias)(const uint16_t* from, int64_t n, float* to) = nullptr;
   int64_t stride_b = 0, stride_h = 0, stride_l = 0, stride_s = 0;
   BlockView blocks;
   KeyBand band;
@@ -87,6 +103,9 @@ struct MaskView {
     stride_s = mask.stride(3);
     if (mask.scalar_type() == torch::kBool) {
       allowed = mask.data_ptr<bool>();
+    } else if (is_half_precision(mask.scalar_type()) && std::is_same_v<scalar_t, float>) {
+      half_bias = static_cast<const uint16_t*>(mask.data_ptr());
+      widen_half_bias = half_rows(mask.scalar_type()).widen;
     } else {
       bias = mask.data_ptr<scalar_t>();
     }
@@ -94,7 +113,7 @@ struct MaskView {
 
   // Whether any pair is tested element by element (else the band alone hides keys).
   bool tests_elements() const {
-    return allowed != nullptr || bias != nullptr || blocks.kinds != nullptr;
+    return allowed != nullptr || bias != nullptr || half_bias != nullptr || blocks.kinds != nullptr;
   }
 
   // The keys [tile_key_begin, tile_key_end) that some query of rows
@@ -174,6 +193,10 @@ struct MaskView {
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
         scores[j] += bias[base + j * stride_s];
+      }
+    } else if constexpr (std::is_same_v<scalar_t, float>) {
+      if (half_bias != nullptr) {
+        add_half_mask_row(scores, n, half_bias + base, stride_s, widen_half_bias);
       }
     }
   }
