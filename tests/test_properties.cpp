@@ -468,28 +468,36 @@ TEST(PropertySweep, Float16IsWithinFloat32RoundedToFloat16) {
 }
 
 // A floating mask in half precision stays in its dtype where the fused
-// kernel computes one (its loops widen it as they add it): read at any
-// stride, transposed, broadcast over the keys and per batch entry, on the
-// short heads' and the tiled loops, against the float64 oracle of the
-// same values. The output is rounded once into the half precision.
+// kernel computes one (its loops widen it as they add it): transposed,
+// strided over the keys and per batch entry, on the short heads' loops
+// and on the tiled ones (where they compute the half precision: checked
+// by their counts of calls), against the float64 oracle of the same
+// values. The output is rounded once into the half precision.
 TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
   torch::manual_seed(31);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     const double half_ulp = std::ldexp(1.0, dtype == torch::kBFloat16 ? -8 : -11);
-    for (const auto [L, S] : {std::pair<int64_t, int64_t>{20, 30}, {150, 600}}) {
+    for (const auto& [L, S] : {std::pair<int64_t, int64_t>{20, 30}, {150, 600}}) {
       const auto input = [&](int64_t T) { return torch::randn({2, 3, T, 16}).to(dtype); };
       const auto q = input(L), k = input(S), v = input(S);
       const std::pair<const char*, torch::Tensor> masks[] = {
           {"transposed", torch::randn({S, L}).to(dtype).t()},
-          {"broadcast over keys", torch::randn({L, 1}).to(dtype)},
+          {"every other key", torch::randn({L, 2 * S}).to(dtype).slice(1, 0, 2 * S, 2)},
           {"per batch entry", torch::randn({2, 1, 1, S}).to(dtype)}};
+      const bool short_heads = attn::detail::short_heads_run(torch::kFloat, L, S);
       for (const auto& [name, mask] : masks) {
         SCOPED_TRACE(
             ::testing::Message() << c10::toString(dtype) << " L=" << L << " S=" << S << " mask "
                                  << name);
         const auto options = attn::SDPAOptions().attn_mask(mask);
-        EXPECT_EQ(attn::select_backend(q, k, v, options), attn::AttentionBackend::fused_cpu);
+        const int64_t short_calls = attn::detail::short_heads_half_calls(dtype);
+        const int64_t tiled_calls = attn::detail::tiled_half_calls(dtype);
         const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+        if (short_heads) {
+          EXPECT_GT(attn::detail::short_heads_half_calls(dtype), short_calls);
+        } else if (half_precision_loops_run(dtype)) {
+          EXPECT_GT(attn::detail::tiled_half_calls(dtype), tiled_calls);
+        }
         const auto flat = [&](const torch::Tensor& t) {
           return t.to(torch::kDouble).reshape({-1, t.size(-2), t.size(-1)});
         };

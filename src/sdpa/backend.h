@@ -62,7 +62,8 @@ AttentionBackend choose_backend(
 FusedLoops fused_cpu_loops(const AttentionParams& params);
 
 // Whether the fused CPU kernel computes `params`, whose q, k and v are
-// bfloat16 or float16 (the mask and the modifiers' tensors float), in
+// bfloat16 or float16 (a floating mask in their dtype or float, the
+// modifiers' tensors float), in
 // their own dtype (products of half-precision operands, accumulated in
 // float), where no size is 0:
 // - on the short heads' loops wherever the same request in float32 takes

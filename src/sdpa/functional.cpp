@@ -288,11 +288,12 @@ SDPAOptions with_float32_mask(SDPAOptions options) {
 
 // A half-precision request as attn's CPU backends compute it: in its own
 // dtype where the fused kernel does (backend.h, fused_cpu_computes_half),
-// a floating mask too (the kernels widen it as they add it); else in
-// float32, converted whole, its results rounded once (scores and softmax
-// sums held in 8 or 11 mantissa bits would lose most of the weights'
-// precision, and LibTorch 1.13 has no float16 GEMM on the CPU). The
-// modifiers' tensors are float either way.
+// a floating mask too (the kernels widen it as they add it) unless it
+// takes a gradient, which then sums over the mask's broadcast dims in
+// float32 and is rounded once; else in float32, converted whole, its
+// results rounded once (scores and softmax sums held in 8 or 11 mantissa
+// bits would lose most of the weights' precision, and LibTorch 1.13 has
+// no float16 GEMM on the CPU). The modifiers' tensors are float either way.
 detail::AttentionParams half_precision_params(
     AttentionBackend backend,
     const torch::Tensor& query,
@@ -300,10 +301,18 @@ detail::AttentionParams half_precision_params(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   auto params = attention_params(query, key, value, options, torch::kFloat);
-  if (backend == AttentionBackend::fused_cpu && detail::fused_cpu_computes_half(params)) {
+  const bool in_half = backend == AttentionBackend::fused_cpu &&
+      detail::fused_cpu_computes_half(params);
+  const auto& mask = options.attn_mask();
+  const bool mask_takes_gradient = mask.defined() && mask.is_floating_point() &&
+      mask.requires_grad() && torch::GradMode::is_enabled();
+  if (in_half && !mask_takes_gradient) {
     return params;
   }
   params = attention_params(query, key, value, with_float32_mask(options), torch::kFloat);
+  if (in_half) {
+    return params;
+  }
   params.q = params.q.to(torch::kFloat);
   params.k = params.k.to(torch::kFloat);
   params.v = params.v.to(torch::kFloat);

@@ -5,7 +5,7 @@
 
 namespace attn::detail {
 
-void add_half_mask_row(
+[[gnu::noinline]] void add_half_mask_row(
     float* scores,
     int64_t n,
     const uint16_t* from,

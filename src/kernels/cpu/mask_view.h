@@ -70,9 +70,10 @@ struct BlockView {
 
 // scores[0 .. n) += n elements of a half-precision mask (their bits) from
 // `from` on, `stride` apart, widened exactly by `widen` a run of keys at a
-// time. Out of line (mask_view.cpp), so that MaskView's loops over bool
-// and float masks stay as the compiler laid them out without it.
-void add_half_mask_row(
+// time. Out of line (mask_view.cpp; not inlined in a unity batch either),
+// so that MaskView's loops over bool and float masks stay as the compiler
+// laid them out without it.
+[[gnu::noinline]] void add_half_mask_row(
     float* scores,
     int64_t n,
     const uint16_t* from,

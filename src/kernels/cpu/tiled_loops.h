@@ -434,8 +434,9 @@ inline int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) 
 }
 
 // The half-precision loops (tiled_attention_half.cpp): tiled_forward's
-// results for q, k, v in bfloat16 or float16, the mask and the modifiers'
-// tensors in float; out in q's dtype and lse in float. False, computing
+// results for q, k, v in bfloat16 or float16, a floating mask in their
+// dtype or float, the modifiers' tensors in float; out in q's dtype and lse
+// in float. False, computing
 // nothing, where the CPU cannot run that type's products (tile_product.h:
 // bf16_gemm_runs, half_products_run).
 bool tiled_forward_half(const AttentionParams& params, const ForwardResult& result);
