@@ -153,6 +153,14 @@ std::vector<int64_t> with_last_dim(const torch::Tensor& query, int64_t last) {
   return shape;
 }
 
+// `mask` expanded to the scores' shape of query and key, as (B, H, L, S).
+torch::Tensor scores_mask(
+    const torch::Tensor& mask,
+    const torch::Tensor& query,
+    const torch::Tensor& key) {
+  return as_4d(mask.expand(with_last_dim(query, key.size(-2))));
+}
+
 // The request as attn's backends read it (kernels/attention_params.h):
 // the inputs as (B, H, ·, ·), views whenever there are at most 4 dims, and
 // the mask expanded to the scores' shape; the modifiers' tensors in
@@ -169,7 +177,7 @@ detail::AttentionParams attention_params(
   params.k = as_4d(key);
   params.v = as_4d(value);
   if (mask.defined()) {
-    params.mask = as_4d(mask.expand(with_last_dim(query, key.size(-2))));
+    params.mask = scores_mask(mask, query, key);
   }
   params.scale = options.scale().value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1))));
   params.causal = options.is_causal();
@@ -277,15 +285,6 @@ bool half_precision_on_cpu(const torch::Tensor& query) {
   return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
 }
 
-// The options with a floating mask in float32.
-SDPAOptions with_float32_mask(SDPAOptions options) {
-  const auto& mask = options.attn_mask();
-  if (mask.defined() && mask.scalar_type() != torch::kBool) {
-    options.attn_mask(mask.to(torch::kFloat));
-  }
-  return options;
-}
-
 // A half-precision request as attn's CPU backends compute it: in its own
 // dtype where the fused kernel does (backend.h, fused_cpu_computes_half),
 // a floating mask too (the kernels widen it as they add it) unless it
@@ -304,12 +303,11 @@ detail::AttentionParams half_precision_params(
   const bool in_half = backend == AttentionBackend::fused_cpu &&
       detail::fused_cpu_computes_half(params);
   const auto& mask = options.attn_mask();
-  const bool mask_takes_gradient = mask.defined() && mask.is_floating_point() &&
-      mask.requires_grad() && torch::GradMode::is_enabled();
-  if (in_half && !mask_takes_gradient) {
-    return params;
+  const bool mask_takes_gradient = mask.defined() && mask.requires_grad() &&
+      torch::GradMode::is_enabled();
+  if (mask.defined() && mask.is_floating_point() && (!in_half || mask_takes_gradient)) {
+    params.mask = scores_mask(mask.to(torch::kFloat), query, key);
   }
-  params = attention_params(query, key, value, with_float32_mask(options), torch::kFloat);
   if (in_half) {
     return params;
   }

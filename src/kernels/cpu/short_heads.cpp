@@ -170,7 +170,6 @@ std::atomic<int64_t>& short_half_calls_in(torch::ScalarType dtype) {
 // `run(element)` with a value of the half-precision type of `dtype`.
 template <typename Run>
 void with_half_type(torch::ScalarType dtype, const Run& run) {
-  short_half_calls_in(dtype).fetch_add(1, std::memory_order_relaxed);
   if (dtype == torch::kBFloat16) {
     run(c10::BFloat16());
   } else {
@@ -179,7 +178,8 @@ void with_half_type(torch::ScalarType dtype, const Run& run) {
 }
 
 // `loops` over the call's heads, each task's call naming a HalfHeadCopies
-// of its own: name(copies, task_call, task_gradients) sets its heads.
+// of its own: Q, K and V's, and those that name(copies, task_call,
+// task_gradients) sets.
 template <typename Name>
 void run_in_half(
     const AttentionParams& params,
@@ -187,11 +187,15 @@ void run_in_half(
     double flops_per_head,
     ShortHeadsFn loops,
     const Name& name) {
+  short_half_calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
   with_half_type(params.q.scalar_type(), [&](auto element) {
     using Element = decltype(element);
     parallel_heads(params.B() * base.H, flops_per_head, [&](int64_t begin, int64_t end) {
       HalfHeadCopies<Element> copies(base.group);
       auto call = base;
+      call.q = copies.read(params.q);
+      call.k = copies.read(params.k, /*per_kv_head=*/true);
+      call.v = copies.read(params.v, /*per_kv_head=*/true);
       ShortHeadsGradients gradients;
       name(copies, call, gradients);
       call.conversion = &copies;
@@ -226,9 +230,6 @@ void short_heads_forward(const AttentionParams& params, const ForwardResult& res
     return;
   }
   run_in_half(params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto&) {
-    task.q = copies.read(params.q);
-    task.k = copies.read(params.k, /*per_kv_head=*/true);
-    task.v = copies.read(params.v, /*per_kv_head=*/true);
     task.out = copies.write(result.out);
   });
 }
@@ -256,9 +257,6 @@ void short_heads_backward(
     return;
   }
   run_in_half(params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto& gradients) {
-    task.q = copies.read(params.q);
-    task.k = copies.read(params.k, /*per_kv_head=*/true);
-    task.v = copies.read(params.v, /*per_kv_head=*/true);
     task.out = copies.read(forward.out);
     gradients = {
         copies.read(grad_out), copies.write(grads.dq), copies.write(grads.dk),
