@@ -516,15 +516,15 @@ void register_cpu() {
     float32.core_backward.insert(float32.core_backward.end(), Impl::aten_sdpa);
     register_suite(
         {torch::kCPU, torch::kBFloat16},
-        {{Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
-         {Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
-         {Impl::ours, Impl::builtin},
+        {{Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights},
          {Impl::ours, Impl::builtin}},
         shapes);
     register_suite(
         {torch::kCPU, torch::kHalf},
-        {{Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
-         {Impl::ours, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+        {{Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
          {},
          {}},
         shapes);
