@@ -27,6 +27,7 @@ namespace {
 
 using attn::testing::additive_bias;
 using attn::testing::Tolerance;
+using attn::testing::WithinFloat32RoundedOnce;
 using attn::testing::WithinFloat32RoundedToFloat16;
 
 using attn::testing::kInf;
@@ -319,13 +320,13 @@ SdpaCase draw_half_precision_case(uint64_t seed, torch::ScalarType dtype) {
   c.masked_row = false;
   c.causal = coin(rng);
   c.window = c.L <= c.S ? pick<int64_t>(rng, {0, 0, 38, 200}) : 0; // 38: odd first keys
-  c.need_weights = false;
   c.requires_grad = coin(rng);
   c.mask_requires_grad = false;
   c.scale = coin(rng) ? c10::optional<double>(pick(rng, {0.05, 0.7})) : c10::nullopt;
   c.dtype = dtype;
   c.layout = pick(rng, {Layout::contiguous, Layout::transposed});
   c.products = attn::detail::active_product_loops();
+  c.need_weights = !c.requires_grad && coin(rng); // drawn last: the draws above stay
   return c;
 }
 
@@ -336,9 +337,11 @@ bool half_precision_loops_run(torch::ScalarType dtype) {
                                    : attn::detail::half_products_run();
 }
 
-// Which of the fused kernel's loops a case took: the tiled loops, the
-// short heads' (each in its half precision where they compute it) or none.
-enum class FusedRoute { tiled, short_heads, none };
+// Which of the fused kernels' loops a case took: the tiled loops, the
+// short heads' (each in its half precision where they compute it), the
+// weights kernel (on the tiled loops' half-precision products where they
+// run) or none.
+enum class FusedRoute { tiled, short_heads, weights, none };
 
 // Checks the case; returns which of the fused kernel's loops took it.
 FusedRoute check_half_precision_case(const SdpaCase& c) {
@@ -351,20 +354,24 @@ FusedRoute check_half_precision_case(const SdpaCase& c) {
     mask.select(-1, 0).fill_(visible);
     mask.diagonal(0, -2, -1).fill_(visible);
   }
-  auto options = attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale);
+  auto options =
+      attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale).need_weights(
+          c.need_weights);
   if (c.window > 0) {
     options.window(c.window);
   }
-  const bool fused = attn::select_backend(q, k, v, options) == attn::AttentionBackend::fused_cpu;
+  const auto backend = attn::select_backend(q, k, v, options);
   const bool short_heads = attn::detail::short_heads_run(torch::kFloat, c.L, c.S);
-  const auto route = !fused ? FusedRoute::none
-      : short_heads         ? FusedRoute::short_heads
-                            : FusedRoute::tiled;
+  const auto route = backend == attn::AttentionBackend::fused_cpu_weights ? FusedRoute::weights
+      : backend != attn::AttentionBackend::fused_cpu                      ? FusedRoute::none
+      : short_heads                                                       ? FusedRoute::short_heads
+                                                                          : FusedRoute::tiled;
   const int64_t tiled_calls = attn::detail::tiled_half_calls(c.dtype);
   const int64_t short_calls = attn::detail::short_heads_half_calls(c.dtype);
-  const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+  const auto [out, weights] = attn::scaled_dot_product_attention(q, k, v, options);
   EXPECT_EQ(out.scalar_type(), c.dtype);
-  if (route == FusedRoute::tiled && half_precision_loops_run(c.dtype)) {
+  if ((route == FusedRoute::tiled || route == FusedRoute::weights) &&
+      half_precision_loops_run(c.dtype)) {
     EXPECT_GT(attn::detail::tiled_half_calls(c.dtype), tiled_calls)
         << "the half-precision loops did not run";
   }
@@ -392,6 +399,12 @@ FusedRoute check_half_precision_case(const SdpaCase& c) {
     EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(flat(out), libtorch_out, ref_out);
   } else {
     EXPECT_TRUE(WithinFloat32RoundedToFloat16(flat(out), ref_out, tolerance(torch::kFloat, false)));
+  }
+  if (c.need_weights) {
+    EXPECT_EQ(weights.scalar_type(), c.dtype);
+    EXPECT_TRUE(
+        WithinFloat32RoundedOnce(flat(weights), ref_weights, tolerance(torch::kFloat, false)))
+        << "weights";
   }
   if (!c.requires_grad) {
     return route;
@@ -423,16 +436,18 @@ FusedRoute check_half_precision_case(const SdpaCase& c) {
 // The sweep of `dtype`'s cases, at least a quarter of them on the tiled
 // loops, and some on the short heads' where they run.
 void sweep_half_precision(torch::ScalarType dtype) {
-  int tiled = 0, short_heads = 0;
+  int tiled = 0, short_heads = 0, weights = 0;
   for (int i = 0; i < kHalfPrecisionCases && !::testing::Test::HasFailure(); ++i) {
     const auto c = draw_half_precision_case(kBaseSeed + i, dtype);
     SCOPED_TRACE(c.describe());
     const auto route = check_half_precision_case(c);
     tiled += route == FusedRoute::tiled ? 1 : 0;
     short_heads += route == FusedRoute::short_heads ? 1 : 0;
+    weights += route == FusedRoute::weights ? 1 : 0;
   }
   if (!::testing::Test::HasFailure()) {
     EXPECT_GE(tiled, kHalfPrecisionCases / 4) << "cases on the tiled loops";
+    EXPECT_GE(weights, kHalfPrecisionCases / 8) << "cases on the weights kernel";
     if (attn::detail::short_heads_run(torch::kFloat, 1, 1)) {
       EXPECT_GE(short_heads, kHalfPrecisionCases / 8) << "cases on the short heads' loops";
     }

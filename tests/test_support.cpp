@@ -113,10 +113,17 @@ torch::Tensor composite_attention(
   return result;
 }
 
-::testing::AssertionResult WithinFloat32RoundedToFloat16(
+namespace {
+
+// Each element of `ours` within `float32` of `reference` plus `half_ulp`
+// of the reference element, plus `carried` where defined; `rounding`
+// names the half ulp in a failure.
+::testing::AssertionResult within_float32_rounded(
     const torch::Tensor& ours,
     const torch::Tensor& reference,
     const Tolerance& float32,
+    double half_ulp,
+    const char* rounding,
     const torch::Tensor& carried) {
   if (!ours.defined() || ours.sizes() != reference.sizes()) {
     return ::testing::AssertionFailure()
@@ -125,7 +132,7 @@ torch::Tensor composite_attention(
         << reference.sizes();
   }
   const auto error = (cpu64(ours) - reference).abs();
-  auto bound = std::ldexp(1.0, -11) * reference.abs() + float32.allowed(reference);
+  auto bound = half_ulp * reference.abs() + float32.allowed(reference);
   if (carried.defined()) {
     bound = bound + carried;
   }
@@ -135,9 +142,30 @@ torch::Tensor composite_attention(
   }
   return ::testing::AssertionFailure()
       << "the largest error is " << error.max().item<double>()
-      << "; an element exceeds float32's tolerance plus half a float16 ulp"
+      << "; an element exceeds float32's tolerance plus half " << rounding << " ulp"
       << (carried.defined() ? " plus the output's rounding carried" : "") << " by "
       << excess.max().item<double>();
+}
+
+} // namespace
+
+::testing::AssertionResult WithinFloat32RoundedToFloat16(
+    const torch::Tensor& ours,
+    const torch::Tensor& reference,
+    const Tolerance& float32,
+    const torch::Tensor& carried) {
+  return within_float32_rounded(
+      ours, reference, float32, std::ldexp(1.0, -11), "a float16", carried);
+}
+
+::testing::AssertionResult WithinFloat32RoundedOnce(
+    const torch::Tensor& ours,
+    const torch::Tensor& reference,
+    const Tolerance& float32) {
+  const bool bfloat16 = ours.defined() && ours.scalar_type() == torch::kBFloat16;
+  return within_float32_rounded(
+      ours, reference, float32, std::ldexp(1.0, bfloat16 ? -8 : -11),
+      bfloat16 ? "a bfloat16" : "a float16", {});
 }
 
 Float16DeltaError float16_delta_error(

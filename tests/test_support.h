@@ -106,6 +106,15 @@ Tolerance tolerance_for(torch::ScalarType dtype);
     const Tolerance& float32,
     const torch::Tensor& carried = {});
 
+// The same rule, without `carried`, for results of either half precision
+// that are a float32 computation rounded once (the weights kernel's
+// weights): half an ulp of `ours`' dtype, 2^-8 for bfloat16, 2^-11 for
+// float16.
+::testing::AssertionResult WithinFloat32RoundedOnce(
+    const torch::Tensor& ours,
+    const torch::Tensor& reference,
+    const Tolerance& float32);
+
 // What a FlashAttention backward carries into dQ and dK from the output it
 // reads as the forward stored it, in float16: it takes each row's delta_i
 // = Σ_d dO_id·O_id (Dao 2022, FlashAttention, Algorithm 4), which the

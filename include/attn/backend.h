@@ -29,7 +29,10 @@ enum class AttentionBackend {
   /// accumulators where docs/BACKENDS.md says, else in float32.
   fused_cpu,
   /// attn's CPU kernel that writes the weights as it goes, score modifiers
-  /// included. CPU only, for inference: no gradients, no dropout.
+  /// included. CPU only, for inference: no gradients, no dropout. bfloat16
+  /// and float16 are computed as the fused kernel's tiled loops compute
+  /// them, the weights returned in their dtype, where docs/BACKENDS.md
+  /// says, else in float32.
   fused_cpu_weights,
   /// attn's CPU kernel for short sequences: every head's scores in one
   /// batched GEMM, masked and normalised in one pass, then one batched GEMM

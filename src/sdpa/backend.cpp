@@ -314,16 +314,33 @@ FusedLoops fused_cpu_loops(const AttentionParams& params) {
   return fused_cpu_loops_in(params, params.q.scalar_type());
 }
 
-bool fused_cpu_computes_half(const AttentionParams& params) {
+namespace {
+
+// Whether `params` are a half-precision request on the CPU, no size 0.
+bool nonempty_half_request_on_cpu(const AttentionParams& params) {
   const bool every_size_positive = params.q.numel() > 0 && params.k.numel() > 0 &&
       params.v.numel() > 0;
-  const auto dtype = params.q.scalar_type();
-  const bool products_pay = dtype == torch::kBFloat16
-      ? bf16_products_outrun_float()
-      : dtype == torch::kHalf && half_products_run();
+  return params.q.device().is_cpu() && is_half_precision(params.q.scalar_type()) &&
+      every_size_positive;
+}
+
+// Whether the tiled loops' products in `dtype` pay (backend.h,
+// fused_cpu_computes_half).
+bool half_products_pay(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? bf16_products_outrun_float()
+                                   : dtype == torch::kHalf && half_products_run();
+}
+
+} // namespace
+
+bool fused_cpu_computes_half(const AttentionParams& params) {
   const bool short_heads = fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::short_heads;
-  return params.q.device().is_cpu() && is_half_precision(dtype) && every_size_positive &&
-      (short_heads || products_pay);
+  return nonempty_half_request_on_cpu(params) &&
+      (short_heads || half_products_pay(params.q.scalar_type()));
+}
+
+bool fused_cpu_weights_computes_half(const AttentionParams& params) {
+  return nonempty_half_request_on_cpu(params) && half_products_pay(params.q.scalar_type());
 }
 
 ForwardResult fused_cpu_forward(const AttentionParams& params) {

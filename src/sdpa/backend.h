@@ -76,6 +76,13 @@ FusedLoops fused_cpu_loops(const AttentionParams& params);
 // Elsewhere the request is computed in float32, converted whole.
 bool fused_cpu_computes_half(const AttentionParams& params);
 
+// Whether the weights kernel (fused_cpu_weights) computes `params`, as
+// fused_cpu_computes_half describes them, in their own dtype: where the
+// products pay, as on the fused kernel's tiled loops, and no size is 0;
+// its weights are each a float softmax rounded once into that dtype.
+// Elsewhere the request is computed in float32, converted whole.
+bool fused_cpu_weights_computes_half(const AttentionParams& params);
+
 // The fused CPU kernel's forward and backward on its chosen loops, for
 // callers that merge partial results (the context-parallel ring):
 // fused_attention.h's fused_forward and fused_backward.

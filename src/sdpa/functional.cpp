@@ -286,7 +286,8 @@ bool half_precision_on_cpu(const torch::Tensor& query) {
 }
 
 // A half-precision request as attn's CPU backends compute it: in its own
-// dtype where the fused kernel does (backend.h, fused_cpu_computes_half),
+// dtype where the fused kernel or the weights kernel does (backend.h,
+// fused_cpu_computes_half, fused_cpu_weights_computes_half),
 // a floating mask too (the kernels widen it as they add it) unless it
 // takes a gradient, which then sums over the mask's broadcast dims in
 // float32 and is rounded once; else in float32, converted whole, its
@@ -300,8 +301,10 @@ detail::AttentionParams half_precision_params(
     const torch::Tensor& value,
     const SDPAOptions& options) {
   auto params = attention_params(query, key, value, options, torch::kFloat);
-  const bool in_half = backend == AttentionBackend::fused_cpu &&
-      detail::fused_cpu_computes_half(params);
+  const bool in_half = backend == AttentionBackend::fused_cpu
+      ? detail::fused_cpu_computes_half(params)
+      : backend == AttentionBackend::fused_cpu_weights &&
+          detail::fused_cpu_weights_computes_half(params);
   const auto& mask = options.attn_mask();
   const bool mask_takes_gradient = mask.defined() && mask.requires_grad() &&
       torch::GradMode::is_enabled();

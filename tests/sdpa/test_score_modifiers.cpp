@@ -501,6 +501,42 @@ TEST(ScoreModifiers, WeightsKernelReturnsTheOraclesOutput) {
   }
 }
 
+// The weights kernel in half precision (inference), inputs and the
+// modifiers' tensors rounded as above: where the tiled loops' products
+// compute that dtype (backend.h, fused_cpu_weights_computes_half) it
+// computes there, elsewhere in float32. Either way its weights are the
+// float32 softmax rounded once (WithinFloat32RoundedOnce, against the
+// oracle's weights), and its output meets each dtype's rule above.
+TEST(ScoreModifiers, WeightsKernelInHalfPrecisionRoundsItsWeightsOnce) {
+  const torch::NoGradGuard no_grad;
+  const ThreadCount two_threads(2);
+  const Tolerance float32{0.0, 2e-5};
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const bool bfloat16 = dtype == torch::kBFloat16;
+    const bool loops_run = bfloat16 ? attn::detail::bf16_products_outrun_float()
+                                    : attn::detail::half_products_run();
+    for (const auto& c : cases()) {
+      SCOPED_TRACE(c.name + " in " + c10::toString(dtype));
+      const auto r = half_precision_request(c, dtype);
+      const auto options = SDPAOptions(r.options).need_weights(true);
+      ASSERT_EQ(attn::select_backend(r.q, r.k, r.v, options), AttentionBackend::fused_cpu_weights);
+      const int64_t calls = attn::detail::tiled_half_calls(dtype);
+      const auto [out, weights] = attn::scaled_dot_product_attention(r.q, r.k, r.v, options);
+      EXPECT_EQ(attn::detail::tiled_half_calls(dtype), calls + (loops_run ? 1 : 0));
+      ASSERT_EQ(weights.scalar_type(), dtype);
+      EXPECT_TRUE(attn::testing::WithinFloat32RoundedOnce(
+          weights, oracle_weights(r.q64, r.k64, r.options64), float32));
+      const auto reference = oracle(r.q64, r.k64, r.v64, r.options64);
+      if (bfloat16) {
+        EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(
+            out, oracle(r.q, r.k, r.v, in_dtype(r.options, dtype)), reference);
+      } else {
+        EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(out, reference, float32));
+      }
+    }
+  }
+}
+
 TEST(ScoreModifiers, MathPathMatchesTheOracle) {
   for (const auto& c : cases()) {
     SCOPED_TRACE(c.name);

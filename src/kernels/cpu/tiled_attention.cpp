@@ -16,17 +16,6 @@ namespace {
 
 static_assert(kQueryTile == MaskBlocks::kRows, "a query tile is a row of mask blocks");
 
-// Zeroes a matrix whose rows have unit stride.
-template <typename scalar_t>
-void zero_matrix(const MatrixRef<scalar_t>& m) {
-  if (m.data == nullptr) {
-    return;
-  }
-  for (int64_t r = 0; r < m.rows; ++r) {
-    std::fill(m.row(r), m.row(r) + m.cols, scalar_t(0));
-  }
-}
-
 // tᵀ over its last two dimensions, for the products that read it as their
 // right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that operand
 // by rows, so its rows are made contiguous once per call, where attn's own
@@ -430,21 +419,7 @@ void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult&
             visible, in.q_heads.head(b, h).row_block(i0, rows),
             in.k_t_heads.head(b, h / in.group).column_block(key_begin, cols), 0, in.scale);
         for (int64_t r = 0; r < rows; ++r) {
-          scalar_t* row = visible.row(r);
-          if (in.modifiers.changes_scores()) {
-            in.modifiers.apply(row, cols, b, h, i0 + r, key_begin, nullptr);
-          }
-          in.mask.apply(row, cols, b, h, i0 + r, key_begin);
-          const scalar_t largest = std::max(row_max(row, cols), sink);
-          tile_lse[r] = largest;
-          if (largest == kNegativeInfinity<scalar_t>) {
-            std::fill(row, row + cols, scalar_t(0));
-            continue;
-          }
-          const scalar_t sum = exp_shifted_sum(row, cols, largest) +
-              (sink == kNegativeInfinity<scalar_t> ? scalar_t(0) : std::exp(sink - largest));
-          tile_lse[r] += std::log(sum);
-          scale_row(row, cols, scalar_t(1) / sum);
+          tile_lse[r] = weights_row<scalar_t>(in, b, h, i0 + r, key_begin, visible.row(r), cols);
         }
         tile_addmm(
             out_tile, visible, in.v_heads.head(b, h / in.group).row_block(key_begin, cols), 0, 1);
@@ -487,11 +462,19 @@ ForwardResult tiled_forward_with_weights(const AttentionParams& params) {
   contiguous.k = params.k.contiguous();
   contiguous.v = params.v.contiguous();
   const int64_t B = params.B(), H = params.H(), L = params.L();
+  const auto dtype = params.q.scalar_type();
+  const bool half = is_half_precision(dtype);
   const ForwardResult result{
       empty_heads_interleaved(B, H, L, params.Dv(), params.q.options()),
-      torch::empty({B, H, L}, params.q.options()),
+      torch::empty({B, H, L}, params.q.options().dtype(half ? torch::kFloat : dtype)),
       torch::empty({B, H, L, params.S()}, params.q.options())};
-  AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_forward_with_weights", [&] {
+  if (half) {
+    TORCH_INTERNAL_ASSERT(
+        tiled_forward_with_weights_half(contiguous, result),
+        "no half-precision products on this CPU");
+    return result;
+  }
+  AT_DISPATCH_FLOATING_TYPES(dtype, "tiled_forward_with_weights", [&] {
     forward_with_weights<scalar_t>(KernelInputs<scalar_t>(contiguous), result);
   });
   return result;

@@ -36,8 +36,9 @@ void tiled_backward(
     const InputGradients& grads);
 
 // Inference with the weights materialised: the output (B, H, L, Dv), a
-// view of (B, L, H, Dv) memory, lse and the weights (B, H, L, S). No
-// backward: callers use it when no gradient is needed.
+// view of (B, L, H, Dv) memory, lse and the weights (B, H, L, S), in q's
+// dtype (lse in float for bfloat16 and float16, which the half-precision
+// loops compute). No backward: callers use it when no gradient is needed.
 ForwardResult tiled_forward_with_weights(const AttentionParams& params);
 
 // How many calls (forward and backward) the tiled loops ran in `dtype`

@@ -733,6 +733,118 @@ void half_forward(const HalfInputs<Operands>& in, const ForwardResult& result) {
 }
 
 // ---------------------------------------------------------------------------
+// Forward with the weights.
+
+// A weights task's working memory: one tile's scores over every key it
+// sees (float; they become its weights in place), the products' operands
+// made per tile, its output accumulated in float.
+template <typename Operands>
+struct HalfWeightsScratch {
+  OwnedMatrix<float> scores; // (kQueryTile, S)
+  typename Operands::Scratch operands;
+  std::vector<float> out; // (kQueryTile, Dv)
+  TileBands whole;        // every key of each block: no band is narrower
+};
+
+template <typename Operands>
+HalfWeightsScratch<Operands> weights_scratch(const HalfInputs<Operands>& in) {
+  const int64_t rows = std::min(kQueryTile, in.L);
+  return HalfWeightsScratch<Operands>{
+      OwnedMatrix<float>(spread_workspace_tensor(
+          WorkspaceSlot::tile_scores, {rows, std::max<int64_t>(in.S, 1)},
+          torch::dtype(torch::kFloat))),
+      in.products.scratch(rows, in.key_block),
+      std::vector<float>(static_cast<size_t>(rows * in.Dv)), TileBands{}};
+}
+
+// `step(j0, block)` for each block of up to key_block columns of
+// `scores`, whose first column is key `key_begin`.
+template <typename Step>
+void for_each_key_block(
+    const MatrixRef<float>& scores,
+    int64_t key_begin,
+    int64_t key_block,
+    const Step& step) {
+  for (int64_t c0 = 0; c0 < scores.cols; c0 += key_block) {
+    step(key_begin + c0, scores.column_block(c0, std::min(key_block, scores.cols - c0)));
+  }
+}
+
+// One query tile's weights over keys [key_begin, key_begin + scores.cols),
+// every key the tile sees: the scores block by block, each row's softmax
+// (weights_row) in float, rounded once into `weights` (the tile's rows of
+// (L, S), at those keys) and its log-sum-exp into `lse`; then out += P V
+// block by block, P as the type's products take it.
+template <typename Operands>
+void weights_tile(
+    const HalfInputs<Operands>& in,
+    HalfWeightsScratch<Operands>& scratch,
+    const QueryTile& tile,
+    int64_t key_begin,
+    const MatrixRef<float>& scores,
+    const MatrixRef<typename Operands::Element>& weights,
+    float* lse) {
+  auto& operands = scratch.operands;
+  in.products.start_tile(operands, tile, {});
+  for_each_key_block(
+      scores, key_begin, in.key_block, [&](int64_t j0, const MatrixRef<float>& block) {
+        scratch.whole.fit_queries(in.mask, tile, j0, block.cols, /*banded=*/false);
+        in.products.score(operands, tile, j0, block, scratch.whole);
+      });
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    lse[r] = weights_row<float>(
+        in, tile.b, tile.h, tile.i0 + r, key_begin, scores.row(r), scores.cols);
+    store_row(in.products, scores.row(r), scores.cols, weights.row(r));
+  }
+  const MatrixRef<float> out{scratch.out.data(), tile.rows, in.Dv, in.Dv};
+  std::fill(scratch.out.begin(), scratch.out.end(), 0.0F);
+  for_each_key_block(
+      scores, key_begin, in.key_block, [&](int64_t j0, const MatrixRef<float>& block) {
+        scratch.whole.fit_queries(in.mask, tile, j0, block.cols, /*banded=*/false);
+        for (int64_t r = 0; r < tile.rows; ++r) {
+          in.products.take_weights_row(operands, block, r, j0);
+        }
+        in.products.add_weights_times_values(operands, tile, j0, block, out, scratch.whole);
+      });
+}
+
+// The weights kernel in half precision: each query tile's weights
+// materialised in (B, H, L, S), in the inputs' dtype, then multiplied
+// into V; the output (B, H, L, Dv) in the inputs' dtype, lse in float.
+template <typename Operands>
+void half_forward_with_weights(const HalfInputs<Operands>& in, const ForwardResult& result) {
+  using Element = typename Operands::Element;
+  const Heads<Element> out_heads(result.out), weight_heads(result.weights);
+  float* const lse_data = result.lse.data_ptr<float>();
+  const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.D + in.Dv);
+  parallel_query_tiles(
+      in.B, in.H, in.L, kQueryTile, flops_per_tile, [&] { return weights_scratch(in); },
+      [&](HalfWeightsScratch<Operands>& scratch, const QueryTile& tile) {
+        const auto out_tile = out_heads.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+        const auto w_tile = weight_heads.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+        float* lse = lse_data + (tile.b * in.H + tile.h) * in.L + tile.i0;
+        // Keys outside [key_begin, key_end) are invisible to every row.
+        const int64_t key_begin = in.mask.tile_key_begin(tile.i0);
+        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+        const int64_t cols = key_end - key_begin;
+        zero_matrix(w_tile.column_block(0, key_begin));
+        zero_matrix(w_tile.column_block(key_end, in.S - key_end));
+        if (cols == 0) {
+          zero_matrix(out_tile);
+          std::fill(lse, lse + tile.rows, in.modifiers.sink(tile.h));
+          return;
+        }
+        weights_tile(
+            in, scratch, tile, key_begin,
+            scratch.scores.matrix.row_block(0, tile.rows).column_block(0, cols),
+            w_tile.column_block(key_begin, cols), lse);
+        for (int64_t r = 0; r < tile.rows; ++r) {
+          store_row(in.products, scratch.out.data() + r * in.Dv, in.Dv, out_tile.row(r));
+        }
+      });
+}
+
+// ---------------------------------------------------------------------------
 // Backward.
 
 // What the backward reads besides the inputs, and the gradients it writes.
@@ -1061,6 +1173,16 @@ bool backward_on(
   return true;
 }
 
+template <typename Operands>
+bool forward_with_weights_on(const AttentionParams& params, const ForwardResult& result) {
+  if (!Operands::runs()) {
+    return false;
+  }
+  calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
+  half_forward_with_weights(HalfInputs<Operands>(params, Direction::forward), result);
+  return true;
+}
+
 } // namespace
 
 int64_t tiled_half_calls(torch::ScalarType dtype) {
@@ -1083,6 +1205,14 @@ bool tiled_backward_half(
   switch (params.q.scalar_type()) {
     case torch::kBFloat16: return backward_on<Bf16Operands>(params, forward, grad_out, grads);
     case torch::kHalf: return backward_on<Float16Operands>(params, forward, grad_out, grads);
+    default: return false;
+  }
+}
+
+bool tiled_forward_with_weights_half(const AttentionParams& params, const ForwardResult& result) {
+  switch (params.q.scalar_type()) {
+    case torch::kBFloat16: return forward_with_weights_on<Bf16Operands>(params, result);
+    case torch::kHalf: return forward_with_weights_on<Float16Operands>(params, result);
     default: return false;
   }
 }

@@ -80,6 +80,17 @@ void parallel_query_tiles(
   });
 }
 
+// Zeroes a matrix whose rows have unit stride.
+template <typename scalar_t>
+void zero_matrix(const MatrixRef<scalar_t>& m) {
+  if (m.data == nullptr) {
+    return;
+  }
+  for (int64_t r = 0; r < m.rows; ++r) {
+    std::fill(m.row(r), m.row(r) + m.cols, scalar_t(0));
+  }
+}
+
 // A matrix over a tensor's memory, which the tensor keeps alive.
 template <typename scalar_t>
 struct OwnedMatrix {
@@ -205,6 +216,36 @@ void forward_row(
   if (in.dropout.active()) { // after the row's sum, which counts every weight
     drop_row(row, cols, in.dropout_row(tile.b, tile.h, i, j0));
   }
+}
+
+// The weights kernels' pass over a row of scores: keys [j0, j0 + cols) of
+// query i of head (b, h), every key that row's tile sees. Modifies and
+// masks the scores and turns them into the row's weights in place (the
+// head's sink counted in their sum; zeros in a row that sees no key).
+// Returns the row's log-sum-exp.
+template <typename scalar_t>
+scalar_t weights_row(
+    const RowInputs<scalar_t>& in,
+    int64_t b,
+    int64_t h,
+    int64_t i,
+    int64_t j0,
+    scalar_t* row,
+    int64_t cols) {
+  if (in.modifiers.changes_scores()) {
+    in.modifiers.apply(row, cols, b, h, i, j0, nullptr);
+  }
+  in.mask.apply(row, cols, b, h, i, j0);
+  const scalar_t sink = in.modifiers.sink(h);
+  const scalar_t largest = std::max(row_max(row, cols), sink);
+  if (largest == kNegativeInfinity<scalar_t>) {
+    std::fill(row, row + cols, scalar_t(0));
+    return largest;
+  }
+  const scalar_t sum = exp_shifted_sum(row, cols, largest) +
+      (sink == kNegativeInfinity<scalar_t> ? scalar_t(0) : std::exp(sink - largest));
+  scale_row(row, cols, scalar_t(1) / sum);
+  return largest + std::log(sum);
 }
 
 // The backward's first pass over a tile's block of scores `p` (keys
@@ -436,10 +477,15 @@ inline int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) 
 // The half-precision loops (tiled_attention_half.cpp): tiled_forward's
 // results for q, k, v in bfloat16 or float16, a floating mask in their
 // dtype or float, the modifiers' tensors in float; out in q's dtype and lse
-// in float. False, computing
-// nothing, where the CPU cannot run that type's products (tile_product.h:
-// bf16_gemm_runs, half_products_run).
+// in float. False, computing nothing, where the CPU cannot run that type's
+// products (tile_product.h: bf16_gemm_runs, half_products_run).
 bool tiled_forward_half(const AttentionParams& params, const ForwardResult& result);
+
+// The half-precision weights kernel: tiled_forward_with_weights's results
+// for the same inputs as tiled_forward_half, contiguous; the weights (B,
+// H, L, S) in q's dtype, each a float softmax rounded once. False,
+// computing nothing, where the CPU cannot run that type's products.
+bool tiled_forward_with_weights_half(const AttentionParams& params, const ForwardResult& result);
 
 // The half-precision backward: tiled_backward's gradients for the
 // forward's inputs and results, in their dtype (the score gradients in
