@@ -161,7 +161,10 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
 // the float32 ones rounded once. float16 stays in float32 on the tiled
 // route here, which runs on the BLAS's products (keep_to_route), where the
 // fused kernel computes float16 in float32 (backend.h,
-// fused_cpu_computes_half); PropertySweep.Float16IsWithinFloat32RoundedToFloat16
+// fused_cpu_computes_half); the weights kernel multiplies float16's exact
+// values in float where attn's loops run, and at these 40 keys, one block,
+// in the float32 kernel's order, so its results are the float32 ones
+// rounded once too; PropertySweep.Float16IsWithinFloat32RoundedToFloat16
 // holds its float16 loops. The short heads' loops compute both half
 // precisions on each head's values widened to float: their output is the
 // float32 one rounded once, and so is dV, but dQ and dK read the output as

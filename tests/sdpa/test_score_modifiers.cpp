@@ -525,7 +525,7 @@ TEST(ScoreModifiers, WeightsKernelInHalfPrecisionRoundsItsWeightsOnce) {
       EXPECT_EQ(attn::detail::tiled_half_calls(dtype), calls + (loops_run ? 1 : 0));
       ASSERT_EQ(weights.scalar_type(), dtype);
       EXPECT_TRUE(attn::testing::WithinFloat32RoundedOnce(
-          weights, oracle_weights(r.q64, r.k64, r.options64), float32));
+          weights, oracle_weights(r.q64, r.k64, r.options64)));
       const auto reference = oracle(r.q64, r.k64, r.v64, r.options64);
       if (bfloat16) {
         EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(

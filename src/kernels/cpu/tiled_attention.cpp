@@ -402,16 +402,9 @@ void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult&
         const auto out_tile = out_heads.head(b, h).row_block(i0, rows);
         const auto w_tile = weight_heads.head(b, h).row_block(i0, rows); // (rows, S)
         scalar_t* tile_lse = lse + (b * in.H + h) * in.L + i0;
-        // Keys outside [key_begin, key_end) are invisible to every row.
-        const int64_t key_begin = in.mask.tile_key_begin(tile.i0);
-        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+        const auto [key_begin, key_end] = start_weights_tile(in, tile, w_tile, out_tile, tile_lse);
         const int64_t cols = key_end - key_begin;
-        zero_matrix(w_tile.column_block(0, key_begin));
-        zero_matrix(w_tile.column_block(key_end, in.S - key_end));
-        const scalar_t sink = in.modifiers.sink(h);
         if (cols == 0) {
-          zero_matrix(out_tile);
-          std::fill(tile_lse, tile_lse + rows, sink);
           return;
         }
         const auto visible = w_tile.column_block(key_begin, cols);

@@ -1,9 +1,8 @@
-// The tiled loops on half-precision inputs (tiled_loops.h), forward and
-// backward, for bfloat16 and float16: Q, K, V, the output and its gradient
-// stay in their 16 bits; every product accumulates in float; the scores,
-// their softmax and its backward run in float, as in the float loops; the
-// outputs and gradients accumulate in float and are rounded once. One
-// template runs both; the products, and the layout in which a backward
+// The tiled loops on half-precision inputs (tiled_loops.h), forward,
+// backward and the weights kernel's forward, for bfloat16 and float16: Q, K, V, the output and its
+// gradient stay in their 16 bits; every product accumulates in float; the scores, their softmax and
+// its backward run in float, as in the float loops; the outputs and gradients accumulate in float
+// and are rounded once. One template runs both; the products, and the layout in which a backward
 // task accumulates dK and dV, are each type's own:
 // - bfloat16 (Bf16Operands): bfloat16 products (tile_product.h,
 //   gemm_bf16) of whole blocks, their right operands packed in pairs along
@@ -652,12 +651,13 @@ void write_scaled(const Operands& products, const MatrixRef<T>& dst, float* src,
 // ---------------------------------------------------------------------------
 // Forward.
 
-// A forward task's working memory: one tile's scores (float), the
+// A forward task's working memory: one tile's scores (float) over
+// `score_cols` keys (a block; every key for the weights kernel), the
 // products' operands made per tile, its rows' online softmax and output
 // accumulated in float.
 template <typename Operands>
 struct HalfForwardScratch {
-  OwnedMatrix<float> scores; // (kQueryTile, key_block)
+  OwnedMatrix<float> scores; // (kQueryTile, score_cols)
   typename Operands::Scratch operands;
   std::vector<float> out; // (kQueryTile, Dv)
   OnlineSoftmax<float> softmax;
@@ -665,11 +665,11 @@ struct HalfForwardScratch {
 };
 
 template <typename Operands>
-HalfForwardScratch<Operands> forward_scratch(const HalfInputs<Operands>& in) {
+HalfForwardScratch<Operands> forward_scratch(const HalfInputs<Operands>& in, int64_t score_cols) {
   const int64_t rows = std::min(kQueryTile, in.L);
   return HalfForwardScratch<Operands>{
       OwnedMatrix<float>(spread_workspace_tensor(
-          WorkspaceSlot::tile_scores, {rows, in.key_block}, torch::dtype(torch::kFloat))),
+          WorkspaceSlot::tile_scores, {rows, score_cols}, torch::dtype(torch::kFloat))),
       in.products.scratch(rows, in.key_block),
       std::vector<float>(static_cast<size_t>(rows * in.Dv)), OnlineSoftmax<float>{}, TileBands{}};
 }
@@ -707,7 +707,8 @@ void half_forward(const HalfInputs<Operands>& in, const ForwardResult& result) {
   float* const lse_data = result.lse.data_ptr<float>();
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.D + in.Dv);
   parallel_query_tiles(
-      in.B, in.H, in.L, kQueryTile, flops_per_tile, [&] { return forward_scratch(in); },
+      in.B, in.H, in.L, kQueryTile, flops_per_tile,
+      [&] { return forward_scratch(in, in.key_block); },
       [&](HalfForwardScratch<Operands>& scratch, const QueryTile& tile) {
         std::fill(scratch.out.begin(), scratch.out.end(), 0.0F);
         scratch.softmax.start(in.modifiers.sink(tile.h));
@@ -735,28 +736,6 @@ void half_forward(const HalfInputs<Operands>& in, const ForwardResult& result) {
 // ---------------------------------------------------------------------------
 // Forward with the weights.
 
-// A weights task's working memory: one tile's scores over every key it
-// sees (float; they become its weights in place), the products' operands
-// made per tile, its output accumulated in float.
-template <typename Operands>
-struct HalfWeightsScratch {
-  OwnedMatrix<float> scores; // (kQueryTile, S)
-  typename Operands::Scratch operands;
-  std::vector<float> out; // (kQueryTile, Dv)
-  TileBands whole;        // every key of each block: no band is narrower
-};
-
-template <typename Operands>
-HalfWeightsScratch<Operands> weights_scratch(const HalfInputs<Operands>& in) {
-  const int64_t rows = std::min(kQueryTile, in.L);
-  return HalfWeightsScratch<Operands>{
-      OwnedMatrix<float>(spread_workspace_tensor(
-          WorkspaceSlot::tile_scores, {rows, std::max<int64_t>(in.S, 1)},
-          torch::dtype(torch::kFloat))),
-      in.products.scratch(rows, in.key_block),
-      std::vector<float>(static_cast<size_t>(rows * in.Dv)), TileBands{}};
-}
-
 // `step(j0, block)` for each block of up to key_block columns of
 // `scores`, whose first column is key `key_begin`.
 template <typename Step>
@@ -778,7 +757,7 @@ void for_each_key_block(
 template <typename Operands>
 void weights_tile(
     const HalfInputs<Operands>& in,
-    HalfWeightsScratch<Operands>& scratch,
+    HalfForwardScratch<Operands>& scratch,
     const QueryTile& tile,
     int64_t key_begin,
     const MatrixRef<float>& scores,
@@ -788,8 +767,8 @@ void weights_tile(
   in.products.start_tile(operands, tile, {});
   for_each_key_block(
       scores, key_begin, in.key_block, [&](int64_t j0, const MatrixRef<float>& block) {
-        scratch.whole.fit_queries(in.mask, tile, j0, block.cols, /*banded=*/false);
-        in.products.score(operands, tile, j0, block, scratch.whole);
+        scratch.bands.cover_whole(tile.rows, block.cols);
+        in.products.score(operands, tile, j0, block, scratch.bands);
       });
   for (int64_t r = 0; r < tile.rows; ++r) {
     lse[r] = weights_row<float>(
@@ -800,11 +779,11 @@ void weights_tile(
   std::fill(scratch.out.begin(), scratch.out.end(), 0.0F);
   for_each_key_block(
       scores, key_begin, in.key_block, [&](int64_t j0, const MatrixRef<float>& block) {
-        scratch.whole.fit_queries(in.mask, tile, j0, block.cols, /*banded=*/false);
+        scratch.bands.cover_whole(tile.rows, block.cols);
         for (int64_t r = 0; r < tile.rows; ++r) {
           in.products.take_weights_row(operands, block, r, j0);
         }
-        in.products.add_weights_times_values(operands, tile, j0, block, out, scratch.whole);
+        in.products.add_weights_times_values(operands, tile, j0, block, out, scratch.bands);
       });
 }
 
@@ -818,20 +797,15 @@ void half_forward_with_weights(const HalfInputs<Operands>& in, const ForwardResu
   float* const lse_data = result.lse.data_ptr<float>();
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.D + in.Dv);
   parallel_query_tiles(
-      in.B, in.H, in.L, kQueryTile, flops_per_tile, [&] { return weights_scratch(in); },
-      [&](HalfWeightsScratch<Operands>& scratch, const QueryTile& tile) {
+      in.B, in.H, in.L, kQueryTile, flops_per_tile,
+      [&] { return forward_scratch(in, std::max<int64_t>(in.S, 1)); },
+      [&](HalfForwardScratch<Operands>& scratch, const QueryTile& tile) {
         const auto out_tile = out_heads.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
         const auto w_tile = weight_heads.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
         float* lse = lse_data + (tile.b * in.H + tile.h) * in.L + tile.i0;
-        // Keys outside [key_begin, key_end) are invisible to every row.
-        const int64_t key_begin = in.mask.tile_key_begin(tile.i0);
-        const int64_t key_end = in.mask.tile_key_end(tile.i0, tile.rows);
+        const auto [key_begin, key_end] = start_weights_tile(in, tile, w_tile, out_tile, lse);
         const int64_t cols = key_end - key_begin;
-        zero_matrix(w_tile.column_block(0, key_begin));
-        zero_matrix(w_tile.column_block(key_end, in.S - key_end));
         if (cols == 0) {
-          zero_matrix(out_tile);
-          std::fill(lse, lse + tile.rows, in.modifiers.sink(tile.h));
           return;
         }
         weights_tile(

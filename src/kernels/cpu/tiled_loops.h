@@ -218,6 +218,27 @@ void forward_row(
   }
 }
 
+// The keys [begin, end) that a query tile of the weights kernels sees,
+// the band of every row: the tile's rows of the weights (L, S) outside
+// them are zeroed. Where it sees none, its output rows are zeroed too and
+// their log-sum-exp is the head's sink.
+template <typename scalar_t, typename Element>
+IndexRange start_weights_tile(
+    const RowInputs<scalar_t>& in,
+    const QueryTile& tile,
+    const MatrixRef<Element>& weights,
+    const MatrixRef<Element>& out,
+    scalar_t* lse) {
+  const IndexRange keys{in.mask.tile_key_begin(tile.i0), in.mask.tile_key_end(tile.i0, tile.rows)};
+  zero_matrix(weights.column_block(0, keys.begin));
+  zero_matrix(weights.column_block(keys.end, in.S - keys.end));
+  if (keys.begin == keys.end) {
+    zero_matrix(out);
+    std::fill(lse, lse + tile.rows, in.modifiers.sink(tile.h));
+  }
+  return keys;
+}
+
 // The weights kernels' pass over a row of scores: keys [j0, j0 + cols) of
 // query i of head (b, h), every key that row's tile sees. Modifies and
 // masks the scores and turns them into the row's weights in place (the
@@ -398,6 +419,10 @@ struct TileBands {
       int64_t j0,
       int64_t cols,
       bool banded) {
+    if (!banded) {
+      cover_whole(tile.rows, cols);
+      return;
+    }
     keys_of_query_block.resize(ceil_div(tile.rows, kProductRowBlock));
     for (size_t block = 0; block < keys_of_query_block.size(); ++block) {
       const int64_t first = tile.i0 + static_cast<int64_t>(block) * kProductRowBlock;
@@ -405,9 +430,7 @@ struct TileBands {
       const auto keys = mask.rows_keys(tile.b, first, last);
       const int64_t begin = std::clamp<int64_t>(keys.begin - j0, 0, cols);
       const int64_t end = std::clamp<int64_t>(keys.end - j0, 0, cols);
-      if (!banded) {
-        keys_of_query_block[block] = {0, cols};
-      } else if (begin >= end) {
+      if (begin >= end) {
         keys_of_query_block[block] = {0, 0};
       } else {
         keys_of_query_block[block] = {
@@ -415,9 +438,15 @@ struct TileBands {
             std::min(cols, ceil_div(end, kProductColumnPanel) * kProductColumnPanel)};
       }
     }
-    if (banded && mask.bounds_keys()) {
+    if (mask.bounds_keys()) {
       fill_inner_gaps();
     }
+  }
+
+  // Every row block of a tile of `rows` queries computes all `cols` keys
+  // of a block: no band is narrower.
+  void cover_whole(int64_t rows, int64_t cols) {
+    keys_of_query_block.assign(ceil_div(rows, kProductRowBlock), IndexRange{0, cols});
   }
 
   // Key bounds may leave a query block between two others empty (a
