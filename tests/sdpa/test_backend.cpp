@@ -346,6 +346,17 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(wide_heads(96, false), no_weights, batched, batched);
   expect(wide_heads(128, true), causal, AttentionBackend::fused_cpu);
   expect(wide_heads(129, false), no_weights, AttentionBackend::fused_cpu);
+  // In half precision, the fused kernel's tiled loops where they compute
+  // it in its own dtype (backend.h, fused_cpu_computes_half): the batched
+  // kernel computes it in float32.
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    const auto in = wide_heads(128, true);
+    const auto half = [&](const torch::Tensor& t) { return t.detach().to(dtype).requires_grad_(); };
+    const bool in_half = dtype == torch::kBFloat16 ? attn::detail::bf16_products_outrun_float()
+                                                   : attn::detail::half_products_run();
+    const auto expected = in_half ? AttentionBackend::fused_cpu : batched;
+    expect(Inputs{half(in.q), half(in.k), half(in.v)}, no_weights, expected, expected);
+  }
   expect(lengths(1024, 1024, torch::kFloat, false, 32), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kFloat, false, 32), no_weights, float32);
