@@ -409,13 +409,17 @@ TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
   for (const int64_t rows : {1, 3, 8, 9, 17, 32, 33}) {
     for (const int64_t cols : {1, 15, 16, 17, 32, 33, 64, 70}) {
       for (const int64_t depth : {1, 2, 5, 64, 65}) {
-        for (const bool b_transposed : {false, true}) {
+        // B row-major, B transposed (pairs adjacent in memory: K read as
+        // Kᵀ), and B transposed with an even stride past an odd depth.
+        for (const int b_layout : {0, 1, 2}) {
           SCOPED_TRACE(
               "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols) +
-              " depth=" + std::to_string(depth) + " b_transposed=" + std::to_string(b_transposed));
+              " depth=" + std::to_string(depth) + " b_layout=" + std::to_string(b_layout));
           const auto a = torch::randn({rows, depth + 3}).to(bf16).narrow(1, 0, depth);
-          const auto b = b_transposed ? torch::randn({cols, depth}).to(bf16).t()
-                                      : torch::randn({depth, cols}).to(bf16);
+          const auto b = b_layout == 0 ? torch::randn({depth, cols}).to(bf16)
+              : b_layout == 1
+              ? torch::randn({cols, depth}).to(bf16).t()
+              : torch::randn({cols, depth + depth % 2}).to(bf16).t().narrow(0, 0, depth);
           const int64_t ld = 2 * cols + 6;
           const auto packed = torch::full({(depth + 1) / 2, ld}, 7.0, bf16);
           attn::detail::pack_bf16_pairs(

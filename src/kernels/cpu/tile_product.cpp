@@ -426,6 +426,25 @@ ScopedProducts<Products>::~ScopedProducts() {
 template class ScopedProducts<ProductLoops>;
 template class ScopedProducts<Bf16Products>;
 
+namespace {
+
+// Whether p lies on a 4-byte boundary, as a 32-bit word.
+bool word_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(uint32_t) == 0;
+}
+
+// One row of pairs from two rows of unit stride (second null: zeros),
+// each pair a 32-bit word: the first row's element in its low half, as
+// memory holds it on x86.
+void interleave_rows(const uint16_t* first, const uint16_t* second, int64_t cols, uint16_t* to) {
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint32_t word = first[j] | (second != nullptr ? uint32_t{second[j]} << 16 : 0U);
+    std::memcpy(to + 2 * j, &word, sizeof word);
+  }
+}
+
+} // namespace
+
 void pack_bf16_pairs(
     int64_t depth,
     int64_t cols,
@@ -434,13 +453,30 @@ void pack_bf16_pairs(
     int64_t from_column_stride,
     c10::BFloat16* to,
     int64_t ld_to) {
-  for (int64_t i = 0; i < depth; i += 2) {
-    const c10::BFloat16* first = from + i * from_row_stride;
-    const c10::BFloat16* second = i + 1 < depth ? first + from_row_stride : nullptr;
-    c10::BFloat16* pairs = to + (i / 2) * ld_to;
+  const uint16_t* src = half_bits(from);
+  uint16_t* dst = half_bits(to);
+  int64_t i = 0;
+  // Pairs adjacent in memory (B's columns of unit stride: Kᵀ and Vᵀ read
+  // from K and V) are 32-bit words of it, transposed whole in registers.
+  if (from_row_stride == 1 && from_column_stride % 2 == 0 && ld_to % 2 == 0 && word_aligned(src) &&
+      word_aligned(dst) && depth >= 2 && cols > 0) {
+    const int64_t pairs = depth / 2;
+    transpose_float(
+        cols, pairs, reinterpret_cast<const float*>(src), from_column_stride / 2, 1,
+        reinterpret_cast<float*>(dst), ld_to / 2);
+    i = 2 * pairs;
+  }
+  for (; i < depth; i += 2) {
+    const uint16_t* first = src + i * from_row_stride;
+    const uint16_t* second = i + 1 < depth ? first + from_row_stride : nullptr;
+    uint16_t* row = dst + (i / 2) * ld_to;
+    if (from_column_stride == 1) {
+      interleave_rows(first, second, cols, row);
+      continue;
+    }
     for (int64_t j = 0; j < cols; ++j) {
-      pairs[2 * j] = first[j * from_column_stride];
-      pairs[2 * j + 1] = second != nullptr ? second[j * from_column_stride] : c10::BFloat16(0.0f);
+      row[2 * j] = first[j * from_column_stride];
+      row[2 * j + 1] = second != nullptr ? second[j * from_column_stride] : uint16_t{0};
     }
   }
 }
