@@ -161,6 +161,7 @@ enum class Impl {
   aten_sdpa,
   ours_window,
   ours_bias,
+  ours_learned_bias,
   attn_default
 };
 
@@ -174,6 +175,7 @@ const char* impl_name(Impl impl) {
     case Impl::aten_sdpa: return "aten_sdpa";
     case Impl::ours_window: return "ours_window";
     case Impl::ours_bias: return "ours_bias";
+    case Impl::ours_learned_bias: return "ours_learned_bias";
     case Impl::attn_default: return "attn_default";
   }
   return "";
@@ -273,7 +275,8 @@ constexpr int64_t kLongestBias = 2048;
 // The attention core on (B, H, T, D) inputs; `backward` adds a backward
 // pass to every input. `ours` is attn's fused kernel (asked for by name);
 // `ours_bias` the same with an additive (B, H, T, T) mask in the inputs'
-// dtype, such as a learned per-head bias (T <= kLongestBias),
+// dtype, such as a per-head bias (T <= kLongestBias); `ours_learned_bias`
+// with that mask learned (its gradient taken with the inputs'),
 // `attn_default` the call with no option but causality: whatever
 // attn::select_backend picks for it.
 void attention_core(benchmark::State& state, Impl impl, bool backward, const Target& target) {
@@ -296,14 +299,16 @@ void attention_core(benchmark::State& state, Impl impl, bool backward, const Tar
   if (impl == Impl::ours_window) {
     options.window(kWindow);
   }
-  if (impl == Impl::ours_bias) {
+  const bool bias = impl == Impl::ours_bias || impl == Impl::ours_learned_bias;
+  if (bias) {
     if (c.T > kLongestBias) {
       state.SkipWithError("ours_bias: a (B, H, T, T) mask beyond T = 2048 takes gigabytes");
       return;
     }
-    options.attn_mask(torch::randn({c.B, kHeads, c.T, c.T}, target.options()));
+    options.attn_mask(torch::randn({c.B, kHeads, c.T, c.T}, target.options())
+                          .requires_grad_(impl == Impl::ours_learned_bias && backward));
   }
-  const bool fused = impl == Impl::ours || impl == Impl::ours_window || impl == Impl::ours_bias;
+  const bool fused = impl == Impl::ours || impl == Impl::ours_window || bias;
   if (fused && target.device.is_cpu()) {
     options.backend(attn::AttentionBackend::fused_cpu);
   }
@@ -368,7 +373,8 @@ void multi_head(benchmark::State& state, Impl impl, bool backward, const Target&
       case Impl::naive: return naive.forward(x, lower);
       case Impl::aten_sdpa:
       case Impl::ours_window:
-      case Impl::ours_bias: break; // attention cores, not modules
+      case Impl::ours_bias:
+      case Impl::ours_learned_bias: break; // attention cores, not modules
     }
     return {};
   };
@@ -505,7 +511,8 @@ void register_cpu() {
   Suite float32{
       {Impl::ours, Impl::ours_weights, Impl::ours_window, Impl::ours_bias, Impl::naive,
        Impl::attn_default},
-      {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::attn_default},
+      {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::ours_learned_bias,
+       Impl::attn_default},
       {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights, Impl::naive,
        Impl::attn_default},
       {Impl::ours, Impl::builtin, Impl::naive, Impl::attn_default}};
@@ -517,14 +524,16 @@ void register_cpu() {
     register_suite(
         {torch::kCPU, torch::kBFloat16},
         {{Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
-         {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::ours_learned_bias, Impl::aten_sdpa,
+          Impl::attn_default},
          {Impl::ours, Impl::ours_weights, Impl::builtin, Impl::builtin_weights},
          {Impl::ours, Impl::builtin}},
         shapes);
     register_suite(
         {torch::kCPU, torch::kHalf},
         {{Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
-         {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::aten_sdpa, Impl::attn_default},
+         {Impl::ours, Impl::ours_weights, Impl::ours_bias, Impl::ours_learned_bias, Impl::aten_sdpa,
+          Impl::attn_default},
          {},
          {}},
         shapes);
