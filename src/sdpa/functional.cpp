@@ -288,9 +288,10 @@ bool half_precision_on_cpu(const torch::Tensor& query) {
 // A half-precision request as attn's CPU backends compute it: in its own
 // dtype where the fused kernel or the weights kernel does (backend.h,
 // fused_cpu_computes_half, fused_cpu_weights_computes_half),
-// a floating mask too (the kernels widen it as they add it) unless it
-// takes a gradient, which then sums over the mask's broadcast dims in
-// float32 and is rounded once; else in float32, converted whole, its
+// a floating mask too (the kernels widen it as they add it, and give one
+// of the scores' size its gradient in its dtype, each element rounded
+// once) unless its gradient sums over the mask's broadcast dims, which it
+// then does in float32 before one rounding; else in float32, converted whole, its
 // results rounded once (scores and softmax sums held in 8 or 11 mantissa
 // bits would lose most of the weights' precision, and LibTorch 1.13 has
 // no float16 GEMM on the CPU). The modifiers' tensors are float either way.
@@ -306,9 +307,11 @@ detail::AttentionParams half_precision_params(
       : backend == AttentionBackend::fused_cpu_weights &&
           detail::fused_cpu_weights_computes_half(params);
   const auto& mask = options.attn_mask();
-  const bool mask_takes_gradient = mask.defined() && mask.requires_grad() &&
-      torch::GradMode::is_enabled();
-  if (mask.defined() && mask.is_floating_point() && (!in_half || mask_takes_gradient)) {
+  // A gradient summed over the mask's broadcast dims (the expanded mask
+  // holds more elements than the mask).
+  const bool mask_gradient_sums = mask.defined() && mask.requires_grad() &&
+      torch::GradMode::is_enabled() && mask.numel() != params.mask.numel();
+  if (mask.defined() && mask.is_floating_point() && (!in_half || mask_gradient_sums)) {
     params.mask = scores_mask(mask.to(torch::kFloat), query, key);
   }
   if (in_half) {

@@ -276,6 +276,10 @@ std::vector<Case> cases() {
   c = big;
   c.mask = true;
   with(c, "mask_gradient");
+  c = sized(1, 4, 2, 130, 600, 16); // the mask (1, H, L, S) is the scores' size
+  c.mask = true;
+  c.causal = true;
+  with(c, "mask_gradient_unbroadcast");
   c = big;
   c.alibi = c.softcap = c.sinks = c.mask = true;
   c.table = PositionBucketing::t5_bidirectional;
@@ -437,10 +441,12 @@ TEST(ScoreModifiers, FusedKernelInBfloat16IsWithinTwiceLibTorchsBfloat16Error) {
 // output's rounding carries into them (Float16DeltaError, from the
 // oracle's weights, times the largest slope of a score function, which
 // multiplies dS: user_value_of's is below 1.3 + 0.1·h, soft-capping's at
-// most 1). The learned tensors' gradients, sums of dS over many pairs,
-// are checked in float32 and bfloat16 above: the loops' row passes and
-// score-gradient buffers are the same code for every half precision; only
-// the products differ.
+// most 1). The mask's gradient, dS itself, is held to the same rule with
+// what the output's rounding carries into dS. The other learned tensors'
+// gradients, sums of dS over many pairs weighted by distances, are checked
+// in float32 and bfloat16 above: the loops' row passes and score-gradient
+// buffers are the same code for every half precision; only the products
+// differ.
 void expect_float16_within_float32_rounded(const Case& c) {
   SCOPED_TRACE(c.name + " in Float16");
   const auto f16 = torch::kHalf;
@@ -474,6 +480,19 @@ void expect_float16_within_float32_rounded(const Case& c) {
   EXPECT_TRUE(
       attn::testing::WithinFloat32RoundedToFloat16(k.grad(), k64.grad(), float32, dk_carried));
   EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(v.grad(), v64.grad(), float32));
+  if (c.mask) {
+    // The mask's gradient is dS (summed over the mask's broadcast dims),
+    // which carries the output's rounding through delta_i as dQ does:
+    // P_ij·2^-11·Σ_d |dO_id·O_id| per score (Float16DeltaError).
+    const auto delta_error = std::ldexp(1.0, -11) *
+        (upstream.to(torch::kDouble) * reference.detach()).abs().sum(-1, /*keepdim=*/true);
+    const auto& mask = options.attn_mask();
+    const auto carried =
+        (oracle_weights(q64, k64, options64).detach() * delta_error).sum_to_size(mask.sizes());
+    EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(
+        mask.grad(), options64.attn_mask().grad(), float32, carried))
+        << "mask";
+  }
 }
 
 // Wherever attn's float loops widen float16 the fused kernel computes

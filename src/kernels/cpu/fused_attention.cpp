@@ -78,7 +78,12 @@ InputGradients score_gradients(const AttentionParams& params, const ScoreGradien
   };
   InputGradients grads;
   grads.d_offset_bias = empty_if(wanted.offset_bias, {H, std::max<int64_t>(L + S - 1, 0)});
-  grads.d_mask = empty_if(wanted.mask, {B, H, L, S});
+  // A mask in half precision (bfloat16 or float16, whose gradient sums
+  // over no broadcast dims: sdpa/functional.cpp) gets its gradient in its
+  // dtype, each element rounded once.
+  grads.d_mask = wanted.mask && is_half_precision(params.mask.scalar_type())
+      ? torch::empty({B, H, L, S}, params.mask.options())
+      : empty_if(wanted.mask, {B, H, L, S});
   grads.d_sinks = empty_if(wanted.sinks, {H});
   return grads;
 }

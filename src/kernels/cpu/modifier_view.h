@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace attn::detail {
 
@@ -127,8 +128,13 @@ struct ModifierGradients {
   scalar_t* offset_bias = nullptr; // (tasks, offsets), zeroed: a row per task
   scalar_t* mask = nullptr;        // (B, H, L, S), contiguous, zeroed
   int64_t H = 0, L = 0, S = 0;
+  // Or the mask's gradient in half precision (bfloat16 or float16 bits,
+  // laid out as `mask`; scalar_t float): each row of g rounded once by
+  // `round_row`.
+  uint16_t* half_mask = nullptr;
+  void (*round_row)(const float* from, int64_t n, uint16_t* to) = nullptr;
 
-  bool any() const { return offset_bias != nullptr || mask != nullptr; }
+  bool any() const { return offset_bias != nullptr || mask != nullptr || half_mask != nullptr; }
 
   // Adds g = ds[0 .. n) of query i of head (b, h), keys from j0 on, as
   // task `task` computed it.
@@ -148,8 +154,14 @@ struct ModifierGradients {
         to[j] += ds[j];
       }
     }
+    const int64_t first = ((b * H + h) * L + i) * S + j0;
     if (mask != nullptr) {
-      std::copy(ds, ds + n, mask + ((b * H + h) * L + i) * S + j0);
+      std::copy(ds, ds + n, mask + first);
+    }
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (half_mask != nullptr) {
+        round_row(ds, n, half_mask + first);
+      }
     }
   }
 };

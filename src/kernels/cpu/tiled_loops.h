@@ -385,7 +385,15 @@ struct ScoreGradientBuffers {
   }
 
   ModifierGradients<scalar_t> for_tasks() const {
-    return {data_or_null<scalar_t>(offset_rows), data_or_null<scalar_t>(mask), in.H, in.L, in.S};
+    ModifierGradients<scalar_t> tasks{
+        data_or_null<scalar_t>(offset_rows), nullptr, in.H, in.L, in.S};
+    if (mask.defined() && is_half_precision(mask.scalar_type())) {
+      tasks.half_mask = static_cast<uint16_t*>(mask.data_ptr());
+      tasks.round_row = half_rows(mask.scalar_type()).round;
+    } else {
+      tasks.mask = data_or_null<scalar_t>(mask);
+    }
+    return tasks;
   }
 
   // The offset bias's rows, one per (b, h, split), summed per head.
