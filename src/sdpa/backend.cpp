@@ -193,11 +193,19 @@ torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
   return query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
-// Whether the tiled loops' products in `dtype` pay (backend.h,
-// fused_cpu_computes_half).
-bool half_products_pay(torch::ScalarType dtype) {
-  return dtype == torch::kBFloat16 ? bf16_products_outrun_float()
-                                   : dtype == torch::kHalf && half_products_run();
+// Whether the fused kernel's tiled loops compute `dtype` in its own
+// dtype on this CPU, as its flags say (fused_cpu_computes_half reads what
+// this build runs, which a rule must not: every compiler's build chooses
+// alike; a build without AMX's loops computes the request in float32 on
+// the same kernel): bfloat16 on AMX or AMD's AVX512-BF16, float16 wherever
+// attn's float loops widen it (AVX-512, or AVX2 with FMA and F16C).
+bool half_loops_on_cpu(torch::ScalarType dtype) {
+  const auto& cpu = cpu_features();
+  switch (dtype) {
+    case torch::kBFloat16: return cpu.amx_bf16 || (cpu.avx512_bf16 && cpu.vendor == CpuVendor::amd);
+    case torch::kHalf: return cpu.avx512f || (cpu.avx2 && cpu.fma && cpu.f16c);
+    default: return false;
+  }
 }
 
 // The condition of the rule `cpu-short-sequences` (docs/BACKENDS.md; the
@@ -214,11 +222,12 @@ bool batched_cpu_faster(
       : 32;
   // Beyond `longest`, the batched kernel computes half precision in
   // float32, converted whole, where the tiled loops compute it in its own
-  // dtype faster (Zen 4, T = 128 without a causal mask, head width 64:
-  // bfloat16 1.5-1.8x, float16 1.05-1.3x, forward and forward + backward).
+  // dtype faster without weights (Zen 4, T = 128 without a causal mask,
+  // head width 64: bfloat16 1.5-1.8x, float16 1.05-1.3x, forward and
+  // forward + backward; the weights kernel was not measured there).
+  const bool half_loops_faster = !options.need_weights() && half_loops_on_cpu(query.scalar_type());
   return (L <= longest && S <= longest) ||
-      (!options.is_causal() && L <= 128 && S <= 128 && query.size(-1) >= 64 &&
-       !half_products_pay(query.scalar_type()));
+      (!options.is_causal() && L <= 128 && S <= 128 && query.size(-1) >= 64 && !half_loops_faster);
 }
 
 // The condition of the rule `cpu-short-heads` (docs/BACKENDS.md; the
@@ -334,6 +343,13 @@ bool nonempty_half_request_on_cpu(const AttentionParams& params) {
       params.v.numel() > 0;
   return params.q.device().is_cpu() && is_half_precision(params.q.scalar_type()) &&
       every_size_positive;
+}
+
+// Whether the tiled loops' products in `dtype` pay (backend.h,
+// fused_cpu_computes_half).
+bool half_products_pay(torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? bf16_products_outrun_float()
+                                   : dtype == torch::kHalf && half_products_run();
 }
 
 } // namespace

@@ -381,6 +381,58 @@ TEST(TileProduct, Bfloat16RowsConvertAsC10BFloat16) {
 // whole), at odd depths (whose last depth the micro-tiles multiply alone),
 // with b packed in pairs from rows or from columns as the kernels hold keys
 // and values; the packing against its definition.
+// B (depth, cols) in bfloat16 as pack_bf16_pairs writes it, into rows ld
+// apart of a buffer filled with 7 first.
+torch::Tensor packed_pairs(const torch::Tensor& b, int64_t ld) {
+  const int64_t depth = b.size(0), cols = b.size(1);
+  const auto packed = torch::full({(depth + 1) / 2, ld}, 7.0, torch::kBFloat16);
+  attn::detail::pack_bf16_pairs(
+      depth, cols, b.data_ptr<c10::BFloat16>(), b.stride(0), b.stride(1),
+      packed.data_ptr<c10::BFloat16>(), ld);
+  return packed;
+}
+
+// What packed_pairs must hold, in float64: B's rows i and i + 1 alternating
+// in row i / 2, zeros after an odd depth's last row, the 7s past 2·cols.
+torch::Tensor expected_pairs(const torch::Tensor& b, int64_t ld) {
+  const int64_t depth = b.size(0), cols = b.size(1);
+  auto expected = torch::full({(depth + 1) / 2, ld}, 7.0, torch::kDouble);
+  expected.narrow(1, 0, 2 * cols).zero_();
+  for (int64_t i = 0; i < depth; ++i) {
+    expected[i / 2]
+        .narrow(0, i % 2, 2 * cols - i % 2)
+        .slice(0, 0, c10::nullopt, 2)
+        .copy_(b[i].to(torch::kDouble));
+  }
+  return expected;
+}
+
+// The packing runs on every CPU (the products only where the CPU has
+// them): B row-major, transposed (pairs adjacent in memory, packed as
+// words), transposed with an even stride past an odd depth, and starting
+// at an odd element (not word-aligned).
+TEST(TileProduct, Bfloat16PairsPackEveryLayout) {
+  torch::manual_seed(13);
+  for (const int64_t cols : {1, 15, 16, 17, 70}) {
+    for (const int64_t depth : {1, 2, 5, 64, 65}) {
+      const auto bf16 = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+      const torch::Tensor layouts[] = {
+          bf16(torch::randn({depth, cols})), bf16(torch::randn({cols, depth})).t(),
+          bf16(torch::randn({cols, depth + depth % 2})).t().narrow(0, 0, depth),
+          bf16(torch::randn({cols, depth + 2})).t().narrow(0, 1, depth)};
+      for (size_t l = 0; l < std::size(layouts); ++l) {
+        SCOPED_TRACE(
+            "cols=" + std::to_string(cols) + " depth=" + std::to_string(depth) +
+            " layout=" + std::to_string(l));
+        for (const int64_t ld : {2 * cols, 2 * cols + 6, 2 * cols + 7}) {
+          EXPECT_TRUE(torch::equal(
+              packed_pairs(layouts[l], ld).to(torch::kDouble), expected_pairs(layouts[l], ld)));
+        }
+      }
+    }
+  }
+}
+
 TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
   using attn::detail::Bf16GemmOperands;
   const auto flags = attn::testing::linux_cpu_flags();
@@ -421,19 +473,8 @@ TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
               ? torch::randn({cols, depth}).to(bf16).t()
               : torch::randn({cols, depth + depth % 2}).to(bf16).t().narrow(0, 0, depth);
           const int64_t ld = 2 * cols + 6;
-          const auto packed = torch::full({(depth + 1) / 2, ld}, 7.0, bf16);
-          attn::detail::pack_bf16_pairs(
-              depth, cols, b.data_ptr<c10::BFloat16>(), b.stride(0), b.stride(1),
-              packed.data_ptr<c10::BFloat16>(), ld);
-          auto expected_packed = torch::full({(depth + 1) / 2, ld}, 7.0, torch::kDouble);
-          expected_packed.narrow(1, 0, 2 * cols).zero_();
-          for (int64_t i = 0; i < depth; ++i) {
-            expected_packed[i / 2]
-                .narrow(0, i % 2, 2 * cols - i % 2)
-                .slice(0, 0, c10::nullopt, 2)
-                .copy_(b[i].to(torch::kDouble));
-          }
-          ASSERT_TRUE(torch::equal(packed.to(torch::kDouble), expected_packed));
+          const auto packed = packed_pairs(b, ld);
+          ASSERT_TRUE(torch::equal(packed.to(torch::kDouble), expected_pairs(b, ld)));
           const auto a64 = a.to(torch::kDouble), b64 = b.to(torch::kDouble);
           // Float accumulation: a few units of float's rounding per term.
           const auto bound = 4e-7 * (depth + 1) * a64.abs().mm(b64.abs()) + 1e-6;

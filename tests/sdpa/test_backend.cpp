@@ -346,16 +346,25 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(wide_heads(96, false), no_weights, batched, batched);
   expect(wide_heads(128, true), causal, AttentionBackend::fused_cpu);
   expect(wide_heads(129, false), no_weights, AttentionBackend::fused_cpu);
-  // In half precision, the fused kernel's tiled loops where they compute
-  // it in its own dtype (backend.h, fused_cpu_computes_half): the batched
-  // kernel computes it in float32.
-  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+  // In half precision without weights, the fused kernel's tiled loops
+  // where the CPU's flags say they compute it in its own dtype (bfloat16
+  // on AMX or AMD's AVX512-BF16, float16 on AVX-512 or AVX2 with FMA and
+  // F16C): the batched kernel computes it in float32. With weights, the
+  // batched kernel.
+  const bool amd = attn::testing::linux_cpuinfo_field("vendor_id") == "AuthenticAMD";
+  const bool half_loops[] = {
+      cpu_has("amx_bf16") || (amd && cpu_has("avx512_bf16")),
+      cpu_has("avx512f") || (cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c"))};
+  const torch::ScalarType half_dtypes[] = {torch::kBFloat16, torch::kHalf};
+  for (size_t i = 0; i < 2; ++i) {
     const auto in = wide_heads(128, true);
-    const auto half = [&](const torch::Tensor& t) { return t.detach().to(dtype).requires_grad_(); };
-    const bool in_half = dtype == torch::kBFloat16 ? attn::detail::bf16_products_outrun_float()
-                                                   : attn::detail::half_products_run();
-    const auto expected = in_half ? AttentionBackend::fused_cpu : batched;
-    expect(Inputs{half(in.q), half(in.k), half(in.v)}, no_weights, expected, expected);
+    const auto half = [&](const torch::Tensor& t) {
+      return t.detach().to(half_dtypes[i]).requires_grad_();
+    };
+    const Inputs low{half(in.q), half(in.k), half(in.v)};
+    const auto expected = half_loops[i] ? AttentionBackend::fused_cpu : batched;
+    expect(low, no_weights, expected, expected);
+    expect(low, SDPAOptions().need_weights(true), batched, batched);
   }
   expect(lengths(1024, 1024, torch::kFloat, false, 32), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);

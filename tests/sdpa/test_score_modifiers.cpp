@@ -15,6 +15,7 @@
 
 #include "test_support.h"
 
+#include "kernels/cpu/fused_attention.h"
 #include "kernels/cpu/tile_product.h"
 #include "kernels/cpu/tiled_attention.h"
 #include "sdpa/score_modifiers.h"
@@ -380,6 +381,15 @@ HalfPrecisionRequest half_precision_request(const Case& c, torch::ScalarType dty
   return r;
 }
 
+// Where the half-precision loops ran (`loops_run`), a learned mask of the
+// scores' size (the cases' (1, H, L, S) at B = 1) took its gradient in
+// its dtype; one that broadcasts, through a float32 copy (half_mask_gradients
+// was `before` the call).
+void expect_mask_gradient_path(const Case& c, bool loops_run, int64_t before) {
+  const bool in_its_dtype = c.mask && c.B == 1 && loops_run;
+  EXPECT_EQ(attn::detail::half_mask_gradients(), before + (in_its_dtype ? 1 : 0));
+}
+
 // In bfloat16, by FlashAttention's rule (test_support.h): inputs and
 // modifiers' tensors rounded to bfloat16; the reference is the oracle on
 // them in float64, LibTorch's error that of the oracle's operations in
@@ -401,12 +411,15 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
 
   ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
   const int64_t bf16_calls = attn::detail::tiled_half_calls(torch::kBFloat16);
+  const int64_t mask_gradients = attn::detail::half_mask_gradients();
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), bf16);
-  if (attn::detail::bf16_products_outrun_float()) { // forward and backward on the bfloat16 loops
+  const bool loops_run = attn::detail::bf16_products_outrun_float();
+  if (loops_run) { // forward and backward on the bfloat16 loops
     EXPECT_EQ(attn::detail::tiled_half_calls(torch::kBFloat16), bf16_calls + 2);
   }
+  expect_mask_gradient_path(c, loops_run, mask_gradients);
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, reference);
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(q.grad(), q16.grad(), q64.grad());
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(k.grad(), k16.grad(), k64.grad());
@@ -460,12 +473,15 @@ void expect_float16_within_float32_rounded(const Case& c) {
 
   ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
   const int64_t calls = attn::detail::tiled_half_calls(f16);
+  const int64_t mask_gradients = attn::detail::half_mask_gradients();
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), f16);
-  if (attn::detail::half_products_run()) { // forward and backward on the float16 loops
+  const bool loops_run = attn::detail::half_products_run();
+  if (loops_run) { // forward and backward on the float16 loops
     EXPECT_EQ(attn::detail::tiled_half_calls(f16), calls + 2);
   }
+  expect_mask_gradient_path(c, loops_run, mask_gradients);
   const Tolerance float32{0.0, 2e-5};
   EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(out, reference, float32));
   const int64_t group = c.H / c.Hkv;

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace attn::detail {
@@ -43,11 +44,18 @@ AttentionParams with_heads_for_kernels(const AttentionParams& params) {
 }
 
 // The options of what the kernels compute in their score dtype (the row
-// log-sum-exp, the scores' gradients): float for half-precision inputs,
-// whose softmax runs in float; else the inputs' own.
+// log-sum-exp, the scores' gradients but a half-precision mask's): float
+// for half-precision inputs, whose softmax runs in float; else the
+// inputs' own.
 torch::TensorOptions score_options(const AttentionParams& params) {
   const auto dtype = params.q.scalar_type();
   return params.q.options().dtype(is_half_precision(dtype) ? torch::kFloat : dtype);
+}
+
+// The count behind half_mask_gradients.
+std::atomic<int64_t>& half_mask_gradient_count() {
+  static std::atomic<int64_t> count{0};
+  return count;
 }
 
 // Which of the tensors that add to the scores get a gradient.
@@ -81,9 +89,12 @@ InputGradients score_gradients(const AttentionParams& params, const ScoreGradien
   // A mask in half precision (bfloat16 or float16, whose gradient sums
   // over no broadcast dims: sdpa/functional.cpp) gets its gradient in its
   // dtype, each element rounded once.
-  grads.d_mask = wanted.mask && is_half_precision(params.mask.scalar_type())
-      ? torch::empty({B, H, L, S}, params.mask.options())
-      : empty_if(wanted.mask, {B, H, L, S});
+  const bool half_mask = wanted.mask && is_half_precision(params.mask.scalar_type());
+  if (half_mask) {
+    half_mask_gradient_count().fetch_add(1, std::memory_order_relaxed);
+  }
+  grads.d_mask = half_mask ? torch::empty({B, H, L, S}, params.mask.options())
+                           : empty_if(wanted.mask, {B, H, L, S});
   grads.d_sinks = empty_if(wanted.sinks, {H});
   return grads;
 }
@@ -318,6 +329,10 @@ torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params) {
       Input(wanted.mask ? params.mask : none), Input(params.modifiers.offset_bias),
       Input(params.modifiers.sinks), params, loops, wanted);
   return out.permute({0, 2, 1, 3});
+}
+
+int64_t half_mask_gradients() {
+  return half_mask_gradient_count().load(std::memory_order_relaxed);
 }
 
 } // namespace attn::detail

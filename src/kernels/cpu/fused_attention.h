@@ -40,4 +40,9 @@ InputGradients fused_backward(
 // layout.
 torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params);
 
+// How many backward calls in this process gave a half-precision mask its
+// gradient in its own dtype (rather than through a float32 copy): for
+// tests that check which path a request took.
+int64_t half_mask_gradients();
+
 } // namespace attn::detail

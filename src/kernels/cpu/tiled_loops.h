@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace attn::detail {
@@ -388,6 +389,8 @@ struct ScoreGradientBuffers {
     ModifierGradients<scalar_t> tasks{
         data_or_null<scalar_t>(offset_rows), nullptr, in.H, in.L, in.S};
     if (mask.defined() && is_half_precision(mask.scalar_type())) {
+      TORCH_INTERNAL_ASSERT(
+          (std::is_same_v<scalar_t, float>), "a half-precision mask's gradient from float scores");
       tasks.half_mask = static_cast<uint16_t*>(mask.data_ptr());
       tasks.round_row = half_rows(mask.scalar_type()).round;
     } else {
@@ -526,8 +529,8 @@ bool tiled_forward_with_weights_half(const AttentionParams& params, const Forwar
 
 // The half-precision backward: tiled_backward's gradients for the
 // forward's inputs and results, in their dtype (the score gradients in
-// float). False, computing nothing, where the CPU cannot run that type's
-// products.
+// float, a half-precision mask's in its dtype). False, computing nothing, where the CPU cannot run
+// that type's products.
 bool tiled_backward_half(
     const AttentionParams& params,
     const ForwardResult& forward,
