@@ -1,9 +1,11 @@
 // The tiled loops on half-precision inputs (tiled_loops.h), forward,
-// backward and the weights kernel's forward, for bfloat16 and float16: Q, K, V, the output and its
-// gradient stay in their 16 bits; every product accumulates in float; the scores, their softmax and
-// its backward run in float, as in the float loops; the outputs and gradients accumulate in float
-// and are rounded once. One template runs both; the products, and the layout in which a backward
-// task accumulates dK and dV, are each type's own:
+// backward and the weights kernel's forward, for bfloat16 and float16:
+// Q, K, V, the output and its gradient stay in their 16 bits; every
+// product accumulates in float; the scores, their softmax and its backward
+// run in float, as in the float loops; the outputs and gradients
+// accumulate in float and are rounded once. One template runs both; the
+// products, and the layout in which a backward task accumulates dK and
+// dV, are each type's own:
 // - bfloat16 (Bf16Operands): bfloat16 products (tile_product.h,
 //   gemm_bf16) of whole blocks, their right operands packed in pairs along
 //   the depth (pack_bf16_pairs): K, Kᵀ, V and Vᵀ once per call, the
