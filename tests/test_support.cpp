@@ -113,16 +113,28 @@ torch::Tensor composite_attention(
   return result;
 }
 
-::testing::AssertionResult WithinFloat32RoundedToFloat16(
-    const torch::Tensor& ours,
-    const torch::Tensor& reference,
-    const Tolerance& float32,
-    const torch::Tensor& carried) {
+namespace {
+
+// Whether `ours` is defined and shaped as `reference`.
+::testing::AssertionResult shaped_as(const torch::Tensor& ours, const torch::Tensor& reference) {
   if (!ours.defined() || ours.sizes() != reference.sizes()) {
     return ::testing::AssertionFailure()
         << "the result is " << (ours.defined() ? "shaped " : "undefined")
         << (ours.defined() ? c10::str(ours.sizes()) : "") << ", the reference "
         << reference.sizes();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+} // namespace
+
+::testing::AssertionResult WithinFloat32RoundedToFloat16(
+    const torch::Tensor& ours,
+    const torch::Tensor& reference,
+    const Tolerance& float32,
+    const torch::Tensor& carried) {
+  if (auto shaped = shaped_as(ours, reference); !shaped) {
+    return shaped;
   }
   const auto error = (cpu64(ours) - reference).abs();
   auto bound = std::ldexp(1.0, -11) * reference.abs() + float32.allowed(reference);
@@ -143,11 +155,8 @@ torch::Tensor composite_attention(
 ::testing::AssertionResult WithinFloat32RoundedOnce(
     const torch::Tensor& ours,
     const torch::Tensor& reference) {
-  if (!ours.defined() || ours.sizes() != reference.sizes()) {
-    return ::testing::AssertionFailure()
-        << "the result is " << (ours.defined() ? "shaped " : "undefined")
-        << (ours.defined() ? c10::str(ours.sizes()) : "") << ", the reference "
-        << reference.sizes();
+  if (auto shaped = shaped_as(ours, reference); !shaped) {
+    return shaped;
   }
   const bool bfloat16 = ours.scalar_type() == torch::kBFloat16;
   const double half_ulp = std::ldexp(1.0, bfloat16 ? -8 : -11);

@@ -1125,38 +1125,27 @@ std::atomic<int64_t>& calls_in(torch::ScalarType dtype) {
   return dtype == torch::kBFloat16 ? bfloat16 : float16;
 }
 
-template <typename Operands>
-bool forward_on(const AttentionParams& params, const ForwardResult& result) {
+// `loops(inputs)` on Operands' inputs for `params` in `direction`, the
+// call counted; false, running nothing, where the CPU cannot run that
+// type's products.
+template <typename Operands, typename Loops>
+bool run_tiled_on(const AttentionParams& params, Direction direction, const Loops& loops) {
   if (!Operands::runs()) {
     return false;
   }
   calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
-  half_forward(HalfInputs<Operands>(params, Direction::forward), result);
+  loops(HalfInputs<Operands>(params, direction));
   return true;
 }
 
-template <typename Operands>
-bool backward_on(
-    const AttentionParams& params,
-    const ForwardResult& forward,
-    const torch::Tensor& grad_out,
-    const InputGradients& grads) {
-  if (!Operands::runs()) {
-    return false;
+// run_tiled_on with the operands of params' dtype; false for any other dtype.
+template <typename Loops>
+bool run_tiled_in_half(const AttentionParams& params, Direction direction, const Loops& loops) {
+  switch (params.q.scalar_type()) {
+    case torch::kBFloat16: return run_tiled_on<Bf16Operands>(params, direction, loops);
+    case torch::kHalf: return run_tiled_on<Float16Operands>(params, direction, loops);
+    default: return false;
   }
-  calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
-  half_backward(HalfInputs<Operands>(params, Direction::backward), forward, grad_out, grads);
-  return true;
-}
-
-template <typename Operands>
-bool forward_with_weights_on(const AttentionParams& params, const ForwardResult& result) {
-  if (!Operands::runs()) {
-    return false;
-  }
-  calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
-  half_forward_with_weights(HalfInputs<Operands>(params, Direction::forward), result);
-  return true;
 }
 
 } // namespace
@@ -1166,11 +1155,8 @@ int64_t tiled_half_calls(torch::ScalarType dtype) {
 }
 
 bool tiled_forward_half(const AttentionParams& params, const ForwardResult& result) {
-  switch (params.q.scalar_type()) {
-    case torch::kBFloat16: return forward_on<Bf16Operands>(params, result);
-    case torch::kHalf: return forward_on<Float16Operands>(params, result);
-    default: return false;
-  }
+  return run_tiled_in_half(
+      params, Direction::forward, [&](const auto& in) { half_forward(in, result); });
 }
 
 bool tiled_backward_half(
@@ -1178,19 +1164,14 @@ bool tiled_backward_half(
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
-  switch (params.q.scalar_type()) {
-    case torch::kBFloat16: return backward_on<Bf16Operands>(params, forward, grad_out, grads);
-    case torch::kHalf: return backward_on<Float16Operands>(params, forward, grad_out, grads);
-    default: return false;
-  }
+  return run_tiled_in_half(params, Direction::backward, [&](const auto& in) {
+    half_backward(in, forward, grad_out, grads);
+  });
 }
 
 bool tiled_forward_with_weights_half(const AttentionParams& params, const ForwardResult& result) {
-  switch (params.q.scalar_type()) {
-    case torch::kBFloat16: return forward_with_weights_on<Bf16Operands>(params, result);
-    case torch::kHalf: return forward_with_weights_on<Float16Operands>(params, result);
-    default: return false;
-  }
+  return run_tiled_in_half(
+      params, Direction::forward, [&](const auto& in) { half_forward_with_weights(in, result); });
 }
 
 } // namespace attn::detail
