@@ -433,10 +433,37 @@ FusedRoute check_half_precision_case(const SdpaCase& c) {
   return route;
 }
 
+// Cases whose tiles' products run in bands of keys (TileBands) from the
+// edges that the draws reach rarely: a window of even width, whose key
+// blocks begin at an odd key, so that a band starting 32 keys on begins
+// with a lone key; a causal window over more keys than queries; a causal
+// mask over more keys than queries, whose last query tile is one row.
+std::vector<SdpaCase> banded_half_precision_cases(torch::ScalarType dtype) {
+  const auto banded = [&](int64_t L, int64_t S, bool causal, int64_t window) {
+    SdpaCase c = draw_half_precision_case(kBaseSeed, dtype);
+    c.seed = kBaseSeed + 100 + static_cast<uint64_t>(L + S + window);
+    c.batch = {1, 2};
+    c.L = L;
+    c.S = S;
+    c.E = c.Ev = 64;
+    c.mask = SdpaMask::none;
+    c.causal = causal;
+    c.window = window;
+    c.requires_grad = true;
+    c.need_weights = false;
+    return c;
+  };
+  return {banded(300, 300, false, 38), banded(300, 513, true, 200), banded(129, 700, true, 0)};
+}
+
 // The sweep of `dtype`'s cases, at least a quarter of them on the tiled
 // loops, an eighth on the weights kernel, and some on the short heads'
-// where they run.
+// where they run, after the banded cases.
 void sweep_half_precision(torch::ScalarType dtype) {
+  for (const auto& c : banded_half_precision_cases(dtype)) {
+    SCOPED_TRACE(c.describe());
+    EXPECT_EQ(check_half_precision_case(c), FusedRoute::tiled);
+  }
   int tiled = 0, short_heads = 0, weights = 0;
   for (int i = 0; i < kHalfPrecisionCases && !::testing::Test::HasFailure(); ++i) {
     const auto c = draw_half_precision_case(kBaseSeed + i, dtype);

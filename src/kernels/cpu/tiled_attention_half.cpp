@@ -7,11 +7,12 @@
 // products, and the layout in which a backward task accumulates dK and
 // dV, are each type's own:
 // - bfloat16 (Bf16Operands): bfloat16 products (tile_product.h,
-//   gemm_bf16) of whole blocks, their right operands packed in pairs along
-//   the depth (pack_bf16_pairs): K, Kᵀ, V and Vᵀ once per call, the
-//   probabilities P and the scores' gradients dS rounded to bfloat16 per
-//   tile; dKᵀ and dVᵀ accumulated (the products' rows are the heads'
-//   features) and transposed once;
+//   gemm_bf16) in a causal or windowed tile's bands (one product per run
+//   of row blocks that share a band), their right operands packed in
+//   pairs along the depth (pack_bf16_pairs): K, Kᵀ, V and Vᵀ once per
+//   call, the probabilities P and the scores' gradients dS rounded to
+//   bfloat16 per tile, in their bands; dKᵀ and dVᵀ accumulated (the
+//   products' rows are the heads' features) and transposed once;
 // - float16 (Float16Operands): the float loops' products (tile_addmm_banded,
 //   in a causal or windowed tile's bands as the float kernel computes them)
 //   on operands widened to float per tile: Q and dO per query tile, K, Kᵀ,
@@ -122,17 +123,47 @@ struct PairedKeys {
   int64_t count; // keys in whole pairs
 };
 
+// `product(first, count, band)` for each run of consecutive blocks of
+// kProductRowBlock (rows of a tile, or keys of a block; `extent` in all)
+// whose `bands` (TileBands) are the same and not empty: a banded product
+// as whole products, one per run. A causal tile's blocks run in fours,
+// the blocks of one column panel.
+template <typename Product>
+void for_each_band(const std::vector<IndexRange>& bands, int64_t extent, const Product& product) {
+  for (size_t first = 0; first < bands.size();) {
+    size_t last = first + 1;
+    while (last < bands.size() && bands[last] == bands[first]) {
+      ++last;
+    }
+    if (bands[first].begin < bands[first].end) {
+      const auto begin = static_cast<int64_t>(first) * kProductRowBlock;
+      product(
+          begin, std::min(extent, static_cast<int64_t>(last) * kProductRowBlock) - begin,
+          bands[first]);
+    }
+    first = last;
+  }
+}
+
 // A tile's rows of weights for its block's paired keys (PairedKeys),
 // rounded to bfloat16, one key block apart: the left operand of P V and
-// dS K.
+// dS K. A row's band of keys [k0, k1) of the block (TileBands) is held
+// from column k0.
 struct RoundedRows {
   RoundedRows(int64_t rows, int64_t key_block)
       : ld(key_block), bits(static_cast<size_t>(rows * key_block)) {}
 
-  // Row r of m (keys [j0, j0 + m.cols)): its paired keys rounded.
-  void round(const Bf16Rounding& rounding, const MatrixRef<float>& m, int64_t r, int64_t j0) {
-    const PairedKeys paired(j0, m.cols);
-    rounding.row(m.row(r) + paired.lead, paired.count, bits.data() + r * ld);
+  // Row r of m (keys [j0, j0 + m.cols)) in its band `keys` (columns of
+  // m): its paired keys rounded.
+  void round(
+      const Bf16Rounding& rounding,
+      const MatrixRef<float>& m,
+      int64_t r,
+      int64_t j0,
+      const IndexRange& keys) {
+    const PairedKeys paired(j0 + keys.begin, keys.end - keys.begin);
+    rounding.row(
+        m.row(r) + keys.begin + paired.lead, paired.count, bits.data() + r * ld + keys.begin);
   }
 
   int64_t ld;
@@ -169,7 +200,8 @@ void add_lone_keys(
 
 // c (rows × key_rows.cols) += `rounded` (m's rows, RoundedRows::round)
 // times those keys' pairs, then the lone keys of `m` (add_lone_keys): m
-// times the keys [j0, j0 + m.cols).
+// times the keys [j0, j0 + m.cols), each run of row blocks over its band
+// of keys (for_each_band).
 void add_times_keys(
     const MatrixRef<float>& m,
     int64_t j0,
@@ -177,16 +209,21 @@ void add_times_keys(
     const PackedHeads& pairs,
     const uint16_t* head_pairs,
     const MatrixRef<bf16>& key_rows,
-    float* c,
-    int64_t ldc) {
-  const PairedKeys paired(j0, m.cols);
-  if (paired.count > 0) {
-    multiply(
-        m.rows, key_rows.cols,
-        {paired.count, 1.0F, rounded.bits.data(), rounded.ld,
-         head_pairs + (j0 + paired.lead) / 2 * pairs.ld, pairs.ld, c, ldc, /*accumulate=*/true});
-  }
-  add_lone_keys(m, j0, key_rows, c, ldc);
+    const MatrixRef<float>& c,
+    const TileBands& bands) {
+  for_each_band(bands.keys_of_query_block, m.rows, [&](int64_t r0, int64_t rows, IndexRange keys) {
+    const auto block = m.row_block(r0, rows).column_block(keys.begin, keys.end - keys.begin);
+    const int64_t k0 = j0 + keys.begin;
+    const PairedKeys paired(k0, block.cols);
+    if (paired.count > 0) {
+      multiply(
+          rows, key_rows.cols,
+          {paired.count, 1.0F, rounded.bits.data() + r0 * rounded.ld + keys.begin, rounded.ld,
+           head_pairs + (k0 + paired.lead) / 2 * pairs.ld, pairs.ld, c.row(r0), c.row_stride,
+           /*accumulate=*/true});
+    }
+    add_lone_keys(block, k0, key_rows, c.row(r0), c.row_stride);
+  });
 }
 
 // What the operands of either type read of a request: its sizes, scale
@@ -271,31 +308,36 @@ class Bf16Operands : RequestHeads<bf16> {
     }
   }
 
-  // Its products compute whole blocks: no band is narrower (TileBands).
-  static bool computes_bands(const MatrixRef<float>& /*scores*/) { return false; }
+  // Its products compute a causal or windowed tile's bands, one product
+  // per run of row blocks that share one (for_each_band).
+  static bool computes_bands(const MatrixRef<float>& /*scores*/) { return true; }
 
-  // scores = scale·Q Kᵀ for keys [j0, j0 + scores.cols) of `tile`.
+  // scores = scale·Q Kᵀ for keys [j0, j0 + scores.cols) of `tile`, in its
+  // bands.
   void score(
       Scratch& /*s*/,
       const QueryTile& tile,
       int64_t j0,
       const MatrixRef<float>& scores,
-      const TileBands& /*whole*/) const {
+      const TileBands& bands) const {
     const auto q_tile = q.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
-    multiply(
-        tile.rows, scores.cols,
-        {D, static_cast<float>(scale), half_bits(q_tile.data), q_tile.row_stride,
-         keys_t_.head(tile.b, tile.h / group) + 2 * j0, keys_t_.ld, scores.data, scores.row_stride,
-         /*accumulate=*/false});
+    multiply_in_bands(
+        q_tile, D, static_cast<float>(scale), keys_t_,
+        keys_t_.head(tile.b, tile.h / group) + 2 * j0, scores, bands);
   }
 
-  // Row r of the forward's weights `p` (keys from j0) is final: rounded
-  // while it is in cache.
-  void take_weights_row(Scratch& s, const MatrixRef<float>& p, int64_t r, int64_t j0) const {
-    s.rows.round(round_, p, r, j0);
+  // Row r of the forward's weights `p` (keys from j0) is final in its band
+  // `keys`: rounded while it is in cache.
+  void take_weights_row(
+      Scratch& s,
+      const MatrixRef<float>& p,
+      int64_t r,
+      int64_t j0,
+      const IndexRange& keys) const {
+    s.rows.round(round_, p, r, j0, keys);
   }
 
-  // out (p.rows × Dv, rows ld apart) += P V, p's rows taken
+  // out (p.rows × Dv) += P V, in the bands, p's rows taken
   // (take_weights_row).
   void add_weights_times_values(
       Scratch& s,
@@ -303,61 +345,58 @@ class Bf16Operands : RequestHeads<bf16> {
       int64_t j0,
       const MatrixRef<float>& p,
       const MatrixRef<float>& out,
-      const TileBands& /*whole*/) const {
+      const TileBands& bands) const {
     const int64_t kv_head = tile.h / group;
     add_times_keys(
-        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out.data,
-        out.row_stride);
+        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out, bands);
   }
 
-  // dp = dO Vᵀ for keys [j0, j0 + dp.cols).
+  // dp = dO Vᵀ for keys [j0, j0 + dp.cols), in the bands.
   void grad_weights(
       Scratch& /*s*/,
       const QueryTile& tile,
       int64_t j0,
       const MatrixRef<bf16>& grad_out,
       const MatrixRef<float>& dp,
-      const TileBands& /*whole*/) const {
-    multiply(
-        tile.rows, dp.cols,
-        {Dv, 1.0F, half_bits(grad_out.data), grad_out.row_stride,
-         values_t_.head(tile.b, tile.h / group) + 2 * j0, values_t_.ld, dp.data, dp.row_stride,
-         /*accumulate=*/false});
+      const TileBands& bands) const {
+    multiply_in_bands(
+        grad_out, Dv, 1.0F, values_t_, values_t_.head(tile.b, tile.h / group) + 2 * j0, dp, bands);
   }
 
-  // dVᵀ (Dv × p.cols: columns of `dv_t`) += dOᵀ P.
+  // dVᵀ (Dv × p.cols: columns of `dv_t`) += dOᵀ P, each key over the
+  // queries that computed it.
   void add_value_gradient(
       Scratch& s,
       const MatrixRef<float>& p,
       const MatrixRef<float>& dv_t,
-      const TileBands& /*whole*/) const {
-    add_left_times_pairs(s, p, s.go_t.data(), Dv, dv_t.data, dv_t.row_stride);
+      const TileBands& bands) const {
+    add_left_times_pairs(s, p, s.go_t.data(), dv_t, bands);
   }
 
-  // dQ (ds.rows × D) += dS K, without the scale.
+  // dQ (ds.rows × D) += dS K, without the scale, in the bands.
   void add_query_gradient(
       Scratch& s,
       const QueryTile& tile,
       int64_t j0,
       const MatrixRef<float>& ds,
       const MatrixRef<float>& dq,
-      const TileBands& /*whole*/) const {
+      const TileBands& bands) const {
     for (int64_t r = 0; r < ds.rows; ++r) {
-      s.rows.round(round_, ds, r, j0);
+      s.rows.round(round_, ds, r, j0, bands.keys_of_query_block[r / kProductRowBlock]);
     }
     const int64_t kv_head = tile.h / group;
     add_times_keys(
-        ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head), k.head(tile.b, kv_head), dq.data,
-        dq.row_stride);
+        ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head), k.head(tile.b, kv_head), dq, bands);
   }
 
-  // dKᵀ (D × ds.cols: columns of `dk_t`) += Qᵀ dS, without the scale.
+  // dKᵀ (D × ds.cols: columns of `dk_t`) += Qᵀ dS, without the scale, each
+  // key over the queries that computed it.
   void add_key_gradient(
       Scratch& s,
       const MatrixRef<float>& ds,
       const MatrixRef<float>& dk_t,
-      const TileBands& /*whole*/) const {
-    add_left_times_pairs(s, ds, s.q_t.data(), D, dk_t.data, dk_t.row_stride);
+      const TileBands& bands) const {
+    add_left_times_pairs(s, ds, s.q_t.data(), dk_t, bands);
   }
 
   void round_row(const float* from, int64_t n, bf16* to) const {
@@ -367,25 +406,53 @@ class Bf16Operands : RequestHeads<bf16> {
   static void widen_row(const bf16* from, int64_t n, float* to) { std::copy(from, from + n, to); }
 
  private:
-  // c (rows × m.cols, rows ld apart) += `left` (rows × m.rows, the
-  // tile's queries) times m's rows rounded in pairs (rows 2p and 2p + 1
-  // into pair p), the right operand of a product whose depth is m's rows.
+  // out (left's rows × keys, the columns [j0, …) of `right`'s pairs from
+  // `head_pairs`) = alpha · left times them, in the bands: each run of row
+  // blocks over its band of keys (for_each_band).
+  static void multiply_in_bands(
+      const MatrixRef<bf16>& left,
+      int64_t depth,
+      float alpha,
+      const PackedHeads& right,
+      const uint16_t* head_pairs,
+      const MatrixRef<float>& out,
+      const TileBands& bands) {
+    for_each_band(
+        bands.keys_of_query_block, out.rows, [&](int64_t r0, int64_t rows, IndexRange keys) {
+          multiply(
+              rows, keys.end - keys.begin,
+              {depth, alpha, half_bits(left.row(r0)), left.row_stride, head_pairs + 2 * keys.begin,
+               right.ld, out.row(r0) + keys.begin, out.row_stride,
+               /*accumulate=*/false});
+        });
+  }
+
+  // c (rows × m.cols) += `left` (rows × m.rows, the tile's queries, rows
+  // m.rows apart) times m's rows rounded in pairs (rows 2p and 2p + 1 into
+  // pair p, in their row block's band), the right operand of a product
+  // whose depth is m's rows: each run of key blocks over the queries that
+  // computed it (for_each_band).
   void add_left_times_pairs(
       Scratch& s,
       const MatrixRef<float>& m,
       const uint16_t* left,
-      int64_t rows,
-      float* c,
-      int64_t ld) const {
+      const MatrixRef<float>& c,
+      const TileBands& bands) const {
     const int64_t pairs_ld = 2 * s.rows.ld;
     for (int64_t r = 0; r < m.rows; r += 2) {
+      const auto& keys = bands.keys_of_query_block[r / kProductRowBlock];
       round_.row_pairs(
-          m.row(r), r + 1 < m.rows ? m.row(r + 1) : nullptr, m.cols,
-          s.pairs.data() + r / 2 * pairs_ld);
+          m.row(r) + keys.begin, r + 1 < m.rows ? m.row(r + 1) + keys.begin : nullptr,
+          keys.end - keys.begin, s.pairs.data() + r / 2 * pairs_ld + 2 * keys.begin);
     }
-    multiply(
-        rows, m.cols,
-        {m.rows, 1.0F, left, m.rows, s.pairs.data(), pairs_ld, c, ld, /*accumulate=*/true});
+    for_each_band(
+        bands.queries_of_key_block, m.cols, [&](int64_t c0, int64_t cols, IndexRange queries) {
+          multiply(
+              c.rows, cols,
+              {queries.end - queries.begin, 1.0F, left + queries.begin, m.rows,
+               s.pairs.data() + queries.begin / 2 * pairs_ld + 2 * c0, pairs_ld, c.data + c0,
+               c.row_stride, /*accumulate=*/true});
+        });
   }
 
   Bf16Rounding round_;
@@ -521,7 +588,8 @@ class Float16Operands : RequestHeads<half> {
       Scratch& /*s*/,
       const MatrixRef<float>& /*p*/,
       int64_t /*r*/,
-      int64_t /*j0*/) const {}
+      int64_t /*j0*/,
+      const IndexRange& /*keys*/) const {}
 
   // out (p.rows × Dv) += P V, in the bands.
   void add_weights_times_values(
@@ -695,7 +763,7 @@ void forward_block(
     forward_row<float>(
         in, scratch.softmax, tile, r, j0 + begin, scores.row(r) + begin, end - begin,
         scratch.out.data() + r * in.Dv, in.Dv);
-    in.products.take_weights_row(scratch.operands, scores, r, j0);
+    in.products.take_weights_row(scratch.operands, scores, r, j0, keys_of[r / kProductRowBlock]);
   }
   in.products.add_weights_times_values(
       scratch.operands, tile, j0, scores,
@@ -783,7 +851,7 @@ void weights_tile(
       scores, key_begin, in.key_block, [&](int64_t j0, const MatrixRef<float>& block) {
         scratch.bands.cover_whole(tile.rows, block.cols);
         for (int64_t r = 0; r < tile.rows; ++r) {
-          in.products.take_weights_row(operands, block, r, j0);
+          in.products.take_weights_row(operands, block, r, j0, {0, block.cols});
         }
         in.products.add_weights_times_values(operands, tile, j0, block, out, scratch.bands);
       });
