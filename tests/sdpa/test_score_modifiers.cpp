@@ -429,7 +429,11 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   // The learned tensors' gradients sum dS over many pairs, which sums the
   // rounding of the softmax backward's delta_i = dO_i·O_i (from the output
   // rounded to bfloat16, as FlashAttention computes it): measured up to
-  // 2.1 times LibTorch 1.13's error (split_keys' table), 3 allowed.
+  // 2.1 times LibTorch 1.13's error and 1.96 times 2.15's (split_keys'
+  // table), 3 allowed. (The float16 test's bound for that rounding,
+  // carried_into_learned, sums it over the pairs without their
+  // cancellation: in bfloat16 up to a quarter of ALiBi's largest
+  // gradient, looser than this one.)
   for (size_t t = 0; t < ours.size(); ++t) {
     EXPECT_TRUE(attn::testing::WithinLibTorchsError(
         ours[t].grad(), theirs[t].grad(), reference_tensors[t].grad(), 3.0))
