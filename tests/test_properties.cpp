@@ -12,6 +12,7 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
+#include "kernels/cpu/batched_attention.h"
 #include "kernels/cpu/short_heads.h"
 #include "kernels/cpu/tile_product.h" // which loops compute the kernels' float products
 #include "kernels/cpu/tiled_attention.h"
@@ -548,6 +549,106 @@ TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
         const auto reference = std::get<0>(
             attn::testing::reference_attention(flat(q), flat(k), flat(v), bias, 0.25));
         EXPECT_CLOSE(flat(out), reference, (Tolerance{1e-4, half_ulp}));
+      }
+    }
+  }
+}
+
+// The batched kernel computes half precision a matrix of the batch at a
+// time in float, its results rounded once (batched_half_calls): requests
+// with weights at short lengths (cpu-short-sequences) and weights with
+// gradients at any length (cpu-weights-with-gradients; query chunks of
+// 64 rows, the last one partial). The output, the weights and the
+// gradients of q, k and v through both, against the float64 oracle
+// (softmax(Q Kᵀ·scale + bias), op by op in float64) of the same inputs:
+// bfloat16 by FlashAttention's rule against the same ops in bfloat16,
+// float16 within float32's tolerance rounded once, the weights each
+// within half an ulp of float32's (WithinFloat32RoundedOnce). On each
+// of the float products this CPU runs (attn's loops, the BLAS).
+TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWeights) {
+  struct Shape {
+    int64_t L, S, Hkv;
+    bool causal;
+    int64_t window;
+    bool float_mask;
+  };
+  const Shape shapes[] = {
+      {20, 30, 2, false, 0, true}, {150, 300, 1, true, 0, false}, {129, 129, 2, false, 38, true}};
+  torch::manual_seed(41);
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const auto& c : shapes) {
+      for (const auto loops : attn::detail::available_product_loops()) {
+        const attn::detail::ScopedProductLoops on(loops);
+        SCOPED_TRACE(
+            ::testing::Message() << c10::toString(dtype) << " products "
+                                 << attn::detail::product_loops_name(loops) << " L=" << c.L
+                                 << " S=" << c.S << " Hkv=" << c.Hkv << " causal=" << c.causal
+                                 << " window=" << c.window << " float mask=" << c.float_mask);
+        const int64_t B = 2, H = 2, E = 16, Ev = 8;
+        const auto leaf = [&](at::IntArrayRef shape) {
+          return torch::randn(shape).to(dtype).requires_grad_(true);
+        };
+        const auto q = leaf({B, H, c.L, E}), k = leaf({B, c.Hkv, c.S, E});
+        const auto v = leaf({B, c.Hkv, c.S, Ev});
+        const auto mask = c.float_mask ? torch::randn({c.L, c.S}).to(dtype) : torch::Tensor();
+        auto options =
+            attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).need_weights(true).enable_gqa(
+                c.Hkv < H);
+        if (c.window > 0) {
+          options.window(c.window);
+        }
+        ASSERT_EQ(attn::select_backend(q, k, v, options), attn::AttentionBackend::batched_cpu);
+        const int64_t calls = attn::detail::batched_half_calls(dtype);
+        const auto [out, weights] = attn::scaled_dot_product_attention(q, k, v, options);
+        const auto upstream = torch::randn(out.sizes()).to(dtype);
+        const auto weights_upstream = torch::randn(weights.sizes()).to(dtype);
+        const auto loss = [&](const torch::Tensor& o, const torch::Tensor& p) {
+          return (o.to(torch::kDouble) * upstream.to(torch::kDouble)).sum() +
+              (p.to(torch::kDouble) * weights_upstream.to(torch::kDouble)).sum();
+        };
+        const auto grads = torch::autograd::grad({loss(out, weights)}, {q, k, v});
+        EXPECT_EQ(attn::detail::batched_half_calls(dtype), calls + 2) << "forward and backward";
+        EXPECT_EQ(weights.scalar_type(), dtype);
+
+        auto bias = attn::testing::additive_bias(
+            attn::testing::band_mask(c.L, c.S, 0, c.causal, c.window));
+        if (mask.defined()) {
+          bias = bias + mask.to(torch::kDouble);
+        }
+        // The oracle's ops in `in` (float64, or the dtype for LibTorch's error).
+        const auto composite = [&](torch::ScalarType in) {
+          const auto own = [&](const torch::Tensor& t) {
+            return t.detach().to(in).requires_grad_(true);
+          };
+          std::vector<torch::Tensor> inputs{own(q), own(k), own(v)};
+          const int64_t group = H / c.Hkv;
+          const auto scores = torch::matmul(
+                                  inputs[0],
+                                  inputs[1].repeat_interleave(group, 1).transpose(-2, -1)) /
+                  std::sqrt(static_cast<double>(E)) +
+              bias.to(in);
+          const auto p = torch::softmax(scores, -1);
+          const auto o = torch::matmul(p, inputs[2].repeat_interleave(group, 1));
+          auto g = torch::autograd::grad({loss(o, p)}, inputs);
+          g.insert(g.begin(), {o.detach(), p.detach()});
+          return g; // out, weights, dq, dk, dv
+        };
+        const auto oracle = composite(torch::kDouble);
+        const torch::Tensor ours[] = {out, weights, grads[0], grads[1], grads[2]};
+        const char* names[] = {"output", "weights", "d query", "d key", "d value"};
+        EXPECT_TRUE(WithinFloat32RoundedOnce(weights, oracle[1])) << "weights";
+        if (dtype == torch::kBFloat16) {
+          const auto libtorch = composite(dtype);
+          for (size_t i = 0; i < 5; ++i) {
+            EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(ours[i], libtorch[i], oracle[i]) << names[i];
+          }
+          continue;
+        }
+        for (size_t i = 0; i < 5; ++i) {
+          EXPECT_TRUE(WithinFloat32RoundedToFloat16(
+              ours[i], oracle[i], tolerance(torch::kFloat, /*gradient=*/i >= 2)))
+              << names[i];
+        }
       }
     }
   }

@@ -364,6 +364,10 @@ bool fused_cpu_weights_computes_half(const AttentionParams& params) {
   return nonempty_half_request_on_cpu(params) && half_products_pay(params.q.scalar_type());
 }
 
+bool batched_cpu_computes_half(const AttentionParams& params) {
+  return nonempty_half_request_on_cpu(params);
+}
+
 ForwardResult fused_cpu_forward(const AttentionParams& params) {
   return fused_forward(fused_cpu_loops(params), params);
 }

@@ -286,8 +286,9 @@ bool half_precision_on_cpu(const torch::Tensor& query) {
 }
 
 // A half-precision request as attn's CPU backends compute it: in its own
-// dtype where the fused kernel or the weights kernel does (backend.h,
-// fused_cpu_computes_half, fused_cpu_weights_computes_half),
+// dtype where the fused, weights or batched kernel does (backend.h,
+// fused_cpu_computes_half, fused_cpu_weights_computes_half,
+// batched_cpu_computes_half),
 // a floating mask too (the kernels widen it as they add it, and give one
 // of the scores' size its gradient in its dtype, each element rounded
 // once) unless its gradient sums over the mask's broadcast dims, which it
@@ -304,8 +305,9 @@ detail::AttentionParams half_precision_params(
   auto params = attention_params(query, key, value, options, torch::kFloat);
   const bool in_half = backend == AttentionBackend::fused_cpu
       ? detail::fused_cpu_computes_half(params)
-      : backend == AttentionBackend::fused_cpu_weights &&
-          detail::fused_cpu_weights_computes_half(params);
+      : backend == AttentionBackend::fused_cpu_weights
+      ? detail::fused_cpu_weights_computes_half(params)
+      : backend == AttentionBackend::batched_cpu && detail::batched_cpu_computes_half(params);
   const auto& mask = options.attn_mask();
   // A gradient summed over the mask's broadcast dims (the expanded mask
   // holds more elements than the mask).

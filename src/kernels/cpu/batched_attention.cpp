@@ -10,7 +10,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <vector>
 
 namespace attn::detail {
 namespace {
@@ -165,9 +167,34 @@ torch::Tensor batched_product(const torch::Tensor& a, const torch::Tensor& b) {
   return out;
 }
 
-// scores (B·Hkv, group·L, S) → probabilities, in place: scaled, masked and
-// normalised; a row that sees no key becomes zeros. Writes each row's
-// log-sum-exp into `lse` (one per row, in the same order: (B, H, L)).
+// Row `row` of the (B·Hkv, group·L, S) scores x → its probabilities, in
+// place: scaled, masked and normalised; a row that sees no key becomes
+// zeros. Returns its log-sum-exp (-inf where it sees no key).
+template <typename scalar_t>
+scalar_t softmax_row(
+    scalar_t* x,
+    int64_t row,
+    const BatchedShape& shape,
+    const MaskView<scalar_t>& mask,
+    scalar_t scale) {
+  const int64_t S = shape.S;
+  int64_t b = 0, h = 0, i = 0;
+  shape.locate(row, b, h, i);
+  scale_row(x, S, scale);
+  mask.apply(x, S, b, h, i, 0);
+  const scalar_t largest = row_max(x, S);
+  if (largest == kNegativeInfinity<scalar_t>) {
+    std::fill(x, x + S, scalar_t(0));
+    return largest;
+  }
+  const scalar_t sum = exp_shifted_sum(x, S, largest);
+  scale_row(x, S, scalar_t(1) / sum);
+  return largest + std::log(sum);
+}
+
+// scores (B·Hkv, group·L, S) → probabilities, in place (softmax_row).
+// Writes each row's log-sum-exp into `lse` (one per row, in the same
+// order: (B, H, L)).
 template <typename scalar_t>
 void softmax_rows(
     const torch::Tensor& scores,
@@ -183,26 +210,28 @@ void softmax_rows(
       0, scores.numel() / std::max<int64_t>(S, 1), parallel_grain(S, kMinRowPassScores),
       [&](int64_t begin, int64_t end) {
         for (int64_t row = begin; row < end; ++row) {
-          scalar_t* x = data + row * S;
-          int64_t b = 0, h = 0, i = 0;
-          shape.locate(row, b, h, i);
-          scale_row(x, S, scale);
-          mask.apply(x, S, b, h, i, 0);
-          const scalar_t largest = row_max(x, S);
-          lse_data[row] = largest;
-          if (largest == kNegativeInfinity<scalar_t>) {
-            std::fill(x, x + S, scalar_t(0));
-            continue;
-          }
-          const scalar_t sum = exp_shifted_sum(x, S, largest);
-          lse_data[row] += std::log(sum);
-          scale_row(x, S, scalar_t(1) / sum);
+          lse_data[row] = softmax_row(data + row * S, row, shape, mask, scale);
         }
       });
 }
 
-// grad_probs (rows, S) → scale · the scores' gradient, in place:
-// dS_ij = P_ij (dP_ij - Σ_k P_ik dP_ik).
+// A row of the probabilities' gradient g → scale · the scores' gradient,
+// in place: dS_j = P_j (dP_j - Σ_k P_k dP_k).
+template <typename scalar_t>
+void softmax_backward_row(const scalar_t* p_row, scalar_t* g_row, int64_t S, scalar_t scale) {
+  scalar_t delta = 0;
+#pragma omp simd reduction(+ : delta)
+  for (int64_t j = 0; j < S; ++j) {
+    delta += p_row[j] * g_row[j];
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < S; ++j) {
+    g_row[j] = scale * p_row[j] * (g_row[j] - delta);
+  }
+}
+
+// grad_probs (rows, S) → scale · the scores' gradient, in place, row by
+// row (softmax_backward_row).
 template <typename scalar_t>
 void softmax_backward_rows(
     const torch::Tensor& probs,
@@ -216,17 +245,7 @@ void softmax_backward_rows(
       0, probs.numel() / std::max<int64_t>(S, 1), parallel_grain(S, kMinRowPassScores),
       [&](int64_t begin, int64_t end) {
         for (int64_t row = begin; row < end; ++row) {
-          const scalar_t* p_row = p + row * S;
-          scalar_t* g_row = g + row * S;
-          scalar_t delta = 0;
-#pragma omp simd reduction(+ : delta)
-          for (int64_t j = 0; j < S; ++j) {
-            delta += p_row[j] * g_row[j];
-          }
-#pragma omp simd
-          for (int64_t j = 0; j < S; ++j) {
-            g_row[j] = scale * p_row[j] * (g_row[j] - delta);
-          }
+          softmax_backward_row(p + row * S, g + row * S, S, scale);
         }
       });
 }
@@ -242,6 +261,285 @@ struct BatchedInputs {
         k(shape.keys(params.k)),
         v(shape.keys(params.v)) {}
 };
+
+// ---------------------------------------------------------------------------
+// Half precision (bfloat16, float16), with no float copy of a whole
+// tensor: a task widens one matrix of the batch's K and V, and its queries
+// kHalfRows rows at a time, into float memory of its own; the products
+// (attn's float loops, else the BLAS) and the row passes run in float as
+// above, and the weights, the output and the gradients are rounded once
+// into their tensors. The backward recomputes each chunk's probabilities
+// as the forward computed them, so that no (B, H, L, S) float tensor is
+// kept, and no gradient carries the weights' rounding to 8 or 11 bits.
+
+// Query rows per chunk: its scores (kHalfRows × S floats) stay in cache
+// at the short lengths that the batched kernel takes.
+constexpr int64_t kHalfRows = 64;
+
+// The calls in each half precision, counted for batched_half_calls.
+std::atomic<int64_t>& half_calls_in(torch::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(is_half_precision(dtype), "the batched kernel's half calls count ", dtype);
+  static std::atomic<int64_t> bfloat16{0}, float16{0};
+  return dtype == torch::kBFloat16 ? bfloat16 : float16;
+}
+
+// c (rows × cols, rows ldc apart) = A·B, plus c where `accumulate`:
+// A(r, t) = a[r·a_row_stride + t·a_depth_stride], B (depth × cols) rows
+// ldb apart. attn's float loops, else the BLAS.
+void float_product(
+    int64_t rows,
+    int64_t cols,
+    int64_t depth,
+    const float* a,
+    int64_t a_row_stride,
+    int64_t a_depth_stride,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    bool accumulate) {
+  if (tile_gemm_float(
+          rows, cols, depth, 1.0F, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate)) {
+    return;
+  }
+  const auto matrix = [](const float* data, int64_t r, int64_t n, int64_t row_stride,
+                         int64_t column_stride) {
+    return torch::from_blob(const_cast<float*>(data), {r, n}, {row_stride, column_stride});
+  };
+  auto out = matrix(c, rows, cols, ldc, 1);
+  const auto left = matrix(a, rows, depth, a_row_stride, a_depth_stride);
+  const auto right = matrix(b, depth, cols, ldb, 1);
+  if (accumulate) {
+    out.addmm_(left, right);
+  } else {
+    at::mm_out(out, left, right);
+  }
+}
+
+// A task's float copy of rows of one matrix of the batch (K or V of a
+// key/value head, a chunk of queries or of the output's gradient),
+// widened from half precision, and transposed where a product reads it so.
+class WidenedRows {
+ public:
+  WidenedRows(int64_t rows, int64_t cols, bool transposed)
+      : cols_(cols),
+        rows_(static_cast<size_t>(rows * cols)),
+        transposed_(transposed ? rows_.size() : 0) {}
+
+  // `rows` rows of cols elements from `from` (contiguous), unless they are
+  // those of `tag` (a matrix's index, or -1: none) already.
+  void widen(const HalfRows& conversion, const uint16_t* from, int64_t rows, int64_t tag = -1) {
+    if (tag >= 0 && tag == held_) {
+      return;
+    }
+    held_ = tag;
+    conversion.widen(from, rows * cols_, rows_.data());
+    if (!transposed_.empty()) {
+      transpose_float(rows, cols_, rows_.data(), cols_, 1, transposed_.data(), rows);
+    }
+  }
+
+  const float* rows() const { return rows_.data(); }
+  const float* transposed() const { return transposed_.data(); }
+
+ private:
+  int64_t cols_, held_ = -1;
+  std::vector<float> rows_, transposed_;
+};
+
+// A half-precision call as its tasks read it: the inputs as (N = B·Hkv,
+// ·, ·) matrices, the mask, the conversions of its dtype.
+struct HalfBatch {
+  explicit HalfBatch(const AttentionParams& params)
+      : in(params),
+        mask(params),
+        conversion(half_rows(params.q.scalar_type())),
+        scale(static_cast<float>(params.scale)),
+        N(in.shape.B * in.shape.Hkv),
+        rows(in.shape.group * in.shape.L),
+        S(in.shape.S),
+        D(params.D()),
+        Dv(params.Dv()) {}
+
+  int64_t chunks() const { return (rows + kHalfRows - 1) / kHalfRows; }
+  // Rows [begin, end) of a matrix's queries: chunk `chunk`.
+  IndexRange chunk_rows(int64_t chunk) const {
+    return {chunk * kHalfRows, std::min(rows, (chunk + 1) * kHalfRows)};
+  }
+
+  BatchedInputs in;
+  MaskView<float> mask;
+  HalfRows conversion;
+  float scale;
+  int64_t N, rows, S, D, Dv;
+};
+
+// Row r of matrix n of t (N, ·, cols), contiguous and 16-bit: its bits.
+uint16_t* half_row(const torch::Tensor& t, int64_t n, int64_t r) {
+  return static_cast<uint16_t*>(t.data_ptr()) + (n * t.size(1) + r) * t.size(2);
+}
+
+// Rows `rows` of matrix n: their scores from `queries` (those rows,
+// widened) and `keys` (Kᵀ widened), then their softmax in float
+// (softmax_row) into `probs`; each row's log-sum-exp into lse (null: not
+// wanted).
+void half_probabilities(
+    const HalfBatch& batch,
+    int64_t n,
+    const IndexRange& rows,
+    const float* queries,
+    const WidenedRows& keys,
+    float* probs,
+    float* lse) {
+  const int64_t count = rows.end - rows.begin, S = batch.S;
+  float_product(
+      count, S, batch.D, queries, batch.D, 1, keys.transposed(), S, probs, S, /*accumulate=*/false);
+  const int64_t first = n * batch.rows + rows.begin; // of the (B·Hkv, group·L) rows
+  for (int64_t r = 0; r < count; ++r) {
+    const float row_lse = softmax_row(
+        probs + r * S, first + r, batch.in.shape, batch.mask, batch.scale);
+    if (lse != nullptr) {
+      lse[r] = row_lse;
+    }
+  }
+}
+
+// batched_forward for q, k, v in bfloat16 or float16: out and, where
+// `need_weights`, the weights in their dtype (else an empty tensor); lse
+// in float.
+ForwardResult batched_forward_half(const AttentionParams& params, bool need_weights) {
+  half_calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
+  const HalfBatch batch(params);
+  const auto& shape = batch.in.shape;
+  const int64_t S = batch.S, Dv = batch.Dv, chunks = batch.chunks();
+  auto out = torch::empty({batch.N, batch.rows, Dv}, params.q.options());
+  auto lse = torch::empty({shape.B, shape.H, shape.L}, params.q.options().dtype(torch::kFloat));
+  auto weights = torch::empty({need_weights ? batch.N : 0, batch.rows, S}, params.q.options());
+  const double flops = 2.0 * kHalfRows * S * (batch.D + Dv);
+  parallel_for(
+      0, batch.N * chunks, parallel_grain(flops, kMinSmallProductWork),
+      [&](int64_t begin, int64_t end) {
+        WidenedRows keys(S, batch.D, /*transposed=*/true), values(S, Dv, false);
+        WidenedRows queries(kHalfRows, batch.D, false);
+        std::vector<float> probs(static_cast<size_t>(kHalfRows * S));
+        std::vector<float> acc(static_cast<size_t>(kHalfRows * Dv));
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t n = task / chunks;
+          const auto rows = batch.chunk_rows(task % chunks);
+          const int64_t count = rows.end - rows.begin;
+          keys.widen(batch.conversion, half_row(batch.in.k, n, 0), S, n);
+          values.widen(batch.conversion, half_row(batch.in.v, n, 0), S, n);
+          queries.widen(batch.conversion, half_row(batch.in.q, n, rows.begin), count);
+          half_probabilities(
+              batch, n, rows, queries.rows(), keys, probs.data(),
+              lse.data_ptr<float>() + n * batch.rows + rows.begin);
+          if (need_weights) {
+            batch.conversion.round(probs.data(), count * S, half_row(weights, n, rows.begin));
+          }
+          float_product(
+              count, Dv, S, probs.data(), S, 1, values.rows(), Dv, acc.data(), Dv,
+              /*accumulate=*/false);
+          batch.conversion.round(acc.data(), count * Dv, half_row(out, n, rows.begin));
+        }
+      });
+  return {
+      out.view({shape.B, shape.H, shape.L, Dv}), lse,
+      need_weights ? weights.view({shape.B, shape.H, shape.L, S}) : weights};
+}
+
+// A backward task's float memory: one matrix's K, V (and their
+// transposes), one chunk's queries, output gradient, probabilities,
+// score gradients, weights' gradient and dQ rows, and the matrix's dK and
+// dV summed over its chunks.
+struct HalfBackwardMemory {
+  explicit HalfBackwardMemory(const HalfBatch& batch)
+      : keys(batch.S, batch.D, /*transposed=*/true),
+        values(batch.S, batch.Dv, /*transposed=*/true),
+        queries(kHalfRows, batch.D, false),
+        grad_out(kHalfRows, batch.Dv, false),
+        grad_weights(kHalfRows, batch.S, false),
+        probs(static_cast<size_t>(kHalfRows * batch.S)),
+        ds(probs.size()),
+        dq(static_cast<size_t>(kHalfRows * batch.D)),
+        dk(static_cast<size_t>(batch.S * batch.D)),
+        dv(static_cast<size_t>(batch.S * batch.Dv)) {}
+
+  WidenedRows keys, values, queries, grad_out, grad_weights;
+  std::vector<float> probs, ds, dq, dk, dv;
+};
+
+// One chunk of matrix n: P recomputed, dP = dO Vᵀ (+ the weights'
+// gradient), dS; dQ of its rows rounded into `grads`, dK and dV added to
+// the task's sums.
+void half_backward_chunk(
+    const HalfBatch& batch,
+    HalfBackwardMemory& m,
+    int64_t n,
+    const IndexRange& rows,
+    const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights,
+    const torch::Tensor& dq) {
+  const int64_t count = rows.end - rows.begin, S = batch.S, D = batch.D, Dv = batch.Dv;
+  m.queries.widen(batch.conversion, half_row(batch.in.q, n, rows.begin), count);
+  m.grad_out.widen(batch.conversion, half_row(grad_out, n, rows.begin), count);
+  half_probabilities(batch, n, rows, m.queries.rows(), m.keys, m.probs.data(), nullptr);
+  float_product(
+      count, S, Dv, m.grad_out.rows(), Dv, 1, m.values.transposed(), S, m.ds.data(), S, false);
+  if (grad_weights.defined()) {
+    m.grad_weights.widen(batch.conversion, half_row(grad_weights, n, rows.begin), count);
+    const float* dw = m.grad_weights.rows();
+    for (int64_t e = 0; e < count * S; ++e) {
+      m.ds[e] += dw[e];
+    }
+  }
+  // dV += Pᵀ dO
+  float_product(S, Dv, count, m.probs.data(), 1, S, m.grad_out.rows(), Dv, m.dv.data(), Dv, true);
+  for (int64_t r = 0; r < count; ++r) {
+    softmax_backward_row(m.probs.data() + r * S, m.ds.data() + r * S, S, batch.scale);
+  }
+  // dQ = dS K; dK += dSᵀ Q
+  float_product(count, D, S, m.ds.data(), S, 1, m.keys.rows(), D, m.dq.data(), D, false);
+  batch.conversion.round(m.dq.data(), count * D, half_row(dq, n, rows.begin));
+  float_product(S, D, count, m.ds.data(), 1, S, m.queries.rows(), D, m.dk.data(), D, true);
+}
+
+// batched_backward for q, k, v in bfloat16 or float16: the gradients in
+// their dtype, each matrix of the batch one task.
+InputGradients batched_backward_half(
+    const AttentionParams& params,
+    const torch::Tensor& grad_out,
+    const torch::Tensor& grad_weights) {
+  half_calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
+  const HalfBatch batch(params);
+  const auto& shape = batch.in.shape;
+  const auto dtype = params.q.scalar_type();
+  const auto as_matrices = [&](const torch::Tensor& t, int64_t cols) {
+    return t.defined() ? t.to(dtype).contiguous().view({batch.N, batch.rows, cols}) : t;
+  };
+  const auto grad_out3 = as_matrices(grad_out, batch.Dv);
+  const auto grad_weights3 = as_matrices(grad_weights, batch.S);
+  auto dq = torch::empty_like(batch.in.q), dk = torch::empty_like(batch.in.k);
+  auto dv = torch::empty_like(batch.in.v);
+  const double flops = 4.0 * batch.rows * batch.S * (batch.D + batch.Dv);
+  parallel_for(
+      0, batch.N, parallel_grain(flops, kMinSmallProductWork), [&](int64_t begin, int64_t end) {
+        HalfBackwardMemory m(batch);
+        for (int64_t n = begin; n < end; ++n) {
+          m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), batch.S);
+          m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), batch.S);
+          std::fill(m.dk.begin(), m.dk.end(), 0.0F);
+          std::fill(m.dv.begin(), m.dv.end(), 0.0F);
+          for (int64_t chunk = 0; chunk < batch.chunks(); ++chunk) {
+            half_backward_chunk(batch, m, n, batch.chunk_rows(chunk), grad_out3, grad_weights3, dq);
+          }
+          batch.conversion.round(m.dk.data(), batch.S * batch.D, half_row(dk, n, 0));
+          batch.conversion.round(m.dv.data(), batch.S * batch.Dv, half_row(dv, n, 0));
+        }
+      });
+  return {
+      dq.view(params.q.sizes()), dk.view({shape.B, shape.Hkv, batch.S, batch.D}),
+      dv.view({shape.B, shape.Hkv, batch.S, batch.Dv})};
+}
 
 // Inputs: q, k, v (params' own, passed apart so that autograd sees them).
 // Outputs: the output (B, H, L, Dv) and the weights (B, H, L, S),
@@ -260,9 +558,12 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
     contiguous.q = q.contiguous();
     contiguous.k = k.contiguous();
     contiguous.v = v.contiguous();
-    const auto result = batched_forward(contiguous);
+    const auto result = is_half_precision(q.scalar_type())
+        ? batched_forward_half(contiguous, need_weights)
+        : batched_forward(contiguous);
     ctx->save_for_backward({contiguous.q, contiguous.k, contiguous.v, result.weights});
     params.save_settings_to(*ctx);
+    ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
       ctx->mark_non_differentiable({result.weights});
     }
@@ -283,7 +584,11 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
     const auto grad_out = grad_outputs[0].defined()
         ? grad_outputs[0]
         : torch::zeros({params.B(), params.H(), params.L(), params.Dv()}, params.q.options());
-    const auto grads = batched_backward(params, forward, grad_out, grad_outputs[1]);
+    // The weights' gradient where they were returned (autograd hands zeros
+    // for an output marked non-differentiable).
+    const auto grad_weights = ctx->saved_data.at("need_weights").toBool() ? grad_outputs[1]
+                                                                          : torch::Tensor();
+    const auto grads = batched_backward(params, forward, grad_out, grad_weights);
     return {
         grads.dq, grads.dk, grads.dv, torch::Tensor(),
         torch::Tensor()}; // nothing for params, need_weights
@@ -294,6 +599,9 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
 
 ForwardResult batched_forward(const AttentionParams& params) {
   TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the batched kernel drops no weights");
+  if (is_half_precision(params.q.scalar_type())) {
+    return batched_forward_half(params, /*need_weights=*/true);
+  }
   const BatchedInputs in(params);
   const auto& shape = in.shape;
   auto probs = batched_product(in.q, in.k.transpose(1, 2)); // (B·Hkv, group·L, S)
@@ -310,6 +618,9 @@ InputGradients batched_backward(
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const torch::Tensor& grad_weights) {
+  if (is_half_precision(params.q.scalar_type())) {
+    return batched_backward_half(params, grad_out, grad_weights);
+  }
   const BatchedInputs in(params);
   const auto& shape = in.shape;
   const auto probs = forward.weights.view({shape.B * shape.Hkv, shape.group * shape.L, shape.S});
@@ -328,6 +639,10 @@ InputGradients batched_backward(
   return {
       grad_q.view(params.q.sizes()), grad_k.view({B, Hkv, S, params.D()}),
       grad_v.view({B, Hkv, S, params.Dv()})};
+}
+
+int64_t batched_half_calls(torch::ScalarType dtype) {
+  return half_calls_in(dtype).load(std::memory_order_relaxed);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(

@@ -9,7 +9,9 @@
 // (B, H, L, S) probabilities in memory.
 //
 // Below the API boundary: `params` (attention_params.h) in float or
-// double.
+// double; or in bfloat16 or float16, computed one matrix of the batch at
+// a time in float, each result rounded once into the inputs' dtype (no
+// float copy of a whole tensor).
 
 #include "kernels/attention_params.h"
 
@@ -30,6 +32,11 @@ InputGradients batched_backward(
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const torch::Tensor& grad_weights);
+
+// How many calls (forward and backward) the batched kernel ran on inputs
+// in `dtype` (bfloat16 or float16) in this process, a matrix of the batch
+// at a time in float: for tests that check which path took a request.
+int64_t batched_half_calls(torch::ScalarType dtype);
 
 // The output (B, H, L, Dv) and, with `need_weights`, the weights
 // (B, H, L, S), both differentiable through batched_backward (else an
