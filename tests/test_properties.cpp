@@ -567,13 +567,18 @@ TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
 // of the float products this CPU runs (attn's loops, the BLAS).
 TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWeights) {
   struct Shape {
-    int64_t L, S, Hkv;
+    int64_t B, L, S, Hkv;
     bool causal;
     int64_t window;
     bool float_mask;
   };
+  // The second, one matrix (B·Hkv = 1) on two threads, splits its query
+  // chunks between two backward tasks, whose dK and dV are summed after.
   const Shape shapes[] = {
-      {20, 30, 2, false, 0, true}, {150, 300, 1, true, 0, false}, {129, 129, 2, false, 38, true}};
+      {2, 20, 30, 2, false, 0, true},
+      {1, 150, 300, 1, true, 0, false},
+      {2, 129, 129, 2, false, 38, true}};
+  const attn::testing::ThreadCount two_threads(2);
   torch::manual_seed(41);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     for (const auto& c : shapes) {
@@ -581,10 +586,11 @@ TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWei
         const attn::detail::ScopedProductLoops on(loops);
         SCOPED_TRACE(
             ::testing::Message() << c10::toString(dtype) << " products "
-                                 << attn::detail::product_loops_name(loops) << " L=" << c.L
-                                 << " S=" << c.S << " Hkv=" << c.Hkv << " causal=" << c.causal
-                                 << " window=" << c.window << " float mask=" << c.float_mask);
-        const int64_t B = 2, H = 2, E = 16, Ev = 8;
+                                 << attn::detail::product_loops_name(loops) << " B=" << c.B
+                                 << " L=" << c.L << " S=" << c.S << " Hkv=" << c.Hkv
+                                 << " causal=" << c.causal << " window=" << c.window
+                                 << " float mask=" << c.float_mask);
+        const int64_t B = c.B, H = 2, E = 16, Ev = 8;
         const auto leaf = [&](at::IntArrayRef shape) {
           return torch::randn(shape).to(dtype).requires_grad_(true);
         };

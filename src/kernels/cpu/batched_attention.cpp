@@ -503,8 +503,52 @@ void half_backward_chunk(
   float_product(S, D, count, m.ds.data(), 1, S, m.queries.rows(), D, m.dk.data(), D, true);
 }
 
+// Into how many ranges of chunks the backward splits each matrix: one
+// where there are at least as many matrices as threads, else enough for
+// a task per thread, as far as the chunks allow.
+int64_t backward_splits(const HalfBatch& batch) {
+  const int64_t threads = at::get_num_threads();
+  if (batch.N >= threads) {
+    return 1;
+  }
+  return std::clamp<int64_t>((threads + batch.N - 1) / batch.N, 1, batch.chunks());
+}
+
+// dK and dV of a matrix whose chunks several tasks shared: each task's
+// float sums, (N, splits, S, ·), summed and rounded once per matrix.
+struct SplitKeyGradients {
+  SplitKeyGradients(const HalfBatch& batch, int64_t splits)
+      : splits(splits),
+        dk(splits > 1 ? torch::empty({batch.N, splits, batch.S, batch.D}) : torch::Tensor()),
+        dv(splits > 1 ? torch::empty({batch.N, splits, batch.S, batch.Dv}) : torch::Tensor()) {}
+
+  // Task (n, split)'s sums `from` into its part of `to`.
+  static void keep(
+      const std::vector<float>& from,
+      const torch::Tensor& to,
+      int64_t n,
+      int64_t split) {
+    std::copy(from.begin(), from.end(), to[n][split].data_ptr<float>());
+  }
+
+  // The sums of matrix n, rounded into rows of its `grad` (N, S, ·).
+  static void round_sum(
+      const HalfBatch& batch,
+      const torch::Tensor& sums,
+      int64_t n,
+      const torch::Tensor& grad) {
+    const auto total = sums[n].sum(0);
+    batch.conversion.round(total.data_ptr<float>(), total.numel(), half_row(grad, n, 0));
+  }
+
+  int64_t splits;
+  torch::Tensor dk, dv;
+};
+
 // batched_backward for q, k, v in bfloat16 or float16: the gradients in
-// their dtype, each matrix of the batch one task.
+// their dtype. Each task takes a range of one matrix's chunks
+// (backward_splits), dK and dV summed over them in float; where several
+// tasks share a matrix, their sums are added after.
 InputGradients batched_backward_half(
     const AttentionParams& params,
     const torch::Tensor& grad_out,
@@ -520,22 +564,39 @@ InputGradients batched_backward_half(
   const auto grad_weights3 = as_matrices(grad_weights, batch.S);
   auto dq = torch::empty_like(batch.in.q), dk = torch::empty_like(batch.in.k);
   auto dv = torch::empty_like(batch.in.v);
-  const double flops = 4.0 * batch.rows * batch.S * (batch.D + batch.Dv);
+  const SplitKeyGradients split_sums(batch, backward_splits(batch));
+  const int64_t splits = split_sums.splits, chunks = batch.chunks();
+  const double flops = 4.0 * batch.rows * batch.S * (batch.D + batch.Dv) /
+      static_cast<double>(splits);
   parallel_for(
-      0, batch.N, parallel_grain(flops, kMinSmallProductWork), [&](int64_t begin, int64_t end) {
+      0, batch.N * splits, parallel_grain(flops, kMinSmallProductWork),
+      [&](int64_t begin, int64_t end) {
         HalfBackwardMemory m(batch);
-        for (int64_t n = begin; n < end; ++n) {
-          m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), batch.S);
-          m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), batch.S);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t n = task / splits, split = task % splits;
+          m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), batch.S, n);
+          m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), batch.S, n);
           std::fill(m.dk.begin(), m.dk.end(), 0.0F);
           std::fill(m.dv.begin(), m.dv.end(), 0.0F);
-          for (int64_t chunk = 0; chunk < batch.chunks(); ++chunk) {
+          for (int64_t chunk = split * chunks / splits; chunk < (split + 1) * chunks / splits;
+               ++chunk) {
             half_backward_chunk(batch, m, n, batch.chunk_rows(chunk), grad_out3, grad_weights3, dq);
+          }
+          if (splits > 1) {
+            SplitKeyGradients::keep(m.dk, split_sums.dk, n, split);
+            SplitKeyGradients::keep(m.dv, split_sums.dv, n, split);
+            continue;
           }
           batch.conversion.round(m.dk.data(), batch.S * batch.D, half_row(dk, n, 0));
           batch.conversion.round(m.dv.data(), batch.S * batch.Dv, half_row(dv, n, 0));
         }
       });
+  if (splits > 1) {
+    for (int64_t n = 0; n < batch.N; ++n) {
+      SplitKeyGradients::round_sum(batch, split_sums.dk, n, dk);
+      SplitKeyGradients::round_sum(batch, split_sums.dv, n, dv);
+    }
+  }
   return {
       dq.view(params.q.sizes()), dk.view({shape.B, shape.Hkv, batch.S, batch.D}),
       dv.view({shape.B, shape.Hkv, batch.S, batch.Dv})};
