@@ -193,19 +193,14 @@ torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
   return query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
-// Whether the fused kernel's tiled loops compute `dtype` in its own
-// dtype on this CPU, as its flags say (fused_cpu_computes_half reads what
-// this build runs, which a rule must not: every compiler's build chooses
+// Whether the fused kernel's tiled loops multiply bfloat16 in bfloat16 on
+// this CPU, as its flags say (fused_cpu_computes_half reads what this
+// build runs, which a rule must not: every compiler's build chooses
 // alike; a build without AMX's loops computes the request in float32 on
-// the same kernel): bfloat16 on AMX or AMD's AVX512-BF16, float16 wherever
-// attn's float loops widen it (AVX-512, or AVX2 with FMA and F16C).
-bool half_loops_on_cpu(torch::ScalarType dtype) {
+// the same kernel): on AMX, or AMD's AVX512-BF16.
+bool bf16_loops_on_cpu() {
   const auto& cpu = cpu_features();
-  switch (dtype) {
-    case torch::kBFloat16: return cpu.amx_bf16 || (cpu.avx512_bf16 && cpu.vendor == CpuVendor::amd);
-    case torch::kHalf: return cpu.avx512f || (cpu.avx2 && cpu.fma && cpu.f16c);
-    default: return false;
-  }
+  return cpu.amx_bf16 || (cpu.avx512_bf16 && cpu.vendor == CpuVendor::amd);
 }
 
 // The condition of the rule `cpu-short-sequences` (docs/BACKENDS.md; the
@@ -220,12 +215,15 @@ bool batched_cpu_faster(
   const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed_on_cpu(query))
       ? 64
       : 32;
-  // Beyond `longest`, the batched kernel computes half precision in
-  // float32, converted whole, where the tiled loops compute it in its own
-  // dtype faster without weights (Zen 4, T = 128 without a causal mask,
-  // head width 64: bfloat16 1.5-1.8x, float16 1.05-1.3x, forward and
-  // forward + backward; the weights kernel was not measured there).
-  const bool half_loops_faster = !options.need_weights() && half_loops_on_cpu(query.scalar_type());
+  // Beyond `longest`, the batched kernel computes half precision in float
+  // (a matrix of the batch at a time), where the tiled loops compute
+  // bfloat16 in its own dtype faster without weights (Zen 4, T = 128
+  // without a causal mask, head width 64: 1.34-1.57x, forward and forward
+  // + backward; the weights kernel was not measured there). float16,
+  // which those loops also compute in float, ran 0.89-0.94x the tiled
+  // loops' time on the batched kernel.
+  const bool half_loops_faster = !options.need_weights() &&
+      query.scalar_type() == torch::kBFloat16 && bf16_loops_on_cpu();
   return (L <= longest && S <= longest) ||
       (!options.is_causal() && L <= 128 && S <= 128 && query.size(-1) >= 64 && !half_loops_faster);
 }

@@ -346,15 +346,12 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(wide_heads(96, false), no_weights, batched, batched);
   expect(wide_heads(128, true), causal, AttentionBackend::fused_cpu);
   expect(wide_heads(129, false), no_weights, AttentionBackend::fused_cpu);
-  // In half precision without weights, the fused kernel's tiled loops
-  // where the CPU's flags say they compute it in its own dtype (bfloat16
-  // on AMX or AMD's AVX512-BF16, float16 on AVX-512 or AVX2 with FMA and
-  // F16C): the batched kernel computes it in float32. With weights, the
-  // batched kernel.
+  // In bfloat16 without weights, the fused kernel's tiled loops where
+  // the CPU's flags say they multiply it in bfloat16 (AMX, or AMD's
+  // AVX512-BF16): the batched kernel computes it in float. With weights,
+  // and in float16 (which both compute in float), the batched kernel.
   const bool amd = attn::testing::linux_cpuinfo_field("vendor_id") == "AuthenticAMD";
-  const bool half_loops[] = {
-      cpu_has("amx_bf16") || (amd && cpu_has("avx512_bf16")),
-      cpu_has("avx512f") || (cpu_has("avx2") && cpu_has("fma") && cpu_has("f16c"))};
+  const bool half_loops[] = {cpu_has("amx_bf16") || (amd && cpu_has("avx512_bf16")), false};
   const torch::ScalarType half_dtypes[] = {torch::kBFloat16, torch::kHalf};
   for (size_t i = 0; i < 2; ++i) {
     const auto in = wide_heads(128, true);
