@@ -566,18 +566,22 @@ TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
 // within half an ulp of float32's (WithinFloat32RoundedOnce). On each
 // of the float products this CPU runs (attn's loops, the BLAS).
 TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWeights) {
+  enum class Mask { none, shared, per_head }; // a float mask (L, S) or (B, H, L, S)
   struct Shape {
-    int64_t B, L, S, Hkv;
+    int64_t B, H, L, S, Hkv;
     bool causal;
     int64_t window;
-    bool float_mask;
+    Mask mask;
+    bool output_in_loss; // else the loss reads only the weights
   };
   // The second, one matrix (B·Hkv = 1) on two threads, splits its query
   // chunks between two backward tasks, whose dK and dV are summed after.
+  // The third's mask tells every query head of every matrix apart.
   const Shape shapes[] = {
-      {2, 20, 30, 2, false, 0, true},
-      {1, 150, 300, 1, true, 0, false},
-      {2, 129, 129, 2, false, 38, true}};
+      {2, 2, 20, 30, 2, false, 0, Mask::shared, true},
+      {1, 2, 150, 300, 1, true, 0, Mask::none, true},
+      {2, 4, 129, 129, 2, false, 38, Mask::per_head, true},
+      {2, 2, 40, 40, 1, false, 0, Mask::none, false}};
   const attn::testing::ThreadCount two_threads(2);
   torch::manual_seed(41);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
@@ -589,14 +593,17 @@ TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWei
                                  << attn::detail::product_loops_name(loops) << " B=" << c.B
                                  << " L=" << c.L << " S=" << c.S << " Hkv=" << c.Hkv
                                  << " causal=" << c.causal << " window=" << c.window
-                                 << " float mask=" << c.float_mask);
-        const int64_t B = c.B, H = 2, E = 16, Ev = 8;
+                                 << " mask=" << static_cast<int>(c.mask)
+                                 << " output in the loss=" << c.output_in_loss);
+        const int64_t B = c.B, H = c.H, E = 16, Ev = 8;
         const auto leaf = [&](at::IntArrayRef shape) {
           return torch::randn(shape).to(dtype).requires_grad_(true);
         };
         const auto q = leaf({B, H, c.L, E}), k = leaf({B, c.Hkv, c.S, E});
         const auto v = leaf({B, c.Hkv, c.S, Ev});
-        const auto mask = c.float_mask ? torch::randn({c.L, c.S}).to(dtype) : torch::Tensor();
+        const auto mask = c.mask == Mask::none ? torch::Tensor()
+            : c.mask == Mask::shared           ? torch::randn({c.L, c.S}).to(dtype)
+                                               : torch::randn({B, H, c.L, c.S}).to(dtype);
         auto options =
             attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).need_weights(true).enable_gqa(
                 c.Hkv < H);
@@ -609,8 +616,11 @@ TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWei
         const auto upstream = torch::randn(out.sizes()).to(dtype);
         const auto weights_upstream = torch::randn(weights.sizes()).to(dtype);
         const auto loss = [&](const torch::Tensor& o, const torch::Tensor& p) {
-          return (o.to(torch::kDouble) * upstream.to(torch::kDouble)).sum() +
+          const auto from_weights =
               (p.to(torch::kDouble) * weights_upstream.to(torch::kDouble)).sum();
+          return c.output_in_loss
+              ? (o.to(torch::kDouble) * upstream.to(torch::kDouble)).sum() + from_weights
+              : from_weights;
         };
         const auto grads = torch::autograd::grad({loss(out, weights)}, {q, k, v});
         EXPECT_EQ(attn::detail::batched_half_calls(dtype), calls + 2) << "forward and backward";
@@ -635,7 +645,12 @@ TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWei
               bias.to(in);
           const auto p = torch::softmax(scores, -1);
           const auto o = torch::matmul(p, inputs[2].repeat_interleave(group, 1));
-          auto g = torch::autograd::grad({loss(o, p)}, inputs);
+          auto g = torch::autograd::grad(
+              {loss(o, p)}, inputs, /*grad_outputs=*/{}, /*retain_graph=*/c10::nullopt,
+              /*create_graph=*/false, /*allow_unused=*/true);
+          for (size_t i = 0; i < g.size(); ++i) { // V, where only the weights are in the loss
+            g[i] = g[i].defined() ? g[i] : torch::zeros_like(inputs[i]);
+          }
           g.insert(g.begin(), {o.detach(), p.detach()});
           return g; // out, weights, dq, dk, dv
         };

@@ -6,11 +6,11 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/row_ops.h"
 #include "kernels/cpu/tile_product.h"
+#include "kernels/cpu/tiled_loops.h"
 
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -276,12 +276,8 @@ struct BatchedInputs {
 // at the short lengths that the batched kernel takes.
 constexpr int64_t kHalfRows = 64;
 
-// The calls in each half precision, counted for batched_half_calls.
-std::atomic<int64_t>& half_calls_in(torch::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(is_half_precision(dtype), "the batched kernel's half calls count ", dtype);
-  static std::atomic<int64_t> bfloat16{0}, float16{0};
-  return dtype == torch::kBFloat16 ? bfloat16 : float16;
-}
+// The calls in each half precision, for batched_half_calls.
+HalfPrecisionCalls batched_calls;
 
 // c (rows × cols, rows ldc apart) = A·B, plus c where `accumulate`:
 // A(r, t) = a[r·a_row_stride + t·a_depth_stride], B (depth × cols) rows
@@ -316,15 +312,20 @@ void float_product(
   }
 }
 
+// Which layouts of a widened matrix its task's products read.
+enum class Layouts { rows, transposed, both };
+
 // A task's float copy of rows of one matrix of the batch (K or V of a
 // key/value head, a chunk of queries or of the output's gradient),
-// widened from half precision, and transposed where a product reads it so.
+// widened from half precision: as rows, transposed, or both, as the
+// products read it.
 class WidenedRows {
  public:
-  WidenedRows(int64_t rows, int64_t cols, bool transposed)
+  WidenedRows(int64_t rows, int64_t cols, Layouts layouts)
       : cols_(cols),
         rows_(static_cast<size_t>(rows * cols)),
-        transposed_(transposed ? rows_.size() : 0) {}
+        transposed_(layouts == Layouts::rows ? 0 : rows_.size()),
+        keep_rows_(layouts != Layouts::transposed) {}
 
   // `rows` rows of cols elements from `from` (contiguous), unless they are
   // those of `tag` (a matrix's index, or -1: none) already.
@@ -339,12 +340,16 @@ class WidenedRows {
     }
   }
 
-  const float* rows() const { return rows_.data(); }
+  const float* rows() const {
+    TORCH_INTERNAL_ASSERT(keep_rows_, "a widened matrix kept transposed only");
+    return rows_.data();
+  }
   const float* transposed() const { return transposed_.data(); }
 
  private:
   int64_t cols_, held_ = -1;
-  std::vector<float> rows_, transposed_;
+  std::vector<float> rows_, transposed_; // rows_: also the transpose's source
+  bool keep_rows_;
 };
 
 // A half-precision call as its tasks read it: the inputs as (N = B·Hkv,
@@ -361,7 +366,7 @@ struct HalfBatch {
         D(params.D()),
         Dv(params.Dv()) {}
 
-  int64_t chunks() const { return (rows + kHalfRows - 1) / kHalfRows; }
+  int64_t chunks() const { return ceil_div(rows, kHalfRows); }
   // Rows [begin, end) of a matrix's queries: chunk `chunk`.
   IndexRange chunk_rows(int64_t chunk) const {
     return {chunk * kHalfRows, std::min(rows, (chunk + 1) * kHalfRows)};
@@ -404,60 +409,68 @@ void half_probabilities(
   }
 }
 
+// A forward task's float memory: one matrix's Kᵀ and V, one chunk's
+// queries, probabilities and output.
+struct HalfForwardMemory {
+  explicit HalfForwardMemory(const HalfBatch& batch)
+      : keys(batch.S, batch.D, Layouts::transposed),
+        values(batch.S, batch.Dv, Layouts::rows),
+        queries(kHalfRows, batch.D, Layouts::rows),
+        probs(static_cast<size_t>(kHalfRows * batch.S)),
+        out(static_cast<size_t>(kHalfRows * batch.Dv)) {}
+
+  WidenedRows keys, values, queries;
+  std::vector<float> probs, out;
+};
+
 // batched_forward for q, k, v in bfloat16 or float16: out and, where
 // `need_weights`, the weights in their dtype (else an empty tensor); lse
-// in float.
+// in float. One task per chunk of a matrix's queries.
 ForwardResult batched_forward_half(const AttentionParams& params, bool need_weights) {
-  half_calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
+  TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the batched kernel drops no weights");
+  batched_calls.count(params.q.scalar_type());
   const HalfBatch batch(params);
   const auto& shape = batch.in.shape;
   const int64_t S = batch.S, Dv = batch.Dv, chunks = batch.chunks();
   auto out = torch::empty({batch.N, batch.rows, Dv}, params.q.options());
   auto lse = torch::empty({shape.B, shape.H, shape.L}, params.q.options().dtype(torch::kFloat));
   auto weights = torch::empty({need_weights ? batch.N : 0, batch.rows, S}, params.q.options());
-  const double flops = 2.0 * kHalfRows * S * (batch.D + Dv);
-  parallel_for(
-      0, batch.N * chunks, parallel_grain(flops, kMinSmallProductWork),
-      [&](int64_t begin, int64_t end) {
-        WidenedRows keys(S, batch.D, /*transposed=*/true), values(S, Dv, false);
-        WidenedRows queries(kHalfRows, batch.D, false);
-        std::vector<float> probs(static_cast<size_t>(kHalfRows * S));
-        std::vector<float> acc(static_cast<size_t>(kHalfRows * Dv));
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t n = task / chunks;
-          const auto rows = batch.chunk_rows(task % chunks);
-          const int64_t count = rows.end - rows.begin;
-          keys.widen(batch.conversion, half_row(batch.in.k, n, 0), S, n);
-          values.widen(batch.conversion, half_row(batch.in.v, n, 0), S, n);
-          queries.widen(batch.conversion, half_row(batch.in.q, n, rows.begin), count);
-          half_probabilities(
-              batch, n, rows, queries.rows(), keys, probs.data(),
-              lse.data_ptr<float>() + n * batch.rows + rows.begin);
-          if (need_weights) {
-            batch.conversion.round(probs.data(), count * S, half_row(weights, n, rows.begin));
-          }
-          float_product(
-              count, Dv, S, probs.data(), S, 1, values.rows(), Dv, acc.data(), Dv,
-              /*accumulate=*/false);
-          batch.conversion.round(acc.data(), count * Dv, half_row(out, n, rows.begin));
+  const double flops = 2.0 * std::min(kHalfRows, batch.rows) * S * (batch.D + Dv);
+  parallel_units(
+      batch.N * chunks, flops, [&] { return HalfForwardMemory(batch); },
+      [&](HalfForwardMemory& m, int64_t unit) {
+        const int64_t n = unit / chunks;
+        const auto rows = batch.chunk_rows(unit % chunks);
+        const int64_t count = rows.end - rows.begin;
+        m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), S, n);
+        m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), S, n);
+        m.queries.widen(batch.conversion, half_row(batch.in.q, n, rows.begin), count);
+        half_probabilities(
+            batch, n, rows, m.queries.rows(), m.keys, m.probs.data(),
+            lse.data_ptr<float>() + n * batch.rows + rows.begin);
+        if (need_weights) {
+          batch.conversion.round(m.probs.data(), count * S, half_row(weights, n, rows.begin));
         }
+        float_product(
+            count, Dv, S, m.probs.data(), S, 1, m.values.rows(), Dv, m.out.data(), Dv,
+            /*accumulate=*/false);
+        batch.conversion.round(m.out.data(), count * Dv, half_row(out, n, rows.begin));
       });
   return {
       out.view({shape.B, shape.H, shape.L, Dv}), lse,
       need_weights ? weights.view({shape.B, shape.H, shape.L, S}) : weights};
 }
 
-// A backward task's float memory: one matrix's K, V (and their
-// transposes), one chunk's queries, output gradient, probabilities,
-// score gradients, weights' gradient and dQ rows, and the matrix's dK and
-// dV summed over its chunks.
+// A backward task's float memory: one matrix's K, Kᵀ and Vᵀ, one chunk's
+// queries, output gradient, probabilities, score gradients, weights'
+// gradient (where given) and dQ rows, and the task's dK and dV sums.
 struct HalfBackwardMemory {
-  explicit HalfBackwardMemory(const HalfBatch& batch)
-      : keys(batch.S, batch.D, /*transposed=*/true),
-        values(batch.S, batch.Dv, /*transposed=*/true),
-        queries(kHalfRows, batch.D, false),
-        grad_out(kHalfRows, batch.Dv, false),
-        grad_weights(kHalfRows, batch.S, false),
+  HalfBackwardMemory(const HalfBatch& batch, bool grad_weights_given)
+      : keys(batch.S, batch.D, Layouts::both),
+        values(batch.S, batch.Dv, Layouts::transposed),
+        queries(kHalfRows, batch.D, Layouts::rows),
+        grad_out(kHalfRows, batch.Dv, Layouts::rows),
+        grad_weights(grad_weights_given ? kHalfRows : 0, batch.S, Layouts::rows),
         probs(static_cast<size_t>(kHalfRows * batch.S)),
         ds(probs.size()),
         dq(static_cast<size_t>(kHalfRows * batch.D)),
@@ -469,7 +482,7 @@ struct HalfBackwardMemory {
 };
 
 // One chunk of matrix n: P recomputed, dP = dO Vᵀ (+ the weights'
-// gradient), dS; dQ of its rows rounded into `grads`, dK and dV added to
+// gradient), dS; dQ of its rows rounded into `dq`, dK and dV added to
 // the task's sums.
 void half_backward_chunk(
     const HalfBatch& batch,
@@ -503,35 +516,24 @@ void half_backward_chunk(
   float_product(S, D, count, m.ds.data(), 1, S, m.queries.rows(), D, m.dk.data(), D, true);
 }
 
-// Into how many ranges of chunks the backward splits each matrix: one
-// where there are at least as many matrices as threads, else enough for
-// a task per thread, as far as the chunks allow.
-int64_t backward_splits(const HalfBatch& batch) {
-  const int64_t threads = at::get_num_threads();
-  if (batch.N >= threads) {
-    return 1;
-  }
-  return std::clamp<int64_t>((threads + batch.N - 1) / batch.N, 1, batch.chunks());
-}
-
-// dK and dV of a matrix whose chunks several tasks shared: each task's
-// float sums, (N, splits, S, ·), summed and rounded once per matrix.
+// dK and dV of the matrices whose chunks several tasks share (as many as
+// backward_key_splits gives: one task per thread where there are fewer
+// matrices than threads): each task's float sums, (N, splits, S, ·),
+// added and rounded once per matrix after. With one split per matrix, a
+// task rounds its sums itself and these hold nothing.
 struct SplitKeyGradients {
   SplitKeyGradients(const HalfBatch& batch, int64_t splits)
       : splits(splits),
-        dk(splits > 1 ? torch::empty({batch.N, splits, batch.S, batch.D}) : torch::Tensor()),
-        dv(splits > 1 ? torch::empty({batch.N, splits, batch.S, batch.Dv}) : torch::Tensor()) {}
+        dk(torch::empty({splits > 1 ? batch.N : 0, splits, batch.S, batch.D}, torch::kFloat)),
+        dv(torch::empty({splits > 1 ? batch.N : 0, splits, batch.S, batch.Dv}, torch::kFloat)) {}
 
   // Task (n, split)'s sums `from` into its part of `to`.
-  static void keep(
-      const std::vector<float>& from,
-      const torch::Tensor& to,
-      int64_t n,
-      int64_t split) {
-    std::copy(from.begin(), from.end(), to[n][split].data_ptr<float>());
+  void keep(const std::vector<float>& from, const torch::Tensor& to, int64_t n, int64_t split)
+      const {
+    std::copy(from.begin(), from.end(), to.data_ptr<float>() + (n * splits + split) * from.size());
   }
 
-  // The sums of matrix n, rounded into rows of its `grad` (N, S, ·).
+  // Matrix n's sums, added and rounded into its rows of `grad` (N, S, ·).
   static void round_sum(
       const HalfBatch& batch,
       const torch::Tensor& sums,
@@ -546,14 +548,13 @@ struct SplitKeyGradients {
 };
 
 // batched_backward for q, k, v in bfloat16 or float16: the gradients in
-// their dtype. Each task takes a range of one matrix's chunks
-// (backward_splits), dK and dV summed over them in float; where several
-// tasks share a matrix, their sums are added after.
+// their dtype. Each task takes a range of one matrix's chunks, summing dK
+// and dV over them in float (SplitKeyGradients).
 InputGradients batched_backward_half(
     const AttentionParams& params,
     const torch::Tensor& grad_out,
     const torch::Tensor& grad_weights) {
-  half_calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
+  batched_calls.count(params.q.scalar_type());
   const HalfBatch batch(params);
   const auto& shape = batch.in.shape;
   const auto dtype = params.q.scalar_type();
@@ -564,37 +565,35 @@ InputGradients batched_backward_half(
   const auto grad_weights3 = as_matrices(grad_weights, batch.S);
   auto dq = torch::empty_like(batch.in.q), dk = torch::empty_like(batch.in.k);
   auto dv = torch::empty_like(batch.in.v);
-  const SplitKeyGradients split_sums(batch, backward_splits(batch));
-  const int64_t splits = split_sums.splits, chunks = batch.chunks();
-  const double flops = 4.0 * batch.rows * batch.S * (batch.D + batch.Dv) /
+  const int64_t chunks = batch.chunks();
+  const SplitKeyGradients split(batch, backward_key_splits(batch.N, batch.rows, kHalfRows));
+  const int64_t splits = split.splits;
+  const double flops = 2.0 * batch.rows * batch.S * (3 * batch.D + 2 * batch.Dv) /
       static_cast<double>(splits);
-  parallel_for(
-      0, batch.N * splits, parallel_grain(flops, kMinSmallProductWork),
-      [&](int64_t begin, int64_t end) {
-        HalfBackwardMemory m(batch);
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t n = task / splits, split = task % splits;
-          m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), batch.S, n);
-          m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), batch.S, n);
-          std::fill(m.dk.begin(), m.dk.end(), 0.0F);
-          std::fill(m.dv.begin(), m.dv.end(), 0.0F);
-          for (int64_t chunk = split * chunks / splits; chunk < (split + 1) * chunks / splits;
-               ++chunk) {
-            half_backward_chunk(batch, m, n, batch.chunk_rows(chunk), grad_out3, grad_weights3, dq);
-          }
-          if (splits > 1) {
-            SplitKeyGradients::keep(m.dk, split_sums.dk, n, split);
-            SplitKeyGradients::keep(m.dv, split_sums.dv, n, split);
-            continue;
-          }
-          batch.conversion.round(m.dk.data(), batch.S * batch.D, half_row(dk, n, 0));
-          batch.conversion.round(m.dv.data(), batch.S * batch.Dv, half_row(dv, n, 0));
+  parallel_units(
+      batch.N * splits, flops, [&] { return HalfBackwardMemory(batch, grad_weights3.defined()); },
+      [&](HalfBackwardMemory& m, int64_t unit) {
+        const int64_t n = unit / splits, part = unit % splits;
+        m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), batch.S, n);
+        m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), batch.S, n);
+        std::fill(m.dk.begin(), m.dk.end(), 0.0F);
+        std::fill(m.dv.begin(), m.dv.end(), 0.0F);
+        for (int64_t chunk = part * chunks / splits; chunk < (part + 1) * chunks / splits;
+             ++chunk) {
+          half_backward_chunk(batch, m, n, batch.chunk_rows(chunk), grad_out3, grad_weights3, dq);
         }
+        if (splits > 1) {
+          split.keep(m.dk, split.dk, n, part);
+          split.keep(m.dv, split.dv, n, part);
+          return;
+        }
+        batch.conversion.round(m.dk.data(), batch.S * batch.D, half_row(dk, n, 0));
+        batch.conversion.round(m.dv.data(), batch.S * batch.Dv, half_row(dv, n, 0));
       });
   if (splits > 1) {
     for (int64_t n = 0; n < batch.N; ++n) {
-      SplitKeyGradients::round_sum(batch, split_sums.dk, n, dk);
-      SplitKeyGradients::round_sum(batch, split_sums.dv, n, dv);
+      SplitKeyGradients::round_sum(batch, split.dk, n, dk);
+      SplitKeyGradients::round_sum(batch, split.dv, n, dv);
     }
   }
   return {
@@ -619,10 +618,12 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
     contiguous.q = q.contiguous();
     contiguous.k = k.contiguous();
     contiguous.v = v.contiguous();
-    const auto result = is_half_precision(q.scalar_type())
-        ? batched_forward_half(contiguous, need_weights)
-        : batched_forward(contiguous);
-    ctx->save_for_backward({contiguous.q, contiguous.k, contiguous.v, result.weights});
+    // Half precision computes the probabilities again in the backward.
+    const bool half = is_half_precision(q.scalar_type());
+    const auto result = half ? batched_forward_half(contiguous, need_weights)
+                             : batched_forward(contiguous);
+    ctx->save_for_backward(
+        {contiguous.q, contiguous.k, contiguous.v, half ? torch::Tensor() : result.weights});
     params.save_settings_to(*ctx);
     ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
@@ -703,7 +704,7 @@ InputGradients batched_backward(
 }
 
 int64_t batched_half_calls(torch::ScalarType dtype) {
-  return half_calls_in(dtype).load(std::memory_order_relaxed);
+  return batched_calls.in(dtype);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(

@@ -9,9 +9,12 @@
 // (B, H, L, S) probabilities in memory.
 //
 // Below the API boundary: `params` (attention_params.h) in float or
-// double; or in bfloat16 or float16, computed one matrix of the batch at
-// a time in float, each result rounded once into the inputs' dtype (no
-// float copy of a whole tensor).
+// double; or in bfloat16 or float16, computed a chunk of one matrix of
+// the batch at a time in float, each result rounded once into the inputs'
+// dtype: no float copy of a whole input, the weights or a gradient (only
+// of dK and dV per task where fewer matrices than threads share their
+// chunks between tasks), and the backward computes the probabilities
+// again instead of keeping them.
 
 #include "kernels/attention_params.h"
 
@@ -24,9 +27,10 @@ namespace attn::detail {
 // The output, lse and the weights (B, H, L, S), which the backward reads.
 ForwardResult batched_forward(const AttentionParams& params);
 
-// The gradients of q, k and v (shaped like them) from `forward`'s weights,
-// for grad_out (B, H, L, Dv) and grad_weights (B, H, L, S), the gradient
-// of the weights where they were returned (undefined otherwise).
+// The gradients of q, k and v (shaped like them) from `forward`'s weights
+// (in half precision, from the probabilities computed again), for grad_out (B, H, L, Dv) and
+// grad_weights (B, H, L, S), the gradient of the weights where they were returned (undefined
+// otherwise).
 InputGradients batched_backward(
     const AttentionParams& params,
     const ForwardResult& forward,

@@ -9,7 +9,6 @@
 #include <c10/util/Half.h>
 #include <torch/torch.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -160,12 +159,9 @@ class HalfHeadCopies final : public ShortHeadsConversion {
   std::vector<Copy> reads_, writes_;
 };
 
-// The calls of the loops on half-precision inputs, per dtype.
-std::atomic<int64_t>& short_half_calls_in(torch::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(is_half_precision(dtype), "the short heads' half calls count ", dtype);
-  static std::atomic<int64_t> bfloat16{0}, float16{0};
-  return dtype == torch::kBFloat16 ? bfloat16 : float16;
-}
+// The calls of the loops on half-precision inputs, for
+// short_heads_half_calls.
+HalfPrecisionCalls short_heads_calls;
 
 // `run(element)` with a value of the half-precision type of `dtype`.
 template <typename Run>
@@ -187,7 +183,7 @@ void run_in_half(
     double flops_per_head,
     ShortHeadsFn loops,
     const Name& name) {
-  short_half_calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
+  short_heads_calls.count(params.q.scalar_type());
   with_half_type(params.q.scalar_type(), [&](auto element) {
     using Element = decltype(element);
     parallel_heads(params.B() * base.H, flops_per_head, [&](int64_t begin, int64_t end) {
@@ -212,7 +208,7 @@ bool short_heads_run(torch::ScalarType dtype, int64_t L, int64_t S) {
 }
 
 int64_t short_heads_half_calls(torch::ScalarType dtype) {
-  return short_half_calls_in(dtype).load(std::memory_order_relaxed);
+  return short_heads_calls.in(dtype);
 }
 
 void short_heads_forward(const AttentionParams& params, const ForwardResult& result) {

@@ -29,7 +29,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -126,8 +125,8 @@ struct PairedKeys {
 // `product(first, count, band)` for each run of consecutive blocks of
 // kProductRowBlock (rows of a tile, or keys of a block; `extent` in all)
 // whose `bands` (TileBands) are the same and not empty: a banded product
-// as whole products, one per run. A causal tile's blocks run in fours,
-// the blocks of one column panel.
+// as whole products, one per run. A causal tile's row blocks run in up
+// to fours, the blocks that end in one column panel.
 template <typename Product>
 void for_each_band(const std::vector<IndexRange>& bands, int64_t extent, const Product& product) {
   for (size_t first = 0; first < bands.size();) {
@@ -148,7 +147,8 @@ void for_each_band(const std::vector<IndexRange>& bands, int64_t extent, const P
 // A tile's rows of weights for its block's paired keys (PairedKeys),
 // rounded to bfloat16, one key block apart: the left operand of P V and
 // dS K. A row's band of keys [k0, k1) of the block (TileBands) is held
-// from column k0.
+// from column k0, which holds the band's first paired key (PairedKeys:
+// key j0 + k0, or the next one where that is alone).
 struct RoundedRows {
   RoundedRows(int64_t rows, int64_t key_block)
       : ld(key_block), bits(static_cast<size_t>(rows * key_block)) {}
@@ -1186,12 +1186,8 @@ void half_backward(
   score_grads.finish(grads);
 }
 
-// The calls of the loops in each type, counted for tiled_half_calls.
-std::atomic<int64_t>& calls_in(torch::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(is_half_precision(dtype), "the half-precision loops count ", dtype);
-  static std::atomic<int64_t> bfloat16{0}, float16{0};
-  return dtype == torch::kBFloat16 ? bfloat16 : float16;
-}
+// The calls of the loops in each type, for tiled_half_calls.
+HalfPrecisionCalls tiled_calls;
 
 // `loops(inputs)` on Operands' inputs for `params` in `direction`, the
 // call counted; false, running nothing, where the CPU cannot run that
@@ -1201,7 +1197,7 @@ bool run_tiled_on(const AttentionParams& params, Direction direction, const Loop
   if (!Operands::runs()) {
     return false;
   }
-  calls_in(params.q.scalar_type()).fetch_add(1, std::memory_order_relaxed);
+  tiled_calls.count(params.q.scalar_type());
   loops(HalfInputs<Operands>(params, direction));
   return true;
 }
@@ -1219,7 +1215,7 @@ bool run_tiled_in_half(const AttentionParams& params, Direction direction, const
 } // namespace
 
 int64_t tiled_half_calls(torch::ScalarType dtype) {
-  return calls_in(dtype).load(std::memory_order_relaxed);
+  return tiled_calls.in(dtype);
 }
 
 bool tiled_forward_half(const AttentionParams& params, const ForwardResult& result) {
