@@ -215,17 +215,21 @@ bool batched_cpu_faster(
   const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed_on_cpu(query))
       ? 64
       : 32;
-  // Beyond `longest`, the batched kernel computes half precision in float
-  // (a matrix of the batch at a time), where the tiled loops compute
-  // bfloat16 in its own dtype faster without weights (Zen 4, T = 128
-  // without a causal mask, head width 64: 1.34-1.57x, forward and forward
-  // + backward; the weights kernel was not measured there). float16,
-  // which those loops also compute in float, ran 0.89-0.94x the tiled
-  // loops' time on the batched kernel.
-  const bool half_loops_faster = !options.need_weights() &&
-      query.scalar_type() == torch::kBFloat16 && bf16_loops_on_cpu();
+  // The batched kernel computes half precision in float (a matrix of the
+  // batch at a time). Where the CPU multiplies bfloat16 in bfloat16 for
+  // attn's loops, they ran faster at every length it takes (Zen 4, head
+  // width 64): the tiled loops without weights at T = 128 without a
+  // causal mask (1.34-1.57x, forward and forward + backward), the weights
+  // kernel with weights for inference at T = 16 ... 128 (1.0-1.6x).
+  // Weights with gradients, which only the batched kernel computes, reach
+  // it by a later rule. float16, which both compute in float, ran
+  // 0.89-0.94x the tiled loops' time on the batched kernel, and 0.88-0.96x
+  // the weights kernel's.
+  if (query.scalar_type() == torch::kBFloat16 && bf16_loops_on_cpu()) {
+    return false;
+  }
   return (L <= longest && S <= longest) ||
-      (!options.is_causal() && L <= 128 && S <= 128 && query.size(-1) >= 64 && !half_loops_faster);
+      (!options.is_causal() && L <= 128 && S <= 128 && query.size(-1) >= 64);
 }
 
 // The condition of the rule `cpu-short-heads` (docs/BACKENDS.md; the

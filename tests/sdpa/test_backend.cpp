@@ -75,6 +75,14 @@ bool short_loops() {
   return attn::detail::short_heads_run(torch::kFloat, 1, 1);
 }
 
+// Whether the CPU's flags say attn's loops multiply bfloat16 in bfloat16
+// (AMX, or AMD's AVX512-BF16), where `cpu-short-sequences` leaves
+// bfloat16 to the fused kernels.
+bool bf16_loops_here() {
+  const bool amd = attn::testing::linux_cpuinfo_field("vendor_id") == "AuthenticAMD";
+  return cpu_has("amx_bf16") || (amd && cpu_has("avx512_bf16"));
+}
+
 // Sequences longer than that, for the rules between the other backends.
 constexpr int64_t kLong = 200;
 
@@ -346,12 +354,12 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
   expect(wide_heads(96, false), no_weights, batched, batched);
   expect(wide_heads(128, true), causal, AttentionBackend::fused_cpu);
   expect(wide_heads(129, false), no_weights, AttentionBackend::fused_cpu);
-  // In bfloat16 without weights, the fused kernel's tiled loops where
-  // the CPU's flags say they multiply it in bfloat16 (AMX, or AMD's
-  // AVX512-BF16): the batched kernel computes it in float. With weights,
+  // In bfloat16, where the CPU's flags say attn's loops multiply it in
+  // bfloat16 (AMX, or AMD's AVX512-BF16), the fused kernel's tiled loops
+  // without weights and the weights kernel with weights for inference:
+  // the batched kernel computes it in float. With weights and gradients,
   // and in float16 (which both compute in float), the batched kernel.
-  const bool amd = attn::testing::linux_cpuinfo_field("vendor_id") == "AuthenticAMD";
-  const bool half_loops[] = {cpu_has("amx_bf16") || (amd && cpu_has("avx512_bf16")), false};
+  const bool half_loops[] = {bf16_loops_here(), false};
   const torch::ScalarType half_dtypes[] = {torch::kBFloat16, torch::kHalf};
   for (size_t i = 0; i < 2; ++i) {
     const auto in = wide_heads(128, true);
@@ -362,6 +370,14 @@ TEST(BackendSelection, WhereTheRuleWasMeasuredTheFasterKernelRuns) {
     const auto expected = half_loops[i] ? AttentionBackend::fused_cpu : batched;
     expect(low, no_weights, expected, expected);
     expect(low, SDPAOptions().need_weights(true), batched, batched);
+    const auto weights_kernel = half_loops[i] ? AttentionBackend::fused_cpu_weights : batched;
+    for (const int64_t T : {32, 128}) {
+      const auto inference = wide_heads(T, false);
+      const Inputs no_grad{
+          inference.q.to(half_dtypes[i]), inference.k.to(half_dtypes[i]),
+          inference.v.to(half_dtypes[i])};
+      expect(no_grad, SDPAOptions().need_weights(true), weights_kernel, weights_kernel);
+    }
   }
   expect(lengths(1024, 1024, torch::kFloat, false, 32), no_weights, AttentionBackend::fused_cpu);
   expect(lengths(2048, 2048, torch::kFloat, false), no_weights, AttentionBackend::fused_cpu);
@@ -484,14 +500,20 @@ TEST(BackendSelection, ABlockMaskTakesAttnsKernelsNeverLibTorchs) {
 }
 
 // Requests that only attn's backends run: half precision takes the one
-// float32 takes.
+// float32 takes, except bfloat16 where `cpu-short-sequences` leaves it to
+// the fused kernels (the tiled loops, or the weights kernel for weights).
 TEST(BackendSelection, HalfPrecisionOnAttnsBackendsChoosesAsFloat32Does) {
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     const auto low = make_inputs(false, dtype);
     const auto in = make_inputs();
     for (const auto& options : {SDPAOptions().need_weights(true), SDPAOptions().window(4)}) {
-      EXPECT_EQ(
-          select_backend(low.q, low.k, low.v, options), select_backend(in.q, in.k, in.v, options));
+      auto expected = select_backend(in.q, in.k, in.v, options);
+      if (dtype == torch::kBFloat16 && bf16_loops_here() &&
+          expected == AttentionBackend::batched_cpu) {
+        expected = options.need_weights() ? AttentionBackend::fused_cpu_weights
+                                          : AttentionBackend::fused_cpu;
+      }
+      EXPECT_EQ(select_backend(low.q, low.k, low.v, options), expected) << dtype;
     }
   }
 }
