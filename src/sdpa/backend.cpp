@@ -220,7 +220,7 @@ bool batched_cpu_faster(
   // attn's loops, they ran faster at every length it takes (Zen 4, head
   // width 64): the tiled loops without weights at T = 128 without a
   // causal mask (1.34-1.57x, forward and forward + backward), the weights
-  // kernel with weights for inference at T = 16 ... 128 (1.0-1.6x).
+  // kernel with weights for inference at T = 16 ... 128 (0.99-1.6x).
   // Weights with gradients, which only the batched kernel computes, reach
   // it by a later rule. float16, which both compute in float, ran
   // 0.89-0.94x the tiled loops' time on the batched kernel, and 0.88-0.96x
