@@ -554,11 +554,11 @@ TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
   }
 }
 
-// The batched kernel computes half precision a matrix of the batch at a
-// time in float, its results rounded once (batched_half_calls): requests
-// with weights at short lengths (cpu-short-sequences) and weights with
-// gradients at any length (cpu-weights-with-gradients; query chunks of
-// 64 rows, the last one partial). The output, the weights and the
+// The batched kernel computes half precision in float, query chunks of
+// 64 rows of one matrix of the batch at a time (the last one partial),
+// its results rounded once (batched_half_calls): here weights with
+// gradients (cpu-short-sequences, or cpu-weights-with-gradients where
+// bfloat16 leaves the former). The output, the weights and the
 // gradients of q, k and v through both, against the float64 oracle
 // (softmax(Q Kᵀ·scale + bias), op by op in float64) of the same inputs:
 // bfloat16 by FlashAttention's rule against the same ops in bfloat16,

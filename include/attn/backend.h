@@ -39,7 +39,10 @@ enum class AttentionBackend {
   /// into V; the backward likewise from the kept probabilities. Holds the
   /// `(B, H, L, S)` probabilities; returns them as the weights when asked,
   /// differentiable too. CPU only; no dropout, no score modifiers; a mask
-  /// must not need a gradient. bfloat16 and float16 are computed in float32.
+  /// must not need a gradient. bfloat16 and float16 are computed in
+  /// float32, 64 query rows of one matrix of the batch at a time, their
+  /// results rounded once; in those the backward keeps no probabilities
+  /// and computes them again.
   batched_cpu,
   /// LibTorch's own `at::scaled_dot_product_attention` (LibTorch 2.0 and
   /// later; a custom `scale` needs 2.1 and must be positive): flash and

@@ -217,8 +217,8 @@ bool batched_cpu_faster(
       : 32;
   // The batched kernel computes half precision in float (a matrix of the
   // batch at a time). Where the CPU multiplies bfloat16 in bfloat16 for
-  // attn's loops, they ran faster at every length it takes (Zen 4, head
-  // width 64): the tiled loops without weights at T = 128 without a
+  // attn's loops, they ran as fast or faster (Zen 4, head width 64; AMX
+  // unmeasured): the tiled loops without weights at T = 128 without a
   // causal mask (1.34-1.57x, forward and forward + backward), the weights
   // kernel with weights for inference at T = 16 ... 128 (0.99-1.6x).
   // Weights with gradients, which only the batched kernel computes, reach

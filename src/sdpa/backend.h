@@ -85,8 +85,8 @@ bool fused_cpu_weights_computes_half(const AttentionParams& params);
 
 // Whether the batched kernel (batched_cpu) computes `params`, as
 // fused_cpu_computes_half describes them, in their own dtype: wherever no
-// size is 0 (its products and row passes in float, on one matrix of the
-// batch at a time; kernels/cpu/batched_attention.h). Elsewhere the
+// size is 0 (its products and row passes in float, a chunk of one matrix
+// of the batch at a time; kernels/cpu/batched_attention.h). Elsewhere the
 // request is computed in float32, converted whole.
 bool batched_cpu_computes_half(const AttentionParams& params);
 

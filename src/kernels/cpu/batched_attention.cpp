@@ -233,7 +233,7 @@ void softmax_backward_row(const scalar_t* p_row, scalar_t* g_row, int64_t S, sca
 // grad_probs (rows, S) → scale · the scores' gradient, in place, row by
 // row (softmax_backward_row).
 template <typename scalar_t>
-void softmax_backward_rows(
+void batched_softmax_backward_rows(
     const torch::Tensor& probs,
     const torch::Tensor& grad_probs,
     double scale_) {
@@ -264,13 +264,12 @@ struct BatchedInputs {
 
 // ---------------------------------------------------------------------------
 // Half precision (bfloat16, float16), with no float copy of a whole
-// tensor: a task widens one matrix of the batch's K and V, and its queries
-// kHalfRows rows at a time, into float memory of its own; the products
-// (attn's float loops, else the BLAS) and the row passes run in float as
-// above, and the weights, the output and the gradients are rounded once
-// into their tensors. The backward recomputes each chunk's probabilities
-// as the forward computed them, so that no (B, H, L, S) float tensor is
-// kept, and no gradient carries the weights' rounding to 8 or 11 bits.
+// tensor (beyond the split dK and dV sums, SplitKeyGradients): a task widens one matrix of the
+// batch's K and V, and its queries kHalfRows rows at a time, into float memory of its own; the
+// products (attn's float loops, else the BLAS) and the row passes run in float as above, and the
+// weights, the output and the gradients are rounded once into their tensors. The backward
+// recomputes each chunk's probabilities as the forward computed them, so that no (B, H, L, S) float
+// tensor is kept, and no gradient carries the weights' rounding to 8 or 11 bits.
 
 // Query rows per chunk: its scores (kHalfRows × S floats) stay in cache
 // at the short lengths that the batched kernel takes.
@@ -693,7 +692,7 @@ InputGradients batched_backward(
     grad_probs += grad_weights.reshape(probs.sizes());
   }
   AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "batched_backward", [&] {
-    softmax_backward_rows<scalar_t>(probs, grad_probs, params.scale);
+    batched_softmax_backward_rows<scalar_t>(probs, grad_probs, params.scale);
   });
   const auto grad_q = batched_product(grad_probs, in.k);
   const auto grad_k = batched_product(grad_probs.transpose(1, 2), in.q);

@@ -38,8 +38,8 @@ InputGradients batched_backward(
     const torch::Tensor& grad_weights);
 
 // How many calls (forward and backward) the batched kernel ran on inputs
-// in `dtype` (bfloat16 or float16) in this process, a matrix of the batch
-// at a time in float: for tests that check which path took a request.
+// in `dtype` (bfloat16 or float16) in this process, a chunk of one matrix
+// of the batch at a time in float: for tests that check which path took a request.
 int64_t batched_half_calls(torch::ScalarType dtype);
 
 // The output (B, H, L, Dv) and, with `need_weights`, the weights
