@@ -264,12 +264,14 @@ struct BatchedInputs {
 
 // ---------------------------------------------------------------------------
 // Half precision (bfloat16, float16), with no float copy of a whole
-// tensor (beyond the split dK and dV sums, SplitKeyGradients): a task widens one matrix of the
-// batch's K and V, and its queries kHalfRows rows at a time, into float memory of its own; the
-// products (attn's float loops, else the BLAS) and the row passes run in float as above, and the
-// weights, the output and the gradients are rounded once into their tensors. The backward
-// recomputes each chunk's probabilities as the forward computed them, so that no (B, H, L, S) float
-// tensor is kept, and no gradient carries the weights' rounding to 8 or 11 bits.
+// tensor (beyond the split dK and dV sums, SplitKeyGradients): a task
+// widens one matrix of the batch's K and V, and its queries kHalfRows rows
+// at a time, into float memory of its own; the products (attn's float
+// loops, else the BLAS) and the row passes run in float as above, and the
+// weights, the output and the gradients are rounded once into their
+// tensors. The backward recomputes each chunk's probabilities as the
+// forward computed them, so that no (B, H, L, S) float tensor is kept,
+// and no gradient carries the weights' rounding to 8 or 11 bits.
 
 // Query rows per chunk: its scores (kHalfRows × S floats) stay in cache
 // at the short lengths that the batched kernel takes.
