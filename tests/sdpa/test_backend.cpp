@@ -155,8 +155,9 @@ TEST(BackendSelection, NoWeightsTakeTheFusedKernelWhereLibTorchIsNotFaster) {
 }
 
 // The measured rules of docs/BACKENDS.md, cpu-short-heads and
-// cpu-short-sequences, in float32: without weights, heads of up to 128 queries and 64 keys
-// take the fused kernel's short loops where they run; with weights, up to
+// cpu-short-sequences, in float32: without weights, heads of up to 128
+// queries and 64 keys take the fused kernel's short loops where they
+// run; with weights, up to
 // batched_longest() queries and keys take the batched kernel, with or
 // without gradients (and so do requests without weights where the short
 // loops do not run); beyond either, the others, except weights with

@@ -27,10 +27,10 @@ namespace attn::detail {
 // The output, lse and the weights (B, H, L, S), which the backward reads.
 ForwardResult batched_forward(const AttentionParams& params);
 
-// The gradients of q, k and v (shaped like them) from `forward`'s weights
-// (in half precision, from the probabilities computed again), for grad_out (B, H, L, Dv) and
-// grad_weights (B, H, L, S), the gradient of the weights where they were returned (undefined
-// otherwise).
+// The gradients of q, k and v (shaped like them) from `forward`'s
+// weights (in half precision, from the probabilities computed again),
+// for grad_out (B, H, L, Dv) and grad_weights (B, H, L, S), the gradient
+// of the weights where they were returned (undefined otherwise).
 InputGradients batched_backward(
     const AttentionParams& params,
     const ForwardResult& forward,
@@ -38,8 +38,9 @@ InputGradients batched_backward(
     const torch::Tensor& grad_weights);
 
 // How many calls (forward and backward) the batched kernel ran on inputs
-// in `dtype` (bfloat16 or float16) in this process, a chunk of one matrix
-// of the batch at a time in float: for tests that check which path took a request.
+// in `dtype` (bfloat16 or float16) in this process, a chunk of one
+// matrix of the batch at a time in float: for tests that check which
+// path took a request.
 int64_t batched_half_calls(torch::ScalarType dtype);
 
 // The output (B, H, L, Dv) and, with `need_weights`, the weights
