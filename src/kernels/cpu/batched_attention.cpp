@@ -280,37 +280,10 @@ constexpr int64_t kHalfRows = 64;
 // The calls in each half precision, for batched_half_calls.
 HalfPrecisionCalls batched_calls;
 
-// c (rows × cols, rows ldc apart) = A·B, plus c where `accumulate`:
-// A(r, t) = a[r·a_row_stride + t·a_depth_stride], B (depth × cols) rows
-// ldb apart. attn's float loops, else the BLAS.
-void float_product(
-    int64_t rows,
-    int64_t cols,
-    int64_t depth,
-    const float* a,
-    int64_t a_row_stride,
-    int64_t a_depth_stride,
-    const float* b,
-    int64_t ldb,
-    float* c,
-    int64_t ldc,
-    bool accumulate) {
-  if (tile_gemm_float(
-          rows, cols, depth, 1.0F, a, a_row_stride, a_depth_stride, b, ldb, c, ldc, accumulate)) {
-    return;
-  }
-  const auto matrix = [](const float* data, int64_t r, int64_t n, int64_t row_stride,
-                         int64_t column_stride) {
-    return torch::from_blob(const_cast<float*>(data), {r, n}, {row_stride, column_stride});
-  };
-  auto out = matrix(c, rows, cols, ldc, 1);
-  const auto left = matrix(a, rows, depth, a_row_stride, a_depth_stride);
-  const auto right = matrix(b, depth, cols, ldb, 1);
-  if (accumulate) {
-    out.addmm_(left, right);
-  } else {
-    at::mm_out(out, left, right);
-  }
+// rows × cols of a task's float memory, rows `row_stride` apart, as the
+// products (tile_addmm: attn's float loops, else the BLAS) take it.
+MatrixRef<float> task_matrix(const float* data, int64_t rows, int64_t cols, int64_t row_stride) {
+  return {const_cast<float*>(data), rows, cols, row_stride, 1};
 }
 
 // Which layouts of a widened matrix its task's products read.
@@ -398,8 +371,9 @@ void half_probabilities(
     float* probs,
     float* lse) {
   const int64_t count = rows.end - rows.begin, S = batch.S;
-  float_product(
-      count, S, batch.D, queries, batch.D, 1, keys.transposed(), S, probs, S, /*accumulate=*/false);
+  tile_addmm(
+      task_matrix(probs, count, S, S), task_matrix(queries, count, batch.D, batch.D),
+      task_matrix(keys.transposed(), batch.D, S, S), /*beta=*/0, /*alpha=*/1);
   const int64_t first = n * batch.rows + rows.begin; // of the (B·Hkv, group·L) rows
   for (int64_t r = 0; r < count; ++r) {
     const float row_lse = softmax_row(
@@ -452,9 +426,9 @@ ForwardResult batched_forward_half(const AttentionParams& params, bool need_weig
         if (need_weights) {
           batch.conversion.round(m.probs.data(), count * S, half_row(weights, n, rows.begin));
         }
-        float_product(
-            count, Dv, S, m.probs.data(), S, 1, m.values.rows(), Dv, m.out.data(), Dv,
-            /*accumulate=*/false);
+        tile_addmm(
+            task_matrix(m.out.data(), count, Dv, Dv), task_matrix(m.probs.data(), count, S, S),
+            task_matrix(m.values.rows(), S, Dv, Dv), /*beta=*/0, /*alpha=*/1);
         batch.conversion.round(m.out.data(), count * Dv, half_row(out, n, rows.begin));
       });
   return {
@@ -497,8 +471,10 @@ void half_backward_chunk(
   m.queries.widen(batch.conversion, half_row(batch.in.q, n, rows.begin), count);
   m.grad_out.widen(batch.conversion, half_row(grad_out, n, rows.begin), count);
   half_probabilities(batch, n, rows, m.queries.rows(), m.keys, m.probs.data(), nullptr);
-  float_product(
-      count, S, Dv, m.grad_out.rows(), Dv, 1, m.values.transposed(), S, m.ds.data(), S, false);
+  const auto probs = task_matrix(m.probs.data(), count, S, S);
+  const auto ds = task_matrix(m.ds.data(), count, S, S);
+  const auto grad_rows = task_matrix(m.grad_out.rows(), count, Dv, Dv);
+  tile_addmm(ds, grad_rows, task_matrix(m.values.transposed(), Dv, S, S), 0, 1);
   if (grad_weights.defined()) {
     m.grad_weights.widen(batch.conversion, half_row(grad_weights, n, rows.begin), count);
     const float* dw = m.grad_weights.rows();
@@ -507,14 +483,16 @@ void half_backward_chunk(
     }
   }
   // dV += Pᵀ dO
-  float_product(S, Dv, count, m.probs.data(), 1, S, m.grad_out.rows(), Dv, m.dv.data(), Dv, true);
+  tile_addmm(task_matrix(m.dv.data(), S, Dv, Dv), probs.transposed(), grad_rows, 1, 1);
   for (int64_t r = 0; r < count; ++r) {
     softmax_backward_row(m.probs.data() + r * S, m.ds.data() + r * S, S, batch.scale);
   }
   // dQ = dS K; dK += dSᵀ Q
-  float_product(count, D, S, m.ds.data(), S, 1, m.keys.rows(), D, m.dq.data(), D, false);
+  tile_addmm(task_matrix(m.dq.data(), count, D, D), ds, task_matrix(m.keys.rows(), S, D, D), 0, 1);
   batch.conversion.round(m.dq.data(), count * D, half_row(dq, n, rows.begin));
-  float_product(S, D, count, m.ds.data(), 1, S, m.queries.rows(), D, m.dk.data(), D, true);
+  tile_addmm(
+      task_matrix(m.dk.data(), S, D, D), ds.transposed(),
+      task_matrix(m.queries.rows(), count, D, D), 1, 1);
 }
 
 // dK and dV of the matrices whose chunks several tasks share (as many as

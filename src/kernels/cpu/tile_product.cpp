@@ -583,14 +583,8 @@ void tile_addmm_banded(
     return;
   }
   // Row blocks with equal bands in one call each.
-  for (size_t first = 0; first < blocks;) {
-    size_t last = first + 1;
-    while (last < blocks && row_block_bands[last] == row_block_bands[first]) {
-      ++last;
-    }
-    const int64_t r0 = static_cast<int64_t>(first) * kProductRowBlock;
-    const int64_t n = std::min(rows, static_cast<int64_t>(last) * kProductRowBlock) - r0;
-    const auto [begin, end] = row_block_bands[first];
+  for_each_band_run(row_block_bands, rows, [&](int64_t r0, int64_t n, const IndexRange& range) {
+    const auto [begin, end] = range;
     const auto out_rows = out.row_block(r0, n), a_rows = a.row_block(r0, n);
     if (band == ProductBand::columns) {
       tile_addmm(
@@ -601,8 +595,7 @@ void tile_addmm_banded(
           out_rows, a_rows.column_block(begin, end - begin), b.row_block(begin, end - begin), beta,
           alpha);
     }
-    first = last;
-  }
+  });
 }
 
 void transpose_float(

@@ -14,6 +14,7 @@
 #include <c10/util/ArrayRef.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -155,6 +156,24 @@ void tile_addmm_banded(
     double alpha,
     ProductBand band,
     c10::ArrayRef<IndexRange> row_block_bands);
+
+// `product(first, count, band)` for each run of consecutive blocks of
+// kProductRowBlock (`extent` rows or keys in all) whose `bands` are
+// equal, empty ones included: a banded product as one product per run.
+template <typename Product>
+void for_each_band_run(c10::ArrayRef<IndexRange> bands, int64_t extent, const Product& product) {
+  for (size_t first = 0; first < bands.size();) {
+    size_t last = first + 1;
+    while (last < bands.size() && bands[last] == bands[first]) {
+      ++last;
+    }
+    const auto begin = static_cast<int64_t>(first) * kProductRowBlock;
+    product(
+        begin, std::min(extent, static_cast<int64_t>(last) * kProductRowBlock) - begin,
+        bands[first]);
+    first = last;
+  }
+}
 
 // The float product of attn's loops on raw pointers, for a caller that
 // runs many small products itself (one per matrix of a batch): c (rows,

@@ -122,26 +122,17 @@ struct PairedKeys {
   int64_t count; // keys in whole pairs
 };
 
-// `product(first, count, band)` for each run of consecutive blocks of
-// kProductRowBlock (rows of a tile, or keys of a block; `extent` in all)
-// whose `bands` (TileBands) are the same and not empty: a banded product
-// as whole products, one per run. A causal tile's row blocks run in up
-// to fours, the blocks that end in one column panel.
+// for_each_band_run (tile_product.h) over the runs of blocks of rows of
+// a tile, or keys of a block, whose `bands` (TileBands) are not empty: a
+// banded product as whole products, one per run. A causal tile's row
+// blocks run in up to fours, the blocks that end in one column panel.
 template <typename Product>
 void for_each_band(const std::vector<IndexRange>& bands, int64_t extent, const Product& product) {
-  for (size_t first = 0; first < bands.size();) {
-    size_t last = first + 1;
-    while (last < bands.size() && bands[last] == bands[first]) {
-      ++last;
+  for_each_band_run(bands, extent, [&](int64_t first, int64_t count, const IndexRange& band) {
+    if (band.begin < band.end) {
+      product(first, count, band);
     }
-    if (bands[first].begin < bands[first].end) {
-      const auto begin = static_cast<int64_t>(first) * kProductRowBlock;
-      product(
-          begin, std::min(extent, static_cast<int64_t>(last) * kProductRowBlock) - begin,
-          bands[first]);
-    }
-    first = last;
-  }
+  });
 }
 
 // A tile's rows of weights for its block's paired keys (PairedKeys),
