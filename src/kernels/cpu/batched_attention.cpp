@@ -437,22 +437,21 @@ ForwardResult batched_forward_half(const AttentionParams& params, bool need_weig
 }
 
 // A backward task's float memory: one matrix's K, Kᵀ and Vᵀ, one chunk's
-// queries, output gradient, probabilities, score gradients, weights'
-// gradient (where given) and dQ rows, and the task's dK and dV sums.
+// queries, output gradient, probabilities, score gradients and dQ rows,
+// and the task's dK and dV sums.
 struct HalfBackwardMemory {
-  HalfBackwardMemory(const HalfBatch& batch, bool grad_weights_given)
+  explicit HalfBackwardMemory(const HalfBatch& batch)
       : keys(batch.S, batch.D, Layouts::both),
         values(batch.S, batch.Dv, Layouts::transposed),
         queries(kHalfRows, batch.D, Layouts::rows),
         grad_out(kHalfRows, batch.Dv, Layouts::rows),
-        grad_weights(grad_weights_given ? kHalfRows : 0, batch.S, Layouts::rows),
         probs(static_cast<size_t>(kHalfRows * batch.S)),
         ds(probs.size()),
         dq(static_cast<size_t>(kHalfRows * batch.D)),
         dk(static_cast<size_t>(batch.S * batch.D)),
         dv(static_cast<size_t>(batch.S * batch.Dv)) {}
 
-  WidenedRows keys, values, queries, grad_out, grad_weights;
+  WidenedRows keys, values, queries, grad_out;
   std::vector<float> probs, ds, dq, dk, dv;
 };
 
@@ -474,14 +473,13 @@ void half_backward_chunk(
   const auto probs = task_matrix(m.probs.data(), count, S, S);
   const auto ds = task_matrix(m.ds.data(), count, S, S);
   const auto grad_rows = task_matrix(m.grad_out.rows(), count, Dv, Dv);
-  tile_addmm(ds, grad_rows, task_matrix(m.values.transposed(), Dv, S, S), 0, 1);
-  if (grad_weights.defined()) {
-    m.grad_weights.widen(batch.conversion, half_row(grad_weights, n, rows.begin), count);
-    const float* dw = m.grad_weights.rows();
-    for (int64_t e = 0; e < count * S; ++e) {
-      m.ds[e] += dw[e];
-    }
+  // dP = dO Vᵀ, added to the weights' gradient where given.
+  const bool weights_gradient = grad_weights.defined();
+  if (weights_gradient) {
+    batch.conversion.widen(half_row(grad_weights, n, rows.begin), count * S, m.ds.data());
   }
+  tile_addmm(
+      ds, grad_rows, task_matrix(m.values.transposed(), Dv, S, S), weights_gradient ? 1 : 0, 1);
   // dV += Pᵀ dO
   tile_addmm(task_matrix(m.dv.data(), S, Dv, Dv), probs.transposed(), grad_rows, 1, 1);
   for (int64_t r = 0; r < count; ++r) {
@@ -550,7 +548,7 @@ InputGradients batched_backward_half(
   const double flops = 2.0 * batch.rows * batch.S * (3 * batch.D + 2 * batch.Dv) /
       static_cast<double>(splits);
   parallel_units(
-      batch.N * splits, flops, [&] { return HalfBackwardMemory(batch, grad_weights3.defined()); },
+      batch.N * splits, flops, [&] { return HalfBackwardMemory(batch); },
       [&](HalfBackwardMemory& m, int64_t unit) {
         const int64_t n = unit / splits, part = unit % splits;
         m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), batch.S, n);
