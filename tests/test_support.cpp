@@ -137,7 +137,9 @@ namespace {
     return shaped;
   }
   const auto error = (cpu64(ours) - reference).abs();
-  auto bound = std::ldexp(1.0, -11) * reference.abs() + float32.allowed(reference);
+  // Half an ulp of the element, or of float16's subnormals (2^-24 apart).
+  auto bound = std::ldexp(1.0, -11) * reference.abs() + std::ldexp(1.0, -25) +
+      float32.allowed(reference);
   if (carried.defined()) {
     bound = bound + carried;
   }

@@ -224,9 +224,16 @@ struct AttentionParams {
 // scores (-inf for a row that sees no key), and the weights (B, H, L, S)
 // where the kernel materialises them (the kernels that return weights;
 // undefined in the fused kernels, whose backward recomputes them from lse).
+// In half precision the fused kernels' tiled loops may also keep what
+// rounding the output into its dtype lost, out_rounding (B, H, L, Dv) =
+// the float output - out, rounded into out's dtype, where the caller
+// defines it: the backward adds it to out for the softmax backward's
+// delta_i = dO_i·O_i, so that the gradients summed over many scores (the
+// learned modifiers', the mask's) carry no rounding of the output.
 struct ForwardResult {
   torch::Tensor out, lse;
   torch::Tensor weights = {};
+  torch::Tensor out_rounding = {};
 };
 
 // The gradients of q, k and v, shaped like them, and of what the score

@@ -63,6 +63,44 @@ struct ScoreGradientsWanted {
   bool offset_bias = false, mask = false, sinks = false;
 };
 
+// Whether a mask's gradient sums dS over its broadcast dims: a dim of
+// several elements that params.mask, the mask expanded to the scores'
+// shape, steps over with stride 0.
+bool mask_gradient_sums(const torch::Tensor& mask) {
+  for (int64_t d = 0; d < mask.dim(); ++d) {
+    if (mask.size(d) > 1 && mask.stride(d) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether a differentiable forward keeps what rounding its output lost
+// (ForwardResult::out_rounding), on the tiled loops in half precision.
+// Each dS_ij carries the error of delta_i = dO_i·O_i: the output's
+// rounding (up to 2^-8 of Σ_d |dO_id·O_id| in bfloat16, 2^-11 in float16) and,
+// in bfloat16, that of P rounded for P V. A gradient that sums dS over
+// every row (the offset bias's, the sinks', a broadcast mask's) sums
+// them: up to 2.1x LibTorch's bfloat16 error, and far outside float16's
+// (tests/sdpa/test_score_modifiers.cpp). There the forward writes one
+// more tensor the output's size, and in bfloat16 multiplies P V twice
+// (Bf16Operands::add_weights_remainder_times_values), which made training
+// with such a tensor 5-16 % slower. A mask of the scores' size takes each
+// dS_ij alone: in float16 it is kept as well (one tensor's cost; the
+// float16 loops multiply P unrounded), each element then within float32's
+// error rounded once; in bfloat16 not (within LibTorch's error either
+// way).
+bool keeps_out_rounding(
+    const AttentionParams& params,
+    FusedLoops loops,
+    const ScoreGradientsWanted& wanted) {
+  const auto dtype = params.q.scalar_type();
+  const bool sums_scores = wanted.offset_bias || wanted.sinks ||
+      (wanted.mask && mask_gradient_sums(params.mask));
+  const bool float16_mask = dtype == torch::kHalf && wanted.mask;
+  return is_half_precision(dtype) && loops == FusedLoops::tiled && (sums_scores || float16_mask);
+}
+
 // Whether t is defined and requires grad.
 bool wants_gradient(const torch::Tensor& t) {
   return t.defined() && t.requires_grad();
@@ -147,7 +185,10 @@ torch::Tensor sink_gradient(
     const ForwardResult& forward,
     const torch::Tensor& grad_out) {
   const auto as_lse = [&](const torch::Tensor& t) { return t.to(forward.lse.scalar_type()); };
-  const auto delta = (as_lse(forward.out) * as_lse(grad_out)).sum(-1);                // (B, H, L)
+  const auto out = forward.out_rounding.defined()
+      ? as_lse(forward.out) + as_lse(forward.out_rounding)
+      : as_lse(forward.out);
+  const auto delta = (out * as_lse(grad_out)).sum(-1);                                // (B, H, L)
   const auto weights = (params.modifiers.sinks.view({1, -1, 1}) - forward.lse).exp(); // (B, H, L)
   return -(weights * delta).sum(at::IntArrayRef{0, 2});
 }
@@ -160,7 +201,10 @@ void run_backward(
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
   const auto prepared = with_heads_for_kernels(params);
-  const ForwardResult prepared_forward{heads_for_kernels(forward.out, 1), forward.lse.contiguous()};
+  ForwardResult prepared_forward{heads_for_kernels(forward.out, 1), forward.lse.contiguous()};
+  if (forward.out_rounding.defined()) {
+    prepared_forward.out_rounding = heads_for_kernels(forward.out_rounding, 1);
+  }
   const auto prepared_grad_out = heads_for_kernels(grad_out, 1);
   switch (loops) {
     case FusedLoops::tiled:
@@ -254,9 +298,15 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     // the underlying (B, L, H, Dv) tensor itself, not a view of it.
     auto out = torch::empty({B, L, H, params.Dv()}, params.q.options());
     const auto lse = torch::empty({B, H, L}, score_options(params));
-    run_forward(loops, with_heads_for_kernels(params), {out.permute({0, 2, 1, 3}), lse});
+    const auto out_rounding = keeps_out_rounding(params, loops, wanted) ? torch::empty_like(out)
+                                                                        : torch::Tensor();
+    ForwardResult result{out.permute({0, 2, 1, 3}), lse};
+    if (out_rounding.defined()) {
+      result.out_rounding = out_rounding.permute({0, 2, 1, 3});
+    }
+    run_forward(loops, with_heads_for_kernels(params), result);
     // Each holds a tensor, maybe undefined.
-    ctx->save_for_backward({*q, *k, *v, *qkv, out, lse, *offset_bias, *sinks});
+    ctx->save_for_backward({*q, *k, *v, *qkv, out, lse, *offset_bias, *sinks, out_rounding});
     params.save_settings_to(*ctx);
     ctx->saved_data["loops"] = static_cast<int64_t>(loops);
     ctx->saved_data["offset_bias_grad"] = wanted.offset_bias;
@@ -282,7 +332,11 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     const ScoreGradientsWanted wanted{
         ctx->saved_data.at("offset_bias_grad").toBool(), ctx->saved_data.at("mask_grad").toBool(),
         ctx->saved_data.at("sinks_grad").toBool()};
-    const ForwardResult forward{saved[4].permute({0, 2, 1, 3}), saved[5]}; // out (B, H, L, Dv)
+    // out and its rounding (B, H, L, Dv)
+    ForwardResult forward{saved[4].permute({0, 2, 1, 3}), saved[5]};
+    if (saved[8].defined()) {
+      forward.out_rounding = saved[8].permute({0, 2, 1, 3});
+    }
     const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3});
     const torch::Tensor none;
     if (params.qkv.defined()) {

@@ -157,6 +157,26 @@ struct RoundedRows {
         m.row(r) + keys.begin + paired.lead, paired.count, bits.data() + r * ld + keys.begin);
   }
 
+  // Row r as round() left it: what its rounding lost, rounded in turn;
+  // `lost`: a key block of floats.
+  // `bf16`: half_rows(kBFloat16), whose rounding is round()'s.
+  void round_remainder(
+      const HalfRows& bf16,
+      const MatrixRef<float>& m,
+      int64_t r,
+      int64_t j0,
+      const IndexRange& keys,
+      float* lost) {
+    const PairedKeys paired(j0 + keys.begin, keys.end - keys.begin);
+    const float* exact = m.row(r) + keys.begin + paired.lead;
+    uint16_t* rounded = bits.data() + r * ld + keys.begin;
+    bf16.widen(rounded, paired.count, lost);
+    for (int64_t c = 0; c < paired.count; ++c) {
+      lost[c] = exact[c] - lost[c];
+    }
+    bf16.round(lost, paired.count, rounded);
+  }
+
   int64_t ld;
   std::vector<uint16_t> bits;
 };
@@ -189,10 +209,13 @@ void add_lone_keys(
   }
 }
 
+// Whether add_times_keys adds the keys that PairedKeys leaves alone.
+enum class LoneKeys { add, skip };
+
 // c (rows × key_rows.cols) += `rounded` (m's rows, RoundedRows::round)
 // times those keys' pairs, then the lone keys of `m` (add_lone_keys): m
 // times the keys [j0, j0 + m.cols), each run of row blocks over its band
-// of keys (for_each_band).
+// of keys (for_each_band). With LoneKeys::skip, the pairs alone.
 void add_times_keys(
     const MatrixRef<float>& m,
     int64_t j0,
@@ -201,7 +224,8 @@ void add_times_keys(
     const uint16_t* head_pairs,
     const MatrixRef<bf16>& key_rows,
     const MatrixRef<float>& c,
-    const TileBands& bands) {
+    const TileBands& bands,
+    LoneKeys lone_keys = LoneKeys::add) {
   for_each_band(bands.keys_of_query_block, m.rows, [&](int64_t r0, int64_t rows, IndexRange keys) {
     const auto block = m.row_block(r0, rows).column_block(keys.begin, keys.end - keys.begin);
     const int64_t k0 = j0 + keys.begin;
@@ -213,7 +237,9 @@ void add_times_keys(
            head_pairs + (k0 + paired.lead) / 2 * pairs.ld, pairs.ld, c.row(r0), c.row_stride,
            /*accumulate=*/true});
     }
-    add_lone_keys(block, k0, key_rows, c.row(r0), c.row_stride);
+    if (lone_keys == LoneKeys::add) {
+      add_lone_keys(block, k0, key_rows, c.row(r0), c.row_stride);
+    }
   });
 }
 
@@ -252,6 +278,7 @@ class Bf16Operands : RequestHeads<bf16> {
   Bf16Operands(const AttentionParams& params, Direction direction)
       : RequestHeads<bf16>(params, direction),
         round_(bf16_rounding()),
+        bf16_rows_(half_rows(torch::kBFloat16)),
         keys_t_(packed_pairs(params.k, /*rows_are_depth=*/false, WorkspaceSlot::keys_transposed)) {
     if (direction == Direction::forward) {
       values_ = packed_pairs(params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed);
@@ -269,6 +296,7 @@ class Bf16Operands : RequestHeads<bf16> {
     RoundedRows rows;
     std::vector<uint16_t> pairs;     // (rows / 2, 2 key_block)
     std::vector<uint16_t> q_t, go_t; // (D, rows), (Dv, rows)
+    std::vector<float> lost;         // forward: (key_block), RoundedRows::round_remainder
   };
 
   Scratch scratch(int64_t rows, int64_t key_block) const {
@@ -278,7 +306,8 @@ class Bf16Operands : RequestHeads<bf16> {
     return Scratch{
         RoundedRows(rows, key_block),
         std::vector<uint16_t>(size(ceil_div(rows, 2) * 2 * key_block)),
-        std::vector<uint16_t>(size(D * rows)), std::vector<uint16_t>(size(Dv * rows))};
+        std::vector<uint16_t>(size(D * rows)), std::vector<uint16_t>(size(Dv * rows)),
+        std::vector<float>(static_cast<size_t>(direction == Direction::forward ? key_block : 0))};
   }
 
   // The backward's Qᵀ and dOᵀ of `tile`; nothing in the forward.
@@ -340,6 +369,28 @@ class Bf16Operands : RequestHeads<bf16> {
     const int64_t kv_head = tile.h / group;
     add_times_keys(
         p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out, bands);
+  }
+
+  // P V from P as it is, not rounded (the forward that keeps what its
+  // output's rounding lost, ForwardResult::out_rounding): after
+  // add_weights_times_values, out += (P - P rounded) V, the remainder
+  // rounded in turn (the lone keys took P itself).
+  static constexpr bool kRoundsWeights = true;
+  void add_weights_remainder_times_values(
+      Scratch& s,
+      const QueryTile& tile,
+      int64_t j0,
+      const MatrixRef<float>& p,
+      const MatrixRef<float>& out,
+      const TileBands& bands) const {
+    for (int64_t r = 0; r < p.rows; ++r) {
+      s.rows.round_remainder(
+          bf16_rows_, p, r, j0, bands.keys_of_query_block[r / kProductRowBlock], s.lost.data());
+    }
+    const int64_t kv_head = tile.h / group;
+    add_times_keys(
+        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out, bands,
+        LoneKeys::skip);
   }
 
   // dp = dO Vᵀ for keys [j0, j0 + dp.cols), in the bands.
@@ -447,6 +498,7 @@ class Bf16Operands : RequestHeads<bf16> {
   }
 
   Bf16Rounding round_;
+  HalfRows bf16_rows_;   // round_'s rounding, and widening
   PackedHeads keys_t_;   // Kᵀ in pairs along the features, for the scores
   PackedHeads values_;   // forward: V in pairs along the keys, for P V
   PackedHeads keys_;     // backward: K in pairs along the keys, for dQ = dS K
@@ -510,6 +562,9 @@ class Float16Operands : RequestHeads<half> {
   static constexpr bool kKeyGradientsTransposed = false;
 
   static bool runs() { return half_products_run(); }
+
+  // It multiplies P as it is (add_weights_times_values): no remainder.
+  static constexpr bool kRoundsWeights = false;
 
   Float16Operands(const AttentionParams& params, Direction direction)
       : RequestHeads<half>(params, direction),
@@ -715,7 +770,7 @@ void write_scaled(const Operands& products, const MatrixRef<T>& dst, float* src,
 // A forward task's working memory: one tile's scores (float) over
 // `score_cols` keys (a block; every key for the weights kernel), the
 // products' operands made per tile, its rows' online softmax and output
-// accumulated in float.
+// accumulated in float, and a row of the output widened back.
 template <typename Operands>
 struct HalfForwardScratch {
   OwnedMatrix<float> scores; // (kQueryTile, score_cols)
@@ -723,6 +778,7 @@ struct HalfForwardScratch {
   std::vector<float> out; // (kQueryTile, Dv)
   OnlineSoftmax<float> softmax;
   TileBands bands;
+  std::vector<float> widened; // (Dv)
 };
 
 template <typename Operands>
@@ -732,19 +788,24 @@ HalfForwardScratch<Operands> forward_scratch(const HalfInputs<Operands>& in, int
       OwnedMatrix<float>(spread_workspace_tensor(
           WorkspaceSlot::tile_scores, {rows, score_cols}, torch::dtype(torch::kFloat))),
       in.products.scratch(rows, in.key_block),
-      std::vector<float>(static_cast<size_t>(rows * in.Dv)), OnlineSoftmax<float>{}, TileBands{}};
+      std::vector<float>(static_cast<size_t>(rows * in.Dv)),
+      OnlineSoftmax<float>{},
+      TileBands{},
+      std::vector<float>(static_cast<size_t>(in.Dv))};
 }
 
 // Keys [j0, j0 + cols) of one query tile, in the bands its products
 // compute (TileBands): the scores, the row pass (forward_row), and out +=
-// P V.
+// P V; with `weights_unrounded`, P V from P as it is where the products
+// round it (Operands::kRoundsWeights).
 template <typename Operands>
 void forward_block(
     const HalfInputs<Operands>& in,
     HalfForwardScratch<Operands>& scratch,
     const QueryTile& tile,
     int64_t j0,
-    int64_t cols) {
+    int64_t cols,
+    bool weights_unrounded) {
   const auto scores = scratch.scores.matrix.row_block(0, tile.rows).column_block(0, cols);
   scratch.bands.fit_queries(in.mask, tile, j0, cols, in.products.computes_bands(scores));
   const auto& keys_of = scratch.bands.keys_of_query_block;
@@ -756,15 +817,44 @@ void forward_block(
         scratch.out.data() + r * in.Dv, in.Dv);
     in.products.take_weights_row(scratch.operands, scores, r, j0, keys_of[r / kProductRowBlock]);
   }
-  in.products.add_weights_times_values(
-      scratch.operands, tile, j0, scores,
-      MatrixRef<float>{scratch.out.data(), tile.rows, in.Dv, in.Dv}, scratch.bands);
+  const MatrixRef<float> out{scratch.out.data(), tile.rows, in.Dv, in.Dv};
+  in.products.add_weights_times_values(scratch.operands, tile, j0, scores, out, scratch.bands);
+  if constexpr (Operands::kRoundsWeights) {
+    if (weights_unrounded) {
+      in.products.add_weights_remainder_times_values(
+          scratch.operands, tile, j0, scores, out, scratch.bands);
+    }
+  }
+}
+
+// t's heads, or none where t is undefined (ForwardResult::out_rounding).
+template <typename Element>
+Heads<Element> heads_if_defined(const torch::Tensor& t) {
+  return t.defined() ? Heads<Element>(t) : Heads<Element>();
+}
+
+// rounding (n elements) = what rounding `exact` into `rounded` lost,
+// itself rounded (ForwardResult::out_rounding); `widened`: n floats.
+template <typename Operands>
+void write_rounding(
+    const Operands& products,
+    const float* exact,
+    const typename Operands::Element* rounded,
+    int64_t n,
+    float* widened,
+    typename Operands::Element* rounding) {
+  Operands::widen_row(rounded, n, widened);
+  for (int64_t c = 0; c < n; ++c) {
+    widened[c] = exact[c] - widened[c];
+  }
+  products.round_row(widened, n, rounding);
 }
 
 template <typename Operands>
 void half_forward(const HalfInputs<Operands>& in, const ForwardResult& result) {
   using Element = typename Operands::Element;
   const Heads<Element> out_heads(result.out);
+  const auto rounding_heads = heads_if_defined<Element>(result.out_rounding);
   float* const lse_data = result.lse.data_ptr<float>();
   const double flops_per_tile = 2.0 * std::min(kQueryTile, in.L) * in.S * (in.D + in.Dv);
   parallel_query_tiles(
@@ -780,15 +870,23 @@ void half_forward(const HalfInputs<Operands>& in, const ForwardResult& result) {
         };
         for (auto keys = next_keys(in.mask.tile_key_begin(tile.i0)); keys.begin < keys.end;
              keys = next_keys(keys.end)) {
-          forward_block(in, scratch, tile, keys.begin, keys.end - keys.begin);
+          forward_block(
+              in, scratch, tile, keys.begin, keys.end - keys.begin, rounding_heads.data != nullptr);
         }
         const auto out_tile = out_heads.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+        const auto rounding_tile =
+            rounding_heads.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
         float* lse_row = lse_data + (tile.b * in.H + tile.h) * in.L + tile.i0;
         for (int64_t r = 0; r < tile.rows; ++r) {
           float* acc = scratch.out.data() + r * in.Dv;
           write_scaled(
               in.products, MatrixRef<Element>{out_tile.row(r), 1, in.Dv, in.Dv}, acc,
               scratch.softmax.output_factor(r, in.keep_scale));
+          if (rounding_tile.data != nullptr) {
+            write_rounding(
+                in.products, acc, out_tile.row(r), in.Dv, scratch.widened.data(),
+                rounding_tile.row(r));
+          }
           lse_row[r] = scratch.softmax.lse(r);
         }
       });
@@ -886,6 +984,7 @@ void half_forward_with_weights(const HalfInputs<Operands>& in, const ForwardResu
 template <typename Element>
 struct HalfBackwardTensors {
   Heads<Element> out, grad_out; // (B, H, L, Dv), rows of unit stride
+  Heads<Element> out_rounding;  // likewise, or no heads (ForwardResult::out_rounding)
   const float* lse;             // (B, H, L), contiguous
   torch::Tensor dk, dv;         // (B, H, S, ·), 16-bit, or float to be summed over groups
   ModifierGradients<float> modifiers;
@@ -899,7 +998,7 @@ template <typename Operands>
 struct HalfBackwardScratch {
   OwnedMatrix<float> probs, grad_scores, score_slopes; // (kQueryTile, key_block)
   std::vector<float> delta;                            // (kQueryTile)
-  std::vector<float> widened;                          // a row of dO and of O: (2, Dv)
+  std::vector<float> widened; // a row of dO, of O and of O's rounding: (3, Dv)
   TileBands bands;
   typename Operands::Scratch operands;
   std::vector<float> dq;     // (kQueryTile, D)
@@ -922,7 +1021,7 @@ HalfBackwardScratch<Operands> backward_scratch(
       in.modifiers.bends_scores() ? tile(WorkspaceSlot::tile_score_slopes)
                                   : OwnedMatrix<float>(torch::empty({0, 0})),
       std::vector<float>(size(kQueryTile)),
-      std::vector<float>(size(2 * in.Dv)),
+      std::vector<float>(size(3 * in.Dv)),
       TileBands{},
       in.products.scratch(rows, in.key_block),
       std::vector<float>(size(rows * in.D)),
@@ -941,7 +1040,8 @@ struct HalfBackwardTile {
 };
 
 // The tile's operands (Operands::start_tile) and its rows' delta_i =
-// Σ_d dO_id · O_id (fill_row_deltas of the float loops), in float.
+// Σ_d dO_id · O_id (fill_row_deltas of the float loops), in float: O
+// the output plus what its rounding lost where the forward kept it.
 template <typename Operands>
 void start_backward_tile(
     const HalfInputs<Operands>& in,
@@ -951,11 +1051,19 @@ void start_backward_tile(
   const QueryTile& tile = bt.tile;
   in.products.start_tile(scratch.operands, tile, bt.grad_out);
   const auto out = t.out.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
+  const auto rounding = t.out_rounding.head(tile.b, tile.h).row_block(tile.i0, tile.rows);
   float* go_row = scratch.widened.data();
   float* out_row = go_row + in.Dv;
+  float* rounding_row = out_row + in.Dv;
   for (int64_t r = 0; r < tile.rows; ++r) {
     Operands::widen_row(bt.grad_out.row(r), in.Dv, go_row);
     Operands::widen_row(out.row(r), in.Dv, out_row);
+    if (rounding.data != nullptr) {
+      Operands::widen_row(rounding.row(r), in.Dv, rounding_row);
+      for (int64_t d = 0; d < in.Dv; ++d) {
+        out_row[d] += rounding_row[d];
+      }
+    }
     float delta = 0;
     for (int64_t d = 0; d < in.Dv; ++d) {
       delta += go_row[d] * out_row[d];
@@ -1115,6 +1223,7 @@ void half_backward(
   const HalfBackwardTensors<Element> t{
       Heads<Element>(forward.out),
       Heads<Element>(grad_out),
+      heads_if_defined<Element>(forward.out_rounding),
       forward.lse.data_ptr<float>(),
       grads.dk,
       grads.dv,
