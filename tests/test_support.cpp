@@ -137,7 +137,8 @@ namespace {
     return shaped;
   }
   const auto error = (cpu64(ours) - reference).abs();
-  // Half an ulp of the element, or of float16's subnormals (2^-24 apart).
+  // Half an ulp of the element, plus half the spacing of float16's
+  // subnormals (2^-24), which the first term misses below the normal range.
   auto bound = std::ldexp(1.0, -11) * reference.abs() + std::ldexp(1.0, -25) +
       float32.allowed(reference);
   if (carried.defined()) {

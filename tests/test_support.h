@@ -99,8 +99,9 @@ Tolerance tolerance_for(torch::ScalarType dtype);
 // CPU to compare with: each element of `ours` within `float32` (a float32
 // computation's tolerance, relative to the largest magnitude of the
 // float64 `reference`) plus half an ulp of float16 (2^-11) of the element
-// itself or, below float16's normal range, half the subnormals' spacing
-// (2^-25), plus `carried` where defined (Float16DeltaError).
+// itself, plus half the spacing of float16's subnormals (2^-25, what
+// rounding loses below the normal range), plus `carried` where defined
+// (Float16DeltaError).
 ::testing::AssertionResult WithinFloat32RoundedToFloat16(
     const torch::Tensor& ours,
     const torch::Tensor& reference,

@@ -27,6 +27,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <string>
@@ -426,16 +427,21 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(v.grad(), v16.grad(), v64.grad());
   const auto ours = learned_tensors(options), theirs = learned_tensors(options16);
   const auto reference_tensors = learned_tensors(options64);
-  // The learned tensors' gradients sum dS over many pairs, and with it any
-  // error of the softmax backward's delta_i = dO_i·O_i: from the output
-  // rounded to bfloat16 (as FlashAttention computes it) and from P
-  // rounded for P V, they measured up to 2.1 times LibTorch 1.13's error
-  // (split_keys' table). The forward keeps what the output's rounding
-  // lost and multiplies the remainder of P's rounding too
-  // (ForwardResult::out_rounding): held to LibTorch's own error.
+  // The learned tensors' gradients sum dS, and with it the error of the
+  // softmax backward's delta_i = dO_i·O_i. With delta_i from the output
+  // rounded to bfloat16 and computed from P rounded for P V (as
+  // FlashAttention computes it), the offset bias's gradients, sums over
+  // every pair of a head, measured up to 2.1 times LibTorch 1.13's error
+  // and 1.96 times 2.15's (split_keys' table). Where the offset bias takes
+  // a gradient, the forward keeps what the output's rounding lost and
+  // multiplies the remainder of P's rounding too (keeps_out_rounding in
+  // fused_attention.cpp): every learned tensor measured up to 0.87 times
+  // LibTorch's error on 2.15 (0.32 and 0.44 times for sinks and masks,
+  // which keep nothing). Held to 1.5 times, which a forward that keeps
+  // nothing does not meet.
   for (size_t t = 0; t < ours.size(); ++t) {
     EXPECT_TRUE(attn::testing::WithinLibTorchsError(
-        ours[t].grad(), theirs[t].grad(), reference_tensors[t].grad(), 1.0))
+        ours[t].grad(), theirs[t].grad(), reference_tensors[t].grad(), 1.5))
         << "learned tensor " << t;
   }
 }
@@ -459,7 +465,7 @@ TEST(ScoreModifiers, FusedKernelInBfloat16IsWithinTwiceLibTorchsBfloat16Error) {
 // multiplies dS: user_value_of's is below 1.3 + 0.1·h, soft-capping's at
 // most 1). The learned tensors' gradients, sums of dS over their pairs,
 // are held to the same rule with nothing carried: their forward keeps what
-// the output's rounding lost (ForwardResult::out_rounding).
+// the output's rounding lost (keeps_out_rounding in fused_attention.cpp).
 void expect_float16_within_float32_rounded(const Case& c) {
   SCOPED_TRACE(c.name + " in Float16");
   const auto f16 = torch::kHalf;
@@ -510,6 +516,45 @@ TEST(ScoreModifiers, FusedKernelInFloat16IsWithinFloat32RoundedToFloat16) {
   const ThreadCount two_threads(2);
   for (const auto& c : cases()) {
     expect_float16_within_float32_rounded(c);
+  }
+}
+
+// Which requests keep what their output's rounding lost
+// (keeps_out_rounding): in float16 any that gives a learned tensor a
+// gradient, in bfloat16 those that give the offset bias one (ALiBi's
+// slopes here); none under no grad mode, whatever requires_grad says.
+TEST(ScoreModifiers, HalfPrecisionKeepsTheOutputsRoundingWhereALearnedGradientNeedsIt) {
+  torch::manual_seed(5);
+  const int64_t H = 4;
+  const auto kept_by = [&](torch::ScalarType dtype, const SDPAOptions& modifiers) {
+    const auto q = torch::randn({1, H, 200, 32}).to(dtype).requires_grad_();
+    const auto k = torch::randn({1, H, 700, 32}).to(dtype);
+    const auto v = torch::randn({1, H, 700, 32}).to(dtype);
+    const auto options = SDPAOptions(modifiers).backend(AttentionBackend::fused_cpu);
+    const int64_t before = attn::detail::out_roundings_kept();
+    attn::scaled_dot_product_attention(q, k, v, options);
+    return attn::detail::out_roundings_kept() - before;
+  };
+  const auto learned = [](const torch::Tensor& t) { return t.clone().requires_grad_(); };
+  const auto slopes = SDPAOptions().alibi_slopes(learned(attn::alibi_slopes(H)));
+  const auto sinks = SDPAOptions().sinks(learned(torch::zeros({H})));
+  const auto fixed = SDPAOptions().alibi_slopes(attn::alibi_slopes(H));
+  if (attn::detail::half_products_run()) {
+    EXPECT_EQ(kept_by(torch::kHalf, slopes), 1);
+    EXPECT_EQ(kept_by(torch::kHalf, sinks), 1);
+    EXPECT_EQ(kept_by(torch::kHalf, fixed), 0);
+    const torch::NoGradGuard no_grad;
+    EXPECT_EQ(kept_by(torch::kHalf, sinks), 0);
+  } else {
+    std::cout << "[  NOTE    ] float16 part skipped: attn's float loops do not run on this CPU\n";
+  }
+  if (attn::detail::bf16_products_outrun_float()) {
+    EXPECT_EQ(kept_by(torch::kBFloat16, slopes), 1);
+    EXPECT_EQ(kept_by(torch::kBFloat16, sinks), 0);
+  } else {
+    std::cout
+        << "[  NOTE    ] bfloat16 part skipped: the fused kernel computes bfloat16 in float32 "
+           "on this CPU\n";
   }
 }
 

@@ -52,8 +52,12 @@ torch::TensorOptions score_options(const AttentionParams& params) {
   return params.q.options().dtype(is_half_precision(dtype) ? torch::kFloat : dtype);
 }
 
-// The count behind half_mask_gradients.
+// The counts behind half_mask_gradients and out_roundings_kept.
 std::atomic<int64_t>& half_mask_gradient_count() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+std::atomic<int64_t>& out_rounding_count() {
   static std::atomic<int64_t> count{0};
   return count;
 }
@@ -63,42 +67,31 @@ struct ScoreGradientsWanted {
   bool offset_bias = false, mask = false, sinks = false;
 };
 
-// Whether a mask's gradient sums dS over its broadcast dims: a dim of
-// several elements that params.mask, the mask expanded to the scores'
-// shape, steps over with stride 0.
-bool mask_gradient_sums(const torch::Tensor& mask) {
-  for (int64_t d = 0; d < mask.dim(); ++d) {
-    if (mask.size(d) > 1 && mask.stride(d) == 0) {
-      return true;
-    }
-  }
-  return false;
-}
-
 // Whether a differentiable forward keeps what rounding its output lost
 // (ForwardResult::out_rounding), on the tiled loops in half precision.
 // Each dS_ij carries the error of delta_i = dO_i·O_i: the output's
-// rounding (up to 2^-8 of Σ_d |dO_id·O_id| in bfloat16, 2^-11 in float16) and,
-// in bfloat16, that of P rounded for P V. A gradient that sums dS over
-// every row (the offset bias's, the sinks', a broadcast mask's) sums
-// them: up to 2.1x LibTorch's bfloat16 error, and far outside float16's
-// (tests/sdpa/test_score_modifiers.cpp). There the forward writes one
-// more tensor the output's size, and in bfloat16 multiplies P V twice
-// (Bf16Operands::add_weights_remainder_times_values), which made training
-// with such a tensor 5-16 % slower. A mask of the scores' size takes each
-// dS_ij alone: in float16 it is kept as well (one tensor's cost; the
-// float16 loops multiply P unrounded), each element then within float32's
-// error rounded once; in bfloat16 not (within LibTorch's error either
-// way).
+// rounding (up to 2^-8 of Σ_d |dO_id·O_id| in bfloat16, 2^-11 in
+// float16) and, in bfloat16, that of P rounded for P V. In float16 every
+// learned tensor's gradient gains from it, at one more tensor the
+// output's size (0-9 % more training time): without it they reached 36x
+// float32's tolerance plus one rounding. In bfloat16 the forward must
+// also multiply P's remainder into V (Bf16Operands::
+// add_weights_remainder_times_values), about 15 % more training time,
+// and only the offset bias gains: ALiBi's slopes and a position table's
+// entries sum dS over every pair of a head (the worst of them, 1.96x
+// LibTorch's error without it, 0.12x with it). The sinks' gradient sums delta_i
+// over the rows alone, a mask's takes each dS_ij alone or summed over
+// the batch or the heads: theirs measured the same either way (up to
+// 0.32x and 0.44x) (tests/sdpa/test_score_modifiers.cpp).
 bool keeps_out_rounding(
     const AttentionParams& params,
     FusedLoops loops,
     const ScoreGradientsWanted& wanted) {
-  const auto dtype = params.q.scalar_type();
-  const bool sums_scores = wanted.offset_bias || wanted.sinks ||
-      (wanted.mask && mask_gradient_sums(params.mask));
-  const bool float16_mask = dtype == torch::kHalf && wanted.mask;
-  return is_half_precision(dtype) && loops == FusedLoops::tiled && (sums_scores || float16_mask);
+  switch (loops == FusedLoops::tiled ? params.q.scalar_type() : torch::kFloat) {
+    case torch::kHalf: return wanted.offset_bias || wanted.mask || wanted.sinks;
+    case torch::kBFloat16: return wanted.offset_bias;
+    default: return false;
+  }
 }
 
 // Whether t is defined and requires grad.
@@ -107,8 +100,12 @@ bool wants_gradient(const torch::Tensor& t) {
 }
 
 // What a differentiable call gives a gradient: the modifiers' tensors and
-// a floating mask that require one.
+// a floating mask that require one; none where grad mode is off (read
+// before the autograd function's forward, which runs without it).
 ScoreGradientsWanted score_gradients_wanted(const AttentionParams& params) {
+  if (!torch::GradMode::is_enabled()) {
+    return {};
+  }
   return {
       wants_gradient(params.modifiers.offset_bias),
       wants_gradient(params.mask) && params.mask.is_floating_point(),
@@ -302,6 +299,7 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
                                                                         : torch::Tensor();
     ForwardResult result{out.permute({0, 2, 1, 3}), lse};
     if (out_rounding.defined()) {
+      out_rounding_count().fetch_add(1, std::memory_order_relaxed);
       result.out_rounding = out_rounding.permute({0, 2, 1, 3});
     }
     run_forward(loops, with_heads_for_kernels(params), result);
@@ -387,6 +385,10 @@ torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params) {
 
 int64_t half_mask_gradients() {
   return half_mask_gradient_count().load(std::memory_order_relaxed);
+}
+
+int64_t out_roundings_kept() {
+  return out_rounding_count().load(std::memory_order_relaxed);
 }
 
 } // namespace attn::detail

@@ -45,4 +45,9 @@ torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params);
 // tests that check which path a request took.
 int64_t half_mask_gradients();
 
+// How many forward calls in this process kept what rounding their output
+// lost (ForwardResult::out_rounding) for a learned tensor's gradient: for
+// tests that check which requests do.
+int64_t out_roundings_kept();
+
 } // namespace attn::detail

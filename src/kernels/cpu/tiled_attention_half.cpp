@@ -29,6 +29,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -157,11 +158,11 @@ struct RoundedRows {
         m.row(r) + keys.begin + paired.lead, paired.count, bits.data() + r * ld + keys.begin);
   }
 
-  // Row r as round() left it: what its rounding lost, rounded in turn;
-  // `lost`: a key block of floats.
-  // `bf16`: half_rows(kBFloat16), whose rounding is round()'s.
+  // Replaces row r's bits, as round() left them, with what that rounding
+  // lost, rounded in turn. `rows`: half_rows(kBFloat16), whose rounding is
+  // round()'s; `lost`: a key block of floats.
   void round_remainder(
-      const HalfRows& bf16,
+      const HalfRows& rows,
       const MatrixRef<float>& m,
       int64_t r,
       int64_t j0,
@@ -170,11 +171,11 @@ struct RoundedRows {
     const PairedKeys paired(j0 + keys.begin, keys.end - keys.begin);
     const float* exact = m.row(r) + keys.begin + paired.lead;
     uint16_t* rounded = bits.data() + r * ld + keys.begin;
-    bf16.widen(rounded, paired.count, lost);
+    rows.widen(rounded, paired.count, lost);
     for (int64_t c = 0; c < paired.count; ++c) {
       lost[c] = exact[c] - lost[c];
     }
-    bf16.round(lost, paired.count, rounded);
+    rows.round(lost, paired.count, rounded);
   }
 
   int64_t ld;
@@ -274,6 +275,10 @@ class Bf16Operands : RequestHeads<bf16> {
   static constexpr bool kKeyGradientsTransposed = true;
 
   static bool runs() { return bf16_gemm_runs(); }
+
+  // It multiplies P rounded: add_weights_remainder_times_values adds the
+  // remainder where the forward asks for P V of P itself.
+  static constexpr bool kRoundsWeights = true;
 
   Bf16Operands(const AttentionParams& params, Direction direction)
       : RequestHeads<bf16>(params, direction),
@@ -375,7 +380,6 @@ class Bf16Operands : RequestHeads<bf16> {
   // output's rounding lost, ForwardResult::out_rounding): after
   // add_weights_times_values, out += (P - P rounded) V, the remainder
   // rounded in turn (the lone keys took P itself).
-  static constexpr bool kRoundsWeights = true;
   void add_weights_remainder_times_values(
       Scratch& s,
       const QueryTile& tile,
@@ -834,7 +838,9 @@ Heads<Element> heads_if_defined(const torch::Tensor& t) {
 }
 
 // rounding (n elements) = what rounding `exact` into `rounded` lost,
-// itself rounded (ForwardResult::out_rounding); `widened`: n floats.
+// itself rounded (ForwardResult::out_rounding), 0 where `rounded`
+// overflowed (so that the backward's sum is inf, as without it, not
+// NaN); `widened`: n floats.
 template <typename Operands>
 void write_rounding(
     const Operands& products,
@@ -845,7 +851,7 @@ void write_rounding(
     typename Operands::Element* rounding) {
   Operands::widen_row(rounded, n, widened);
   for (int64_t c = 0; c < n; ++c) {
-    widened[c] = exact[c] - widened[c];
+    widened[c] = std::isfinite(widened[c]) ? exact[c] - widened[c] : 0.0F;
   }
   products.round_row(widened, n, rounding);
 }
