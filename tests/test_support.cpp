@@ -138,7 +138,7 @@ namespace {
   }
   const auto error = (cpu64(ours) - reference).abs();
   // Half an ulp of the element, plus half the spacing of float16's
-  // subnormals (2^-24), which the first term misses below the normal range.
+  // subnormals (2^-25), which the first term misses below the normal range.
   auto bound = std::ldexp(1.0, -11) * reference.abs() + std::ldexp(1.0, -25) +
       float32.allowed(reference);
   if (carried.defined()) {

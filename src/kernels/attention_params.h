@@ -228,8 +228,10 @@ struct AttentionParams {
 // rounding the output into its dtype lost, out_rounding (B, H, L, Dv) =
 // the float output - out, rounded into out's dtype, where the caller
 // defines it: the backward adds it to out for the softmax backward's
-// delta_i = dO_i·O_i, so that the gradients summed over many scores (the
-// learned modifiers', the mask's) carry no rounding of the output.
+// delta_i = dO_i·O_i, so that the learned tensors' gradients, which sum
+// it, carry no rounding of the output. In bfloat16 the forward that
+// writes it also multiplies P unrounded into V, without which O itself
+// carries P's rounding (fused_attention.cpp, keeps_out_rounding).
 struct ForwardResult {
   torch::Tensor out, lse;
   torch::Tensor weights = {};

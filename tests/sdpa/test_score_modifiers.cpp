@@ -169,7 +169,8 @@ struct Case {
   bool causal = false;
   int64_t window = 0, query_offset = 0;
   bool alibi = false, symmetric = false, softcap = false, sinks = false, mask = false;
-  bool user = false; // user_value as the score function
+  bool key_bias = false; // the mask (B, 1, 1, S): a bias per key, over heads and queries
+  bool user = false;     // user_value as the score function
   c10::optional<PositionBucketing> table;
 };
 
@@ -210,7 +211,8 @@ SDPAOptions options_of(const Case& c) {
         std::make_shared<attn::ScoreFunction>(attn::ScoreFunction{user_value, user_derivative}));
   }
   if (c.mask) {
-    options.attn_mask(leaf(torch::randn({1, c.H, c.L, c.S})));
+    options.attn_mask(
+        leaf(c.key_bias ? torch::randn({c.B, 1, 1, c.S}) : torch::randn({1, c.H, c.L, c.S})));
   }
   return options;
 }
@@ -282,6 +284,9 @@ std::vector<Case> cases() {
   c.mask = true;
   c.causal = true;
   with(c, "mask_gradient_unbroadcast");
+  c = sized(2, 2, 1, 130, 600, 8);
+  c.mask = c.key_bias = true;
+  with(c, "key_bias_gradient");
   c = big;
   c.alibi = c.softcap = c.sinks = c.mask = true;
   c.table = PositionBucketing::t5_bidirectional;
@@ -387,7 +392,7 @@ HalfPrecisionRequest half_precision_request(const Case& c, torch::ScalarType dty
 // its dtype; one that broadcasts, through a float32 copy (half_mask_gradients
 // was `before` the call).
 void expect_mask_gradient_path(const Case& c, bool loops_run, int64_t before) {
-  const bool in_its_dtype = c.mask && c.B == 1 && loops_run;
+  const bool in_its_dtype = c.mask && !c.key_bias && c.B == 1 && loops_run;
   EXPECT_EQ(attn::detail::half_mask_gradients(), before + (in_its_dtype ? 1 : 0));
 }
 
@@ -427,18 +432,18 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(v.grad(), v16.grad(), v64.grad());
   const auto ours = learned_tensors(options), theirs = learned_tensors(options16);
   const auto reference_tensors = learned_tensors(options64);
-  // The learned tensors' gradients sum dS, and with it the error of the
-  // softmax backward's delta_i = dO_i·O_i. With delta_i from the output
-  // rounded to bfloat16 and computed from P rounded for P V (as
-  // FlashAttention computes it), the offset bias's gradients, sums over
-  // every pair of a head, measured up to 2.1 times LibTorch 1.13's error
-  // and 1.96 times 2.15's (split_keys' table). Where the offset bias takes
-  // a gradient, the forward keeps what the output's rounding lost and
+  // The learned tensors' gradients sum the error of the softmax
+  // backward's delta_i = dO_i·O_i. With delta_i from the output rounded
+  // to bfloat16 and computed from P rounded for P V (as FlashAttention
+  // computes it), the offset bias's gradients, sums of dS over every pair
+  // of a head, measured up to 2.1 times LibTorch 1.13's error and 1.96
+  // times 2.15's (split_keys' table). Where the offset bias takes a
+  // gradient, the forward keeps what the output's rounding lost and
   // multiplies the remainder of P's rounding too (keeps_out_rounding in
   // fused_attention.cpp): every learned tensor measured up to 0.87 times
-  // LibTorch's error on 2.15 (0.32 and 0.44 times for sinks and masks,
-  // which keep nothing). Held to 1.5 times, which a forward that keeps
-  // nothing does not meet.
+  // LibTorch's error on 2.15; sinks and masks without an offset bias keep
+  // nothing and measured up to 0.32 and 0.44 times. Held to 1.5 times,
+  // which a forward that never keeps it does not meet.
   for (size_t t = 0; t < ours.size(); ++t) {
     EXPECT_TRUE(attn::testing::WithinLibTorchsError(
         ours[t].grad(), theirs[t].grad(), reference_tensors[t].grad(), 1.5))
@@ -522,7 +527,11 @@ TEST(ScoreModifiers, FusedKernelInFloat16IsWithinFloat32RoundedToFloat16) {
 // Which requests keep what their output's rounding lost
 // (keeps_out_rounding): in float16 any that gives a learned tensor a
 // gradient, in bfloat16 those that give the offset bias one (ALiBi's
-// slopes here); none under no grad mode, whatever requires_grad says.
+// slopes here), in float32 none; none under no grad mode, whatever
+// requires_grad says. (The sinks are float32 here, which reach the kernel
+// as they are, still requiring grad under no grad mode; ALiBi's slopes
+// reach it as a bias computed from them.) Where a dtype's loops do not
+// run, the request is computed in float32 and keeps nothing.
 TEST(ScoreModifiers, HalfPrecisionKeepsTheOutputsRoundingWhereALearnedGradientNeedsIt) {
   torch::manual_seed(5);
   const int64_t H = 4;
@@ -539,22 +548,28 @@ TEST(ScoreModifiers, HalfPrecisionKeepsTheOutputsRoundingWhereALearnedGradientNe
   const auto slopes = SDPAOptions().alibi_slopes(learned(attn::alibi_slopes(H)));
   const auto sinks = SDPAOptions().sinks(learned(torch::zeros({H})));
   const auto fixed = SDPAOptions().alibi_slopes(attn::alibi_slopes(H));
-  if (attn::detail::half_products_run()) {
-    EXPECT_EQ(kept_by(torch::kHalf, slopes), 1);
-    EXPECT_EQ(kept_by(torch::kHalf, sinks), 1);
-    EXPECT_EQ(kept_by(torch::kHalf, fixed), 0);
-    const torch::NoGradGuard no_grad;
-    EXPECT_EQ(kept_by(torch::kHalf, sinks), 0);
-  } else {
-    std::cout << "[  NOTE    ] float16 part skipped: attn's float loops do not run on this CPU\n";
+  const auto mask_of = [&](torch::ScalarType dtype) {
+    return SDPAOptions().attn_mask(learned(torch::randn({1, H, 200, 700}).to(dtype)));
+  };
+  const bool float16_loops = attn::detail::half_products_run();
+  EXPECT_EQ(kept_by(torch::kHalf, slopes), float16_loops ? 1 : 0);
+  EXPECT_EQ(kept_by(torch::kHalf, sinks), float16_loops ? 1 : 0);
+  EXPECT_EQ(kept_by(torch::kHalf, mask_of(torch::kHalf)), float16_loops ? 1 : 0);
+  EXPECT_EQ(kept_by(torch::kHalf, fixed), 0);
+  const bool bfloat16_loops = attn::detail::bf16_products_outrun_float();
+  EXPECT_EQ(kept_by(torch::kBFloat16, slopes), bfloat16_loops ? 1 : 0);
+  EXPECT_EQ(kept_by(torch::kBFloat16, sinks), 0);
+  EXPECT_EQ(kept_by(torch::kBFloat16, mask_of(torch::kBFloat16)), 0);
+  EXPECT_EQ(kept_by(torch::kFloat, slopes), 0);
+  const torch::NoGradGuard no_grad;
+  EXPECT_EQ(kept_by(torch::kHalf, sinks), 0);
+  if (!float16_loops) {
+    std::cout << "[  NOTE    ] attn's float loops do not run on this CPU: no float16 request "
+                 "keeps the rounding\n";
   }
-  if (attn::detail::bf16_products_outrun_float()) {
-    EXPECT_EQ(kept_by(torch::kBFloat16, slopes), 1);
-    EXPECT_EQ(kept_by(torch::kBFloat16, sinks), 0);
-  } else {
-    std::cout
-        << "[  NOTE    ] bfloat16 part skipped: the fused kernel computes bfloat16 in float32 "
-           "on this CPU\n";
+  if (!bfloat16_loops) {
+    std::cout << "[  NOTE    ] the fused kernel computes bfloat16 in float32 on this CPU: no "
+                 "bfloat16 request keeps the rounding\n";
   }
 }
 

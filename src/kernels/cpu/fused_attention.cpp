@@ -71,18 +71,19 @@ struct ScoreGradientsWanted {
 // (ForwardResult::out_rounding), on the tiled loops in half precision.
 // Each dS_ij carries the error of delta_i = dO_i·O_i: the output's
 // rounding (up to 2^-8 of Σ_d |dO_id·O_id| in bfloat16, 2^-11 in
-// float16) and, in bfloat16, that of P rounded for P V. In float16 every
-// learned tensor's gradient gains from it, at one more tensor the
-// output's size (0-9 % more training time): without it they reached 36x
-// float32's tolerance plus one rounding. In bfloat16 the forward must
-// also multiply P's remainder into V (Bf16Operands::
-// add_weights_remainder_times_values), about 15 % more training time,
-// and only the offset bias gains: ALiBi's slopes and a position table's
-// entries sum dS over every pair of a head (the worst of them, 1.96x
-// LibTorch's error without it, 0.12x with it). The sinks' gradient sums delta_i
-// over the rows alone, a mask's takes each dS_ij alone or summed over
-// the batch or the heads: theirs measured the same either way (up to
-// 0.32x and 0.44x) (tests/sdpa/test_score_modifiers.cpp).
+// float16) and, in bfloat16, that of P rounded for P V.
+// - float16: kept wherever a learned tensor takes a gradient, at one
+//   more tensor the output's size (0-9 % more training time); without
+//   it those gradients reached 36x float32's tolerance plus one rounding.
+// - bfloat16: the forward must also multiply P's remainder into V
+//   (add_weights_remainder_times_values), about 15 % more training time,
+//   which changes the output's last bits; kept only for the offset bias,
+//   whose gradients (ALiBi's slopes, a position table's entries) sum dS
+//   over every pair of a head: the worst, 1.96x LibTorch's error
+//   without it, 0.12x with it. The sinks' gradients sum delta_i over
+//   the rows, a mask's take each dS_ij alone or summed over queries or
+//   heads: within 0.64x of LibTorch's error without it.
+// (tests/sdpa/test_score_modifiers.cpp; docs/design/cpu-kernels.md.)
 bool keeps_out_rounding(
     const AttentionParams& params,
     FusedLoops loops,

@@ -159,10 +159,9 @@ struct RoundedRows {
   }
 
   // Replaces row r's bits, as round() left them, with what that rounding
-  // lost, rounded in turn. `rows`: half_rows(kBFloat16), whose rounding is
-  // round()'s; `lost`: a key block of floats.
+  // lost, rounded in turn; `lost`: a key block of floats.
   void round_remainder(
-      const HalfRows& rows,
+      const Bf16Rounding& rounding,
       const MatrixRef<float>& m,
       int64_t r,
       int64_t j0,
@@ -171,11 +170,11 @@ struct RoundedRows {
     const PairedKeys paired(j0 + keys.begin, keys.end - keys.begin);
     const float* exact = m.row(r) + keys.begin + paired.lead;
     uint16_t* rounded = bits.data() + r * ld + keys.begin;
-    rows.widen(rounded, paired.count, lost);
-    for (int64_t c = 0; c < paired.count; ++c) {
-      lost[c] = exact[c] - lost[c];
+    for (int64_t c = 0; c < paired.count; ++c) { // widening bfloat16 is exact
+      lost[c] = exact[c] -
+          static_cast<float>(c10::BFloat16(rounded[c], c10::BFloat16::from_bits()));
     }
-    rows.round(lost, paired.count, rounded);
+    rounding.row(lost, paired.count, rounded);
   }
 
   int64_t ld;
@@ -283,7 +282,6 @@ class Bf16Operands : RequestHeads<bf16> {
   Bf16Operands(const AttentionParams& params, Direction direction)
       : RequestHeads<bf16>(params, direction),
         round_(bf16_rounding()),
-        bf16_rows_(half_rows(torch::kBFloat16)),
         keys_t_(packed_pairs(params.k, /*rows_are_depth=*/false, WorkspaceSlot::keys_transposed)) {
     if (direction == Direction::forward) {
       values_ = packed_pairs(params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed);
@@ -296,7 +294,8 @@ class Bf16Operands : RequestHeads<bf16> {
 
   // A task's operands made per tile: P or dS rounded; in the backward, dS
   // or P in pairs of rows, and the tile's Qᵀ and dOᵀ, the left operands of
-  // dKᵀ += Qᵀ dS and dVᵀ += dOᵀ P.
+  // dKᵀ += Qᵀ dS and dVᵀ += dOᵀ P; in the forward, a row of what P's
+  // rounding lost (add_weights_remainder_times_values).
   struct Scratch {
     RoundedRows rows;
     std::vector<uint16_t> pairs;     // (rows / 2, 2 key_block)
@@ -389,7 +388,7 @@ class Bf16Operands : RequestHeads<bf16> {
       const TileBands& bands) const {
     for (int64_t r = 0; r < p.rows; ++r) {
       s.rows.round_remainder(
-          bf16_rows_, p, r, j0, bands.keys_of_query_block[r / kProductRowBlock], s.lost.data());
+          round_, p, r, j0, bands.keys_of_query_block[r / kProductRowBlock], s.lost.data());
     }
     const int64_t kv_head = tile.h / group;
     add_times_keys(
@@ -502,7 +501,6 @@ class Bf16Operands : RequestHeads<bf16> {
   }
 
   Bf16Rounding round_;
-  HalfRows bf16_rows_;   // round_'s rounding, and widening
   PackedHeads keys_t_;   // Kᵀ in pairs along the features, for the scores
   PackedHeads values_;   // forward: V in pairs along the keys, for P V
   PackedHeads keys_;     // backward: K in pairs along the keys, for dQ = dS K
