@@ -370,9 +370,7 @@ class Bf16Operands : RequestHeads<bf16> {
       const MatrixRef<float>& p,
       const MatrixRef<float>& out,
       const TileBands& bands) const {
-    const int64_t kv_head = tile.h / group;
-    add_times_keys(
-        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out, bands);
+    add_rows_times_values(s, tile, j0, p, out, bands, LoneKeys::add);
   }
 
   // P V from P as it is, not rounded (the forward that keeps what its
@@ -390,10 +388,7 @@ class Bf16Operands : RequestHeads<bf16> {
       s.rows.round_remainder(
           round_, p, r, j0, bands.keys_of_query_block[r / kProductRowBlock], s.lost.data());
     }
-    const int64_t kv_head = tile.h / group;
-    add_times_keys(
-        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out, bands,
-        LoneKeys::skip);
+    add_rows_times_values(s, tile, j0, p, out, bands, LoneKeys::skip);
   }
 
   // dp = dO Vᵀ for keys [j0, j0 + dp.cols), in the bands.
@@ -498,6 +493,22 @@ class Bf16Operands : RequestHeads<bf16> {
                s.pairs.data() + queries.begin / 2 * pairs_ld + 2 * c0, pairs_ld, c.data + c0,
                c.row_stride, /*accumulate=*/true});
         });
+  }
+
+  // out += P V as add_times_keys takes it: P's rows as s.rows holds them,
+  // times the tile's values.
+  void add_rows_times_values(
+      Scratch& s,
+      const QueryTile& tile,
+      int64_t j0,
+      const MatrixRef<float>& p,
+      const MatrixRef<float>& out,
+      const TileBands& bands,
+      LoneKeys lone_keys) const {
+    const int64_t kv_head = tile.h / group;
+    add_times_keys(
+        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out, bands,
+        lone_keys);
   }
 
   Bf16Rounding round_;
