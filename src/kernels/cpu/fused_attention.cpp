@@ -88,7 +88,10 @@ bool keeps_out_rounding(
     const AttentionParams& params,
     FusedLoops loops,
     const ScoreGradientsWanted& wanted) {
-  switch (loops == FusedLoops::tiled ? params.q.scalar_type() : torch::kFloat) {
+  if (loops != FusedLoops::tiled) {
+    return false;
+  }
+  switch (params.q.scalar_type()) {
     case torch::kHalf: return wanted.offset_bias || wanted.mask || wanted.sinks;
     case torch::kBFloat16: return wanted.offset_bias;
     default: return false;
@@ -199,10 +202,12 @@ void run_backward(
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
   const auto prepared = with_heads_for_kernels(params);
-  ForwardResult prepared_forward{heads_for_kernels(forward.out, 1), forward.lse.contiguous()};
-  if (forward.out_rounding.defined()) {
-    prepared_forward.out_rounding = heads_for_kernels(forward.out_rounding, 1);
-  }
+  const auto& rounding = forward.out_rounding;
+  const ForwardResult prepared_forward{
+      heads_for_kernels(forward.out, 1),
+      forward.lse.contiguous(),
+      {},
+      rounding.defined() ? heads_for_kernels(rounding, 1) : rounding};
   const auto prepared_grad_out = heads_for_kernels(grad_out, 1);
   switch (loops) {
     case FusedLoops::tiled:
@@ -273,6 +278,11 @@ InputGradients summed_gradients(
   return summed_over_groups(params, grads);
 }
 
+// A (B, L, H, ·) tensor seen as (B, H, L, ·); an undefined one stays so.
+torch::Tensor as_heads(const torch::Tensor& t) {
+  return t.defined() ? t.permute({0, 2, 1, 3}) : t;
+}
+
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
  public:
   // The inputs that autograd sees: params' q, k and v, or, where they are
@@ -298,12 +308,11 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     const auto lse = torch::empty({B, H, L}, score_options(params));
     const auto out_rounding = keeps_out_rounding(params, loops, wanted) ? torch::empty_like(out)
                                                                         : torch::Tensor();
-    ForwardResult result{out.permute({0, 2, 1, 3}), lse};
     if (out_rounding.defined()) {
       out_rounding_count().fetch_add(1, std::memory_order_relaxed);
-      result.out_rounding = out_rounding.permute({0, 2, 1, 3});
     }
-    run_forward(loops, with_heads_for_kernels(params), result);
+    run_forward(
+        loops, with_heads_for_kernels(params), {as_heads(out), lse, {}, as_heads(out_rounding)});
     // Each holds a tensor, maybe undefined.
     ctx->save_for_backward({*q, *k, *v, *qkv, out, lse, *offset_bias, *sinks, out_rounding});
     params.save_settings_to(*ctx);
@@ -331,12 +340,8 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     const ScoreGradientsWanted wanted{
         ctx->saved_data.at("offset_bias_grad").toBool(), ctx->saved_data.at("mask_grad").toBool(),
         ctx->saved_data.at("sinks_grad").toBool()};
-    // out and its rounding (B, H, L, Dv)
-    ForwardResult forward{saved[4].permute({0, 2, 1, 3}), saved[5]};
-    if (saved[8].defined()) {
-      forward.out_rounding = saved[8].permute({0, 2, 1, 3});
-    }
-    const auto grad_out = grad_outputs[0].permute({0, 2, 1, 3});
+    const ForwardResult forward{as_heads(saved[4]), saved[5], {}, as_heads(saved[8])};
+    const auto grad_out = as_heads(grad_outputs[0]);
     const torch::Tensor none;
     if (params.qkv.defined()) {
       const auto grads = score_gradients(params, wanted);
@@ -381,7 +386,7 @@ torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params) {
       Input(projection ? none : params.v), Input(params.qkv),
       Input(wanted.mask ? params.mask : none), Input(params.modifiers.offset_bias),
       Input(params.modifiers.sinks), params, loops, wanted);
-  return out.permute({0, 2, 1, 3});
+  return as_heads(out);
 }
 
 int64_t half_mask_gradients() {
