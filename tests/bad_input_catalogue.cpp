@@ -451,7 +451,7 @@ std::vector<BadInput> block_mask_cases() {
          attn::prefix_lm_mask(torch::zeros({2, 2}, torch::kLong));
        },
        "prefix_lm_mask: prefix_lengths must be (B) or (1), got [2, 2]"},
-      {"an empty user predicate", [] { attn::MaskPredicate(attn::MaskPredicate::Function()); },
+      {"an empty user predicate", [] { attn::MaskPredicate{attn::MaskPredicate::Function()}; },
        "MaskPredicate: the function must not be empty"},
       {"a user predicate that throws",
        [] {

@@ -328,40 +328,88 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
   }
 }
 
-TEST(EmptyInputs, ZeroLengthQueriesKeysAndBatchesGiveEmptyOrZeroResultsOnEveryPath) {
-  struct Sizes {
-    int64_t B, L, S;
+// Empty operands: no queries, no keys, no batch, or values of width 0, on
+// every route, dtype and product loops this CPU runs (the loops offset
+// their operands by their vectors' width: with AVX2's 8 lanes, no keys and
+// values 33 wide once offset a null pointer). Each result against the
+// float64 formula (reference_attention).
+struct EmptySizes {
+  int64_t B, L, S, D, Dv;
+  std::string describe() const {
+    std::ostringstream s;
+    s << "B=" << B << " L=" << L << " S=" << S << " D=" << D << " Dv=" << Dv;
+    return s.str();
+  }
+};
+const EmptySizes kEmptySizes[] = {
+    {2, 0, 5, 8, 3}, {2, 4, 0, 8, 3}, {0, 4, 5, 8, 3},  {2, 0, 0, 8, 3},  {2, 4, 0, 3, 33},
+    {2, 4, 5, 8, 0}, {2, 4, 0, 8, 0}, {1, 3, 70, 8, 0}, {1, 0, 70, 8, 3}, {1, 3, 0, 8, 40}};
+
+// Inputs of `dtype` rounded, the tolerance their results are held to.
+Tolerance empty_sweep_tolerance(torch::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kBFloat16: return {5e-2, 5e-2};
+    case torch::kHalf: return {1e-2, 1e-2};
+    default: return attn::testing::kFloat32Tolerance;
+  }
+}
+
+void expect_empty_case_matches_formula(
+    const EmptySizes& n,
+    torch::ScalarType dtype,
+    const Route& route) {
+  constexpr double kScale = 0.5;
+  const int64_t L = route.queries(n.L), S = route.keys(n.S);
+  const auto tiled = route.keep_to_route(L, S);
+  const auto input = [&](int64_t T, int64_t width) {
+    return torch::randn({n.B, T, width}).to(dtype).requires_grad_(route.requires_grad);
   };
-  for (const Sizes sizes : {Sizes{2, 0, 5}, Sizes{2, 4, 0}, Sizes{0, 4, 5}, Sizes{2, 0, 0}}) {
-    for (const auto& route : kRoutes) {
-      SCOPED_TRACE(
-          route.describe() + " B=" + std::to_string(sizes.B) + " L=" + std::to_string(sizes.L) +
-          " S=" + std::to_string(sizes.S));
-      const auto tiled = route.keep_to_route(sizes.L, sizes.S);
-      const auto q = torch::randn({sizes.B, sizes.L, 8}).requires_grad_(route.requires_grad);
-      const auto k = torch::randn({sizes.B, sizes.S, 8}).requires_grad_(route.requires_grad);
-      const auto v = torch::randn({sizes.B, sizes.S, 3}).requires_grad_(route.requires_grad);
-      const auto mask = torch::ones({sizes.L, sizes.S}, torch::kBool);
-      const auto [out, weights] = attn::scaled_dot_product_attention(
-          q, k, v, route.options().attn_mask(mask).is_causal(true));
-      ASSERT_EQ(out.sizes(), torch::IntArrayRef({sizes.B, sizes.L, 3}));
-      if (out.numel() > 0) {
-        EXPECT_EQ(out.abs().max().item<float>(), 0.0f); // no keys: zero output
-      }
-      if (route.need_weights) {
-        EXPECT_EQ(weights.sizes(), torch::IntArrayRef({sizes.B, sizes.L, sizes.S}));
-      }
-      if (route.requires_grad) {
-        const auto grads = torch::autograd::grad(
-            {out.sum()}, {q, k, v}, {}, c10::nullopt, false, /*allow_unused=*/true);
-        for (const auto& grad : grads) {
-          EXPECT_TRUE(
-              !grad.defined() ||
-              (all_finite(grad) && (grad.numel() == 0 || grad.abs().max().item<float>() == 0.0f)));
+  const auto q = input(L, n.D), k = input(S, n.D), v = input(S, n.Dv);
+  const auto allowed = torch::rand({L, S}) > 0.3;
+  const auto [out, weights] = attn::scaled_dot_product_attention(
+      q, k, v, route.options().attn_mask(allowed).is_causal(true).scale(kScale));
+  const auto bias =
+      additive_bias(allowed & attn::testing::band_mask(L, S, 0, true, 0)).expand({n.B, L, S});
+  const auto as_double = [](const torch::Tensor& t) { return t.detach().to(torch::kDouble); };
+  const auto [expected_out, expected_weights] = attn::testing::reference_attention(
+      as_double(q), as_double(k), as_double(v), bias, kScale);
+  const auto tolerance = empty_sweep_tolerance(dtype);
+  ASSERT_EQ(out.scalar_type(), dtype);
+  EXPECT_CLOSE(out.to(torch::kDouble), expected_out, tolerance);
+  if (route.need_weights) {
+    EXPECT_CLOSE(weights.to(torch::kDouble), expected_weights, tolerance);
+  }
+  if (route.requires_grad) {
+    const auto upstream = torch::randn(out.sizes()).to(dtype);
+    const auto grads = torch::autograd::grad(
+        {out}, {q, k, v}, {upstream}, c10::nullopt, false, /*allow_unused=*/true);
+    const auto expected = attn::testing::reference_attention_gradients(
+        as_double(q), as_double(k), as_double(v), bias, kScale, as_double(upstream));
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const auto grad = grads[i].defined() ? grads[i] : torch::zeros_like(expected[i]);
+      EXPECT_CLOSE(grad.to(torch::kDouble), expected[i], tolerance) << "gradient " << i;
+    }
+  }
+}
+
+TEST(EmptyInputs, EmptyOperandsGiveTheFormulasResultOnEveryPathDtypeAndProductLoops) {
+  torch::manual_seed(17);
+  for (const auto loops : attn::detail::available_product_loops()) {
+    const attn::detail::ScopedProductLoops chosen(loops);
+    for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+      for (const auto& sizes : kEmptySizes) {
+        for (const auto& route : kRoutes) {
+          SCOPED_TRACE(
+              route.describe() + " " + sizes.describe() + " " + c10::toString(dtype) + " on " +
+              attn::detail::product_loops_name(loops) + " products");
+          expect_empty_case_matches_formula(sizes, dtype, route);
         }
       }
     }
   }
+}
+
+TEST(EmptyInputs, ModulesTakeNoQueriesOrNoKeys) {
   attn::MultiHeadAttention mha(attn::MultiHeadAttentionOptions(8, 2));
   const auto x = torch::randn({2, 3, 8});
   const auto [no_queries, w0] = mha(torch::randn({2, 0, 8}), x, x);

@@ -180,6 +180,9 @@ bool amx_gemm_bf16(int64_t rows_of_c, int64_t cols_of_c, const Bf16GemmOperands&
   if (!amx_tiles_granted()) {
     return false;
   }
+  if (empty_product_done(rows_of_c, cols_of_c, g)) {
+    return true;
+  }
   const BlockOperands o = block_operands(rows_of_c, cols_of_c, g);
   load_tile_config();
   alignas(64) float scratch[kBlock * kBlock];

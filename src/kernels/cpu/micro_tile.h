@@ -7,6 +7,7 @@
 // compiled for its instructions alone (function target attributes), so a
 // build runs on any x86 CPU and takes the widest set this one has.
 
+#include <algorithm>
 #include <cstdint>
 
 namespace attn::detail {
@@ -94,6 +95,25 @@ struct Bf16MicroTiles {
   // right operand whose depth runs down the rows (pack_bf16_pairs).
   void (*round_row_pairs)(const float* first, const float* second, int64_t n, uint16_t* to);
 };
+
+// A product (GemmOperands or Bf16GemmOperands) of rows × cols without
+// elements to compute or depth to sum over, whose operands may then have
+// no data (an empty head, a width of 0), so that no pointer into them may
+// be formed: done here, c of depth 0 zeros (as it was when accumulating).
+// Returns whether it was such a product. Every loop over operands starts
+// with it.
+template <typename Operands>
+bool empty_product_done(int64_t rows, int64_t cols, const Operands& g) {
+  if (rows > 0 && cols > 0 && g.depth > 0) {
+    return false;
+  }
+  if (!g.accumulate && g.depth == 0) {
+    for (int64_t r = 0; r < rows && cols > 0; ++r) {
+      std::fill_n(g.c + r * g.ldc, cols, 0.0f);
+    }
+  }
+  return true;
+}
 
 // Null where this build cannot compile the set; whether the CPU runs it is
 // isa.h's question (isa_loops hands them out). AVX-512: 8 × 32

@@ -127,7 +127,7 @@ ATTN_OWN_CODE void multiply_columns(const Product& p, int64_t w0) {
 
 template <int kBudget>
 ATTN_INLINE void multiply(const Product& p) {
-  if (p.rows == 0) {
+  if (empty_product_done(p.rows, p.cols, p.g)) {
     return;
   }
   const int64_t vectors = vectors_for(p.cols);

@@ -47,6 +47,9 @@ void gemm_by_micro_tiles(
     int64_t cols,
     const GemmOperands& g,
     const RowBlockBands& bands = {}) {
+  if (empty_product_done(rows, cols, g)) {
+    return;
+  }
   for (int64_t c0 = 0; c0 < cols; c0 += tiles.cols) {
     const int64_t width = std::min(tiles.cols, cols - c0);
     const MicroTileFn* by_rows = width == tiles.cols ? tiles.full : tiles.edge;
@@ -326,6 +329,9 @@ bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
   const Bf16MicroTiles* tiles = bf16_micro_tiles();
   if (tiles == nullptr) {
     return false;
+  }
+  if (empty_product_done(rows, cols, g)) {
+    return true;
   }
   for (int64_t c0 = 0; c0 < cols; c0 += tiles->cols) {
     const int64_t width = std::min(tiles->cols, cols - c0);
