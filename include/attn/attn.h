@@ -10,9 +10,11 @@
 #include <attn/interop.h>
 #include <attn/kv_cache.h>
 #include <attn/modules/multi_head_attention.h>
+#include <attn/modules/multi_head_attention_function.h>
 #include <attn/modules/rotary_embedding.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 #include <attn/options.h>
+#include <attn/sdpa.h>
 #include <attn/threads.h>
 #include <attn/version.h>
 

@@ -2,7 +2,7 @@
 
 /// \file
 /// The implementations behind `attn::scaled_dot_product_attention`;
-/// `attn::select_backend` (in functional.h) chooses between them.
+/// `attn::select_backend` (in sdpa.h) chooses between them.
 
 #include <ostream>
 

@@ -10,7 +10,7 @@
 #include "distributed/context_parallel_inputs.h"
 
 #include <attn/block_mask.h>
-#include <attn/functional.h>
+#include <attn/sdpa.h>
 
 #include <torch/torch.h>
 

@@ -6,13 +6,9 @@
 // backward passes the keys and values around again, with the gradients of
 // each block travelling behind it: after W passes they are home.
 
-#include <attn/block_mask.h>
-
 #include "distributed/collectives.h"
 #include "distributed/context_parallel_inputs.h"
-#include "sdpa/backend.h"
-#include "sdpa/block_mask.h"
-#include "sdpa/masks.h"
+#include "sdpa/partial_attention.h"
 
 #include <torch/torch.h>
 
@@ -23,8 +19,8 @@
 namespace attn::distributed::detail {
 namespace {
 
-using attn::detail::AttentionParams;
-using attn::detail::KeyBand;
+using attn::detail::AttentionPart;
+using attn::detail::PartResult;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -132,10 +128,8 @@ std::vector<SegmentPair> visible_pairs(
     for (const auto& k_segment : sharding.segments(key_rank)) {
       const int64_t k_rows = sharding.rows_inside(k_segment);
       const int64_t offset = q_segment.start + inputs.query_offset - k_segment.start;
-      const KeyBand band{inputs.causal, offset, inputs.window, k_rows};
-      // Both bounds grow with the row: no row sees a key when the last
-      // row's end is at or before the first row's beginning.
-      const bool visible = q_rows > 0 && k_rows > 0 && band.end(q_rows - 1) > band.begin(0);
+      const bool visible = attn::detail::band_leaves_pairs(
+          inputs.causal, inputs.window, offset, q_rows, k_rows);
       if (visible &&
           (!inputs.document_ids.defined() ||
            documents_meet(inputs.document_ids, q_segment.start, q_rows, k_segment.start, k_rows))) {
@@ -153,87 +147,65 @@ torch::Tensor rows_of(const torch::Tensor& tensor, int64_t row, int64_t rows) {
   return tensor.narrow(2, row, rows);
 }
 
-// The kernel's request for `pair` of `block`, whose allowed keys are its
-// `allowed()` (B, N) bytes, or undefined.
-AttentionParams pair_params(
+// The part of the request that `pair` of `block` computes, whose allowed
+// keys are its `allowed()` (B, N) bytes, or undefined.
+AttentionPart pair_part(
     const ContextParallelInputs& inputs,
     const SegmentPair& pair,
     const Block& block) {
-  AttentionParams params;
-  params.q = rows_of(inputs.query, pair.q_row, pair.q_rows);
-  params.k = rows_of(block.key(), pair.k_row, pair.k_rows);
-  params.v = rows_of(block.value(), pair.k_row, pair.k_rows);
-  params.scale = inputs.scale;
-  params.causal = inputs.causal;
-  params.window = inputs.window;
-  params.query_offset = pair.query_offset;
+  AttentionPart part;
+  part.q = rows_of(inputs.query, pair.q_row, pair.q_rows);
+  part.k = rows_of(block.key(), pair.k_row, pair.k_rows);
+  part.v = rows_of(block.value(), pair.k_row, pair.k_rows);
+  part.scale = inputs.scale;
+  part.causal = inputs.causal;
+  part.window = inputs.window;
+  part.query_offset = pair.query_offset;
   if (const auto& allowed = block.allowed(); allowed.defined()) {
-    const int64_t B = inputs.query.size(0), H = inputs.query.size(1);
-    params.mask = allowed.narrow(1, pair.k_row, pair.k_rows)
-                      .to(torch::kBool)
-                      .view({B, 1, 1, pair.k_rows})
-                      .expand({B, H, pair.q_rows, pair.k_rows});
+    part.allowed_keys = allowed.narrow(1, pair.k_row, pair.k_rows);
   }
   if (const auto& ids = inputs.document_ids; ids.defined()) {
-    const auto documents = document_mask(
-        ids.narrow(1, pair.q_start, pair.q_rows), ids.narrow(1, pair.k_start, pair.k_rows));
-    params.blocks = block_mask(documents, ids.size(0), 1, pair.q_rows, pair.k_rows).data()->blocks;
+    part.query_documents = ids.narrow(1, pair.q_start, pair.q_rows);
+    part.key_documents = ids.narrow(1, pair.k_start, pair.k_rows);
   }
-  return params;
+  return part;
 }
 
-// Folds a partial result (out_part, lse_part) over some keys into the
-// running one (out, lse) over others, in place: both are weighted by their
-// share exp(lse_part - lse_new) of the merged row sum.
-void merge_partial(
-    const torch::Tensor& out,
-    const torch::Tensor& lse,
-    const torch::Tensor& out_part,
-    const torch::Tensor& lse_part) {
-  const auto largest = torch::maximum(lse, lse_part);
-  // Rows that have seen no key yet stay at -inf; exp(-inf - 0) is 0.
-  const auto shift = largest.masked_fill(largest == -std::numeric_limits<double>::infinity(), 0);
-  const auto old_share = torch::exp(lse - shift);
-  const auto new_share = torch::exp(lse_part - shift);
-  // The sum is 0 (no key seen) or at least 1 (its largest term is exp(0)).
-  const auto total = (old_share + new_share).clamp_min(1);
-  out.mul_((old_share / total).unsqueeze(-1)).add_(out_part * (new_share / total).unsqueeze(-1));
-  lse.copy_(shift + torch::log(old_share + new_share));
+// The rows of `pair`'s queries in this rank's result (out, lse).
+PartResult rows_of_pair(const PartResult& result, const SegmentPair& pair) {
+  return {
+      rows_of(result.out, pair.q_row, pair.q_rows), rows_of(result.lse, pair.q_row, pair.q_rows)};
 }
 
 // Attends this rank's queries to `block`, the keys and values of
-// `key_rank`, merging into (out, lse).
+// `key_rank`, merging into `result`.
 void attend_block(
     const ContextParallelInputs& inputs,
     const Block& block,
     int64_t key_rank,
     int64_t rank,
-    const torch::Tensor& out,
-    const torch::Tensor& lse) {
+    const PartResult& result) {
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
-    const auto part = attn::detail::fused_cpu_forward(pair_params(inputs, pair, block));
-    merge_partial(
-        rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows), part.out,
-        part.lse);
+    attn::detail::merge_part(
+        rows_of_pair(result, pair), attn::detail::attend_part(pair_part(inputs, pair, block)));
   }
 }
 
 // The gradients of this rank's queries (added to `dq`) and of `block`'s
-// keys and values (added to `grads`) for the pairs of `key_rank`.
+// keys and values (added to `grads`) for the pairs of `key_rank`, given the
+// rank's merged `result`.
 void backward_block(
     const ContextParallelInputs& inputs,
     const Block& block,
     int64_t key_rank,
     int64_t rank,
-    const torch::Tensor& out,
-    const torch::Tensor& lse,
+    const PartResult& result,
     const torch::Tensor& grad_out,
     const torch::Tensor& dq,
     const Block& grads) {
   for (const auto& pair : visible_pairs(inputs, rank, key_rank)) {
-    const auto part = attn::detail::fused_cpu_backward(
-        pair_params(inputs, pair, block),
-        {rows_of(out, pair.q_row, pair.q_rows), rows_of(lse, pair.q_row, pair.q_rows)},
+    const auto part = attn::detail::attend_part_backward(
+        pair_part(inputs, pair, block), rows_of_pair(result, pair),
         rows_of(grad_out, pair.q_row, pair.q_rows));
     rows_of(dq, pair.q_row, pair.q_rows).add_(part.dq);
     rows_of(grads.tensors[0], pair.k_row, pair.k_rows).add_(part.dk);
@@ -278,7 +250,7 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
     for (int64_t step = 0; step < group.size(); ++step) {
       const bool last = step + 1 == group.size();
       auto exchange = last ? Exchange{} : start_exchange(block, key_value_tag(step), group);
-      attend_block(inputs, block, key_rank_at(step, group), group.rank(), out, lse);
+      attend_block(inputs, block, key_rank_at(step, group), group.rank(), {out, lse});
       exchange.wait();
       block = std::move(exchange.incoming);
     }
@@ -313,7 +285,7 @@ class RingAttentionFunction : public torch::autograd::Function<RingAttentionFunc
       auto exchange = last ? Exchange{} : start_exchange(block, key_value_tag(step), group);
       auto share = zero_gradients(inputs);
       backward_block(
-          inputs, block, key_rank_at(step, group), group.rank(), out, lse, grad_out, dq, share);
+          inputs, block, key_rank_at(step, group), group.rank(), {out, lse}, grad_out, dq, share);
       if (gradients_in_flight) {
         gradients_in_flight->wait();
         add_into(share, gradients_in_flight->incoming);

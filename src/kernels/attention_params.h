@@ -3,7 +3,7 @@
 // The one description of an attention request that every kernel reads:
 // the inputs, the mask, the scale and the band of keys each query sees.
 // Filled once where a request enters the kernels (sdpa/functional.cpp;
-// the context-parallel ring for each pair of its blocks) and passed down
+// sdpa/partial_attention.cpp for a part of its keys) and passed down
 // unchanged. Below every other part of attn: it includes nothing of attn's.
 
 #include <torch/types.h>

@@ -1,5 +1,7 @@
 #include <attn/modules/multi_head_attention.h>
 
+#include <attn/sdpa.h>
+
 #include "modules/multi_head_attention_forward.h"
 #include "modules/stacked_projection.h"
 

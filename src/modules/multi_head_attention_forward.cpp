@@ -1,8 +1,8 @@
 #include "modules/multi_head_attention_forward.h"
 
 #include <attn/block_mask.h>
-#include <attn/functional.h>
 #include <attn/kv_cache.h>
+#include <attn/sdpa.h>
 
 #include "modules/sequence_layout.h"
 #include "modules/stacked_projection.h"

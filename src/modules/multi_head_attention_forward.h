@@ -8,7 +8,7 @@
 // rank's share under tensor parallelism) calls it with those, and one that
 // attends otherwise (over a sequence split across ranks) calls its steps.
 
-#include <attn/functional.h>
+#include <attn/modules/multi_head_attention_function.h>
 #include <attn/modules/multi_head_layers.h>
 #include <attn/options.h>
 

@@ -1,7 +1,7 @@
 // attn::multi_head_attention_forward: the checks of a caller's parameters,
 // then the module's forward (multi_head_attention_forward.h).
 
-#include <attn/functional.h>
+#include <attn/modules/multi_head_attention_function.h>
 
 #include "modules/multi_head_attention_forward.h"
 

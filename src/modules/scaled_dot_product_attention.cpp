@@ -1,6 +1,6 @@
 #include <attn/modules/scaled_dot_product_attention.h>
 
-#include <attn/functional.h>
+#include <attn/sdpa.h>
 
 #include <torch/torch.h>
 

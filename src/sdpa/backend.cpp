@@ -370,16 +370,5 @@ bool batched_cpu_computes_half(const AttentionParams& params) {
   return nonempty_half_request_on_cpu(params);
 }
 
-ForwardResult fused_cpu_forward(const AttentionParams& params) {
-  return fused_forward(fused_cpu_loops(params), params);
-}
-
-InputGradients fused_cpu_backward(
-    const AttentionParams& params,
-    const ForwardResult& forward,
-    const torch::Tensor& grad_out) {
-  return fused_backward(fused_cpu_loops(params), params, forward, grad_out);
-}
-
 } // namespace detail
 } // namespace attn

@@ -90,13 +90,4 @@ bool fused_cpu_weights_computes_half(const AttentionParams& params);
 // request is computed in float32, converted whole.
 bool batched_cpu_computes_half(const AttentionParams& params);
 
-// The fused CPU kernel's forward and backward on its chosen loops, for
-// callers that merge partial results (the context-parallel ring):
-// fused_attention.h's fused_forward and fused_backward.
-ForwardResult fused_cpu_forward(const AttentionParams& params);
-InputGradients fused_cpu_backward(
-    const AttentionParams& params,
-    const ForwardResult& forward,
-    const torch::Tensor& grad_out);
-
 } // namespace attn::detail

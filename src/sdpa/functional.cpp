@@ -1,4 +1,4 @@
-#include <attn/functional.h>
+#include <attn/sdpa.h>
 
 #include "kernels/attention_params.h"
 #include "kernels/cpu/batched_attention.h"

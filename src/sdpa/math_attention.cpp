@@ -1,12 +1,16 @@
 #include "sdpa/math_attention.h"
 
-#include "kernels/cpu/mask_view.h"
 #include "sdpa/masks.h"
 
 #include <torch/torch.h>
 
+#include <limits>
+
 namespace attn::detail {
 namespace {
+
+// The score of a pair that may not attend.
+constexpr double kForbiddenScore = -std::numeric_limits<double>::infinity();
 
 // Softmax over the last dim in which a row that is -inf everywhere (a query
 // with every key masked) gets zero weights instead of NaN. Such rows are
@@ -15,7 +19,7 @@ torch::Tensor softmax_allowing_masked_rows(const torch::Tensor& scores) {
   if (scores.size(-1) == 0) {
     return scores;
   }
-  const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kNegativeInfinity<double>;
+  const auto fully_masked = scores.amax(-1, /*keepdim=*/true) == kForbiddenScore;
   return torch::softmax(scores.masked_fill(fully_masked, 0.0), -1).masked_fill(fully_masked, 0.0);
 }
 
@@ -96,13 +100,13 @@ std::tuple<torch::Tensor, torch::Tensor> math_attention(const AttentionParams& p
   const auto& mask = params.mask;
   if (mask.defined()) {
     scores = mask.scalar_type() == torch::kBool
-        ? scores.masked_fill(mask.logical_not(), kNegativeInfinity<double>)
+        ? scores.masked_fill(mask.logical_not(), kForbiddenScore)
         : scores + mask;
   }
   if (params.causal || params.window > 0) {
     scores = scores.masked_fill(
         visible_band(params.key_band(), params.L(), params.q.device()).logical_not(),
-        kNegativeInfinity<double>);
+        kForbiddenScore);
   }
 
   // Causal masking alone with a non-negative offset always leaves key 0

@@ -3,7 +3,7 @@
 // each sequence's queries to its own keys, so that the kernels skip the
 // blocks between sequences.
 
-#include <attn/functional.h>
+#include <attn/sdpa.h>
 
 #include "sdpa/block_mask.h"
 #include "sdpa/sequence_starts.h"

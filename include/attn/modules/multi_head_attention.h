@@ -1,7 +1,7 @@
 #pragma once
 
-#include <attn/functional.h>
 #include <attn/kv_cache.h>
+#include <attn/modules/multi_head_attention_function.h>
 #include <attn/modules/multi_head_layers.h>
 #include <attn/modules/rotary_embedding.h>
 #include <attn/options.h>
