@@ -5,9 +5,9 @@
 //
 //   build/bench/attn_training_bench [--quick] [--filter SUBSTRING[,SUBSTRING...]]
 //   build/bench/attn_training_bench --kernels   # the CPU kernels on short sequences
-//   build/bench/attn_training_bench --kernels --loops AVX2
-//                                               # ... with attn's loops of one
-//                                               # instruction set (tile_product.h)
+//   build/bench/attn_training_bench --kernels --cpu-capability avx2
+//                                               # ... attn's at one CPU
+//                                               # capability (attn/backend.h)
 //   build/bench/attn_training_bench --products  # the tiled kernel's products:
 //                                               # attn's loops per instruction
 //                                               # set against BLAS, and the bfloat16
@@ -30,8 +30,8 @@
 
 #include <attn/attn.h>
 
-#include "kernels/cpu/amx_products.h" // bfloat16 products on AMX tiles
-#include "kernels/cpu/isa.h"          // whether AMX tiles are granted
+#include "kernels/cpu/isa.h"          // the CPU levels and their loops
+#include "kernels/cpu/micro_tile.h"   // the bfloat16 products' operands
 #include "kernels/cpu/tile_product.h" // the tiled kernel's products, attn's loops or BLAS's
 #include "naive_attention.h"
 #include "peak_memory.h"
@@ -156,8 +156,8 @@ std::vector<Step> core_steps(const Case& c) {
 
 // The CPU kernels side by side on the core (B·H = 8 or 96 heads, L = S = T),
 // for the rule that chooses between them: attn's tiled kernel, its batched
-// one and, on LibTorch 2.x, LibTorch's own.
-void compare_kernels(double budget) {
+// one and, on LibTorch 2.x, LibTorch's own; attn's at `capability`.
+void compare_kernels(double budget, attn::CpuCapability capability) {
   using attn::AttentionBackend;
   std::vector<AttentionBackend> backends = {
       AttentionBackend::fused_cpu, AttentionBackend::batched_cpu};
@@ -190,8 +190,11 @@ void compare_kernels(double budget) {
             const auto q = input(), k = input(), v = input();
             std::vector<Step> steps;
             for (const auto backend : backends) {
-              const auto options =
-                  attn::SDPAOptions().is_causal(causal).need_weights(false).backend(backend);
+              const auto options = attn::SDPAOptions()
+                                       .is_causal(causal)
+                                       .need_weights(false)
+                                       .backend(backend)
+                                       .cpu_capability(capability);
               steps.push_back(make_step(c, [q, k, v, options] {
                 return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
               }));
@@ -217,19 +220,23 @@ void compare_kernels(double budget) {
 }
 
 // The tiled kernel on the core (B·H = 8, D = 64, L = S = T) with each of
-// the products this CPU can run (tile_product.h: attn's loops for each
-// instruction set, BLAS's) side by side; the rates as a share of the same
-// run's sgemm rate.
+// the float products this CPU can run (tile_product.h: attn's loops for
+// each instruction set, the BLAS's at capability portable) side by side;
+// the rates as a share of the same run's sgemm rate.
 void compare_products(double budget, double sgemm) {
-  auto loops = attn::detail::available_product_loops();
-  std::reverse(loops.begin(), loops.end()); // the default first
+  std::vector<attn::CpuCapability> loops;
+  for (const auto capability : attn::cpu_capabilities()) {
+    if (capability <= attn::CpuCapability::avx512) { // the float products' levels
+      loops.insert(loops.begin(), capability);       // the widest first
+    }
+  }
   std::printf("| pass | causal | T |");
   for (const auto each : loops) {
-    std::printf(" %s ms | %% of sgemm |", attn::detail::product_loops_name(each));
+    std::printf(" %s ms | %% of sgemm |", attn::cpu_capability_name(each));
   }
   std::printf(
-      " %s ÷ %s |\n|---|---|---|", attn::detail::product_loops_name(loops.back()),
-      attn::detail::product_loops_name(loops.front()));
+      " %s ÷ %s |\n|---|---|---|", attn::cpu_capability_name(loops.back()),
+      attn::cpu_capability_name(loops.front()));
   for (size_t i = 0; i < loops.size(); ++i) {
     std::printf("---|---|");
   }
@@ -240,17 +247,16 @@ void compare_products(double budget, double sgemm) {
         const Case c{"products", 512, 8, 1, T, causal, backward, true};
         const auto input = [&] { return torch::randn({1, 8, T, 64}).requires_grad_(backward); };
         const auto q = input(), k = input(), v = input();
-        const auto options = attn::SDPAOptions().is_causal(causal).need_weights(false).backend(
-            attn::AttentionBackend::fused_cpu);
-        const auto tiled = make_step(c, [q, k, v, options] {
-          return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
-        });
         std::vector<Step> steps;
         for (const auto each : loops) {
-          steps.push_back([tiled, each] {
-            const attn::detail::ScopedProductLoops chosen(each);
-            tiled();
-          });
+          const auto options = attn::SDPAOptions()
+                                   .is_causal(causal)
+                                   .need_weights(false)
+                                   .backend(attn::AttentionBackend::fused_cpu)
+                                   .cpu_capability(each);
+          steps.push_back(make_step(c, [q, k, v, options] {
+            return std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
+          }));
         }
         const auto seconds = time_interleaved(steps, budget);
         const double gflop = flops(c) / 1e9;
@@ -276,8 +282,19 @@ void compare_products(double budget, double sgemm) {
 // kernels would pack K and V once per call.
 void compare_bf16_products(double budget) {
   using attn::detail::Bf16GemmOperands;
-  const bool avx512_bf16 = attn::detail::bf16_products_run();
-  const bool amx = attn::detail::amx_tiles_granted();
+  using attn::detail::CpuLevel;
+  const auto& levels = attn::detail::cpu_levels();
+  const auto runs = [&](CpuLevel level) {
+    return std::find(levels.begin(), levels.end(), level) != levels.end();
+  };
+  const bool avx512_bf16 = runs(CpuLevel::avx512_bf16);
+  const bool amx = runs(CpuLevel::amx);
+  const auto float_loops = attn::detail::cpu_loops(std::min(levels.back(), CpuLevel::avx512));
+  // A level this CPU lacks: loops without bfloat16 products, which compute
+  // nothing (its column prints "–").
+  const auto bf16_loops = avx512_bf16 ? attn::detail::cpu_loops(CpuLevel::avx512_bf16)
+                                      : attn::detail::CpuLoops{};
+  const auto amx_loops = amx ? attn::detail::cpu_loops(CpuLevel::amx) : attn::detail::CpuLoops{};
   const int previous_threads = at::get_num_threads();
   at::set_num_threads(1);
   std::printf(
@@ -291,7 +308,8 @@ void compare_bf16_products(double budget) {
     const auto a16 = a.to(torch::kBFloat16), b16 = b.to(torch::kBFloat16);
     const auto packed = torch::empty({(depth + 1) / 2, 2 * n}, torch::kBFloat16);
     attn::detail::pack_bf16_pairs(
-        depth, n, b16.data_ptr<c10::BFloat16>(), n, 1, packed.data_ptr<c10::BFloat16>(), 2 * n);
+        float_loops, depth, n, b16.data_ptr<c10::BFloat16>(), n, 1,
+        packed.data_ptr<c10::BFloat16>(), 2 * n);
     const auto c = torch::empty({m, n});
     const Bf16GemmOperands g{
         depth,
@@ -306,11 +324,11 @@ void compare_bf16_products(double budget) {
     const std::vector<Step> steps{
         [&] {
           attn::detail::tile_gemm_float(
-              m, n, depth, 1.0F, a.data_ptr<float>(), depth, 1, b.data_ptr<float>(), n,
+              float_loops, m, n, depth, 1.0F, a.data_ptr<float>(), depth, 1, b.data_ptr<float>(), n,
               c.data_ptr<float>(), n, false);
         },
-        [&] { attn::detail::tile_gemm_bf16(m, n, g); },
-        [&] { attn::detail::amx_gemm_bf16(m, n, g); }, [&] { torch::mm(a16, b16); }};
+        [&] { attn::detail::gemm_bf16(bf16_loops, m, n, g); },
+        [&] { attn::detail::gemm_bf16(amx_loops, m, n, g); }, [&] { torch::mm(a16, b16); }};
     const auto seconds = time_interleaved(steps, budget);
     const double gflop = 2.0 * static_cast<double>(m * n * depth) / 1e9;
     const auto rate = [&](size_t step, bool runs) {
@@ -617,12 +635,12 @@ bool matches(const std::string& name, const std::string& filter) {
   }
 }
 
-// The product loops named `name` ("BLAS", "AVX2", "AVX-512"), if this CPU
-// runs them.
-c10::optional<attn::detail::ProductLoops> product_loops_named(const std::string& name) {
-  for (const auto loops : attn::detail::available_product_loops()) {
-    if (name == attn::detail::product_loops_name(loops)) {
-      return loops;
+// The CPU capability named `name` ("portable", "avx2", ...), if this CPU
+// runs it.
+c10::optional<attn::CpuCapability> capability_named(const std::string& name) {
+  for (const auto capability : attn::cpu_capabilities()) {
+    if (name == attn::cpu_capability_name(capability)) {
+      return capability;
     }
   }
   return c10::nullopt;
@@ -634,7 +652,7 @@ int main(int argc, char** argv) {
   double budget = 1.5;
   std::string filter;
   bool kernels = false, products = false, dropout = false, modifiers = false, quick = false;
-  c10::optional<attn::detail::ProductLoops> loops;
+  attn::CpuCapability capability = attn::cpu_capabilities().back();
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       budget = 0.3;
@@ -649,16 +667,19 @@ int main(int argc, char** argv) {
       dropout = true;
     } else if (std::strcmp(argv[i], "--filter") == 0 && i + 1 < argc) {
       filter = argv[++i];
-    } else if (std::strcmp(argv[i], "--loops") == 0 && i + 1 < argc) {
-      loops = product_loops_named(argv[++i]);
-      if (!loops) {
-        std::fprintf(stderr, "%s: --loops: this CPU runs no loops named %s\n", argv[0], argv[i]);
+    } else if (std::strcmp(argv[i], "--cpu-capability") == 0 && i + 1 < argc) {
+      const auto named = capability_named(argv[++i]);
+      if (!named) {
+        std::fprintf(
+            stderr, "%s: --cpu-capability: this CPU runs no capability named %s\n", argv[0],
+            argv[i]);
         return 2;
       }
+      capability = *named;
     } else {
       std::fprintf(
           stderr,
-          "usage: %s [--quick] [--kernels [--loops BLAS|AVX2|AVX-512] | --products | --dropout | "
+          "usage: %s [--quick] [--kernels [--cpu-capability NAME] | --products | --dropout | "
           "--modifiers | "
           "--filter SUBSTRING[,SUBSTRING...]]\n",
           argv[0]);
@@ -675,14 +696,8 @@ int main(int argc, char** argv) {
       threads.reason.c_str(), threads.blas.c_str(), blas_threads(),
       threads.blas_core.empty() ? "–" : threads.blas_core.c_str(), sgemm);
   if (kernels) {
-    c10::optional<attn::detail::ScopedProductLoops> chosen;
-    if (loops) {
-      chosen.emplace(*loops);
-    }
-    std::printf(
-        "attn's products: %s loops\n\n",
-        attn::detail::product_loops_name(attn::detail::active_product_loops()));
-    compare_kernels(budget);
+    std::printf("attn's CPU capability: %s\n\n", attn::cpu_capability_name(capability));
+    compare_kernels(budget, capability);
     return 0;
   }
   if (products) {

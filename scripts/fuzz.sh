@@ -3,21 +3,21 @@
 # UBSan over attn's own code (LibTorch is not instrumented), against
 # Debian's LibTorch 1.13, and runs each for a bounded time on its corpus:
 #
-#   scripts/fuzz.sh [SECONDS] [--seed S]   # per target and loops; default 60
+#   scripts/fuzz.sh [SECONDS] [--seed S]   # per run; default 60
 #   scripts/fuzz.sh --runs N [--seed S]    # the first N inputs, however long
 #
 #   attn_fuzz_state_dict     the torch.save reader (fuzz/state_dict_input.h)
 #   attn_fuzz_entry_points   scaled_dot_product_attention, MultiHeadAttention,
 #                            KV-cache decoding, RotaryEmbedding, against a
-#                            float64 oracle (fuzz/entry_points_input.h), once
-#                            on each set of x86 product loops this CPU runs
-#                            (AVX-512, AVX2: ATTN_FUZZ_PRODUCT_LOOPS), whose
-#                            vectors offset operands by different widths
+#                            float64 oracle (fuzz/entry_points_input.h), at
+#                            the widest CPU capability and at avx2 where the
+#                            CPU has more (ATTN_CPU_CAPABILITY), whose
+#                            vectors offset operands by other widths
 #
 # Each runs its committed regression inputs (fuzz/<target>/regressions)
-# first, the entry points' on every set of product loops this CPU runs,
-# the BLAS's included; then fuzzes from its seeds (fuzz/<target>/seeds)
-# into a corpus started afresh (build-fuzz/corpus/).
+# first, the entry points' at every CPU capability this CPU runs, portable
+# included; then fuzzes from its seeds (fuzz/<target>/seeds) into a corpus
+# started afresh (build-fuzz/corpus/).
 #
 # A run is reproducible: libFuzzer's seed is derived from the commit
 # (`git rev-parse HEAD`; --seed S sets it) and printed, the seeds are
@@ -33,7 +33,7 @@
 # input that runs over 30 s or a process over 2 GB. The input is then
 # written to build-fuzz/findings/ (and printed in base64);
 # `build-fuzz/fuzz/attn_fuzz_<target> FILE` replays it (with the run's
-# ATTN_FUZZ_PRODUCT_LOOPS), and ATTN_FUZZ_VERBOSE=1 prints what it decodes
+# ATTN_CPU_CAPABILITY), and ATTN_FUZZ_VERBOSE=1 prints what it decodes
 # to. Once fixed, it goes to fuzz/<target>/regressions with its expected
 # outcome in tests/test_fuzz_regressions.cpp.
 #
@@ -108,28 +108,29 @@ fi
 echo "== libFuzzer seed $seed ($seed_source), $extent per run, on $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
 
 flags=(-timeout=30 -rss_limit_mb=2048)
-# fuzzer NAME [LOOPS] -- ARGS...: attn_fuzz_NAME on the product loops
-# named (ATTN_FUZZ_PRODUCT_LOOPS; the widest where none is).
+# fuzzer NAME [CAPABILITY] -- ARGS...: attn_fuzz_NAME at the CPU
+# capability named (ATTN_CPU_CAPABILITY; the widest where none is).
 fuzzer() {
-  local name="$1" loops="$2"
+  local name="$1" capability="$2"
   shift 3
-  env ${loops:+ATTN_FUZZ_PRODUCT_LOOPS="$loops"} "${same_addresses[@]}" \
+  env ${capability:+ATTN_CPU_CAPABILITY="$capability"} "${same_addresses[@]}" \
     "./build-fuzz/fuzz/attn_fuzz_$name" "${flags[@]}" "$@"
 }
 
-# replay_regressions NAME [LOOPS]: the committed regression inputs, once
-# each and whole.
+# replay_regressions NAME [CAPABILITY]: the committed regression inputs,
+# once each and whole.
 replay_regressions() {
-  local name="$1" loops="${2:-}" regressions=("fuzz/$1/regressions"/*)
-  echo "== attn_fuzz_$name${loops:+ on $loops products}: ${#regressions[@]} regression inputs"
-  fuzzer "$name" "$loops" -- -artifact_prefix="build-fuzz/findings/$name-" "${regressions[@]}"
+  local name="$1" capability="${2:-}" regressions=("fuzz/$1/regressions"/*)
+  echo "== attn_fuzz_$name${capability:+ at $capability}: ${#regressions[@]} regression inputs"
+  fuzzer "$name" "$capability" -- -artifact_prefix="build-fuzz/findings/$name-" \
+    "${regressions[@]}"
 }
 
-# fuzz NAME LOOPS SEED_FOLDER... -- LIBFUZZER_FLAGS...: fuzzing from the
-# seeds, in a fixed order, into a corpus started afresh; prints the number
-# of inputs tried.
+# fuzz NAME CAPABILITY SEED_FOLDER... -- LIBFUZZER_FLAGS...: fuzzing from
+# the seeds, in a fixed order, into a corpus started afresh; prints the
+# number of inputs tried.
 fuzz() {
-  local name="$1" loops="$2"
+  local name="$1" capability="$2"
   shift 2
   local folders=()
   while [ "$1" != -- ]; do
@@ -137,21 +138,21 @@ fuzz() {
     shift
   done
   shift
-  local run="$name${loops:+-$loops}"
+  local run="$name${capability:+-$capability}"
   local corpus="build-fuzz/corpus/$run" log="build-fuzz/$run.log"
   rm -rf "$corpus"
   mkdir -p "$corpus"
   find "${folders[@]}" -type f | LC_ALL=C sort | paste -sd, >"$corpus.seeds"
-  echo "== attn_fuzz_$name${loops:+ on $loops products} for $extent"
+  echo "== attn_fuzz_$name${capability:+ at $capability} for $extent"
   local status=0
-  fuzzer "$name" "$loops" -- "${bound[@]}" -seed="$seed" -reload=0 -print_final_stats=1 \
+  fuzzer "$name" "$capability" -- "${bound[@]}" -seed="$seed" -reload=0 -print_final_stats=1 \
     -artifact_prefix="build-fuzz/findings/$run-" -seed_inputs=@"$corpus.seeds" "$@" "$corpus" \
     2>&1 | tee "$log" |
     grep -v -E '^#[0-9]+.*(NEW|REDUCE|pulse)|NEW_FUNC|^".*" # Uses: [0-9]+$|recommended dictionary' ||
     status=$?
   local tried
   tried="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")"
-  echo "== attn_fuzz_$name${loops:+ on $loops products}: ${tried:-?} inputs tried;" \
+  echo "== attn_fuzz_$name${capability:+ at $capability}: ${tried:-?} inputs tried;" \
     "scripts/fuzz.sh --runs ${tried:-N} --seed $seed tries them again"
   return "$status"
 }
@@ -162,19 +163,20 @@ failed=()
 { replay_regressions state_dict &&
   fuzz state_dict "" fuzz/state_dict/seeds tests/fixtures/python -- \
     -dict=fuzz/state_dict.dict -max_len=8192; } || failed+=(state_dict)
-# The entry points' regressions on every set of product loops this CPU
-# runs; fuzzing on each x86 set, the widest first.
-mapfile -t product_loops < <(ATTN_FUZZ_PRODUCT_LOOPS=list ./build-fuzz/fuzz/attn_fuzz_entry_points)
-for loops in "${product_loops[@]}"; do
-  replay_regressions entry_points "$loops" || failed+=("entry_points regressions on $loops")
+# The entry points' regressions at every CPU capability this CPU runs;
+# fuzzing at the widest, and at avx2 where the CPU has wider vectors.
+mapfile -t capabilities < <(ATTN_FUZZ_LIST_CAPABILITIES=1 ./build-fuzz/fuzz/attn_fuzz_entry_points)
+for capability in "${capabilities[@]}"; do
+  replay_regressions entry_points "$capability" ||
+    failed+=("entry_points regressions at $capability")
 done
-for loops in "${product_loops[@]}"; do
-  [ "$loops" = BLAS ] && continue
-  fuzz entry_points "$loops" fuzz/entry_points/seeds -- || failed+=("entry_points on $loops")
+for capability in "${capabilities[@]}"; do
+  if [ "$capability" = "${capabilities[0]}" ] ||
+    { [ "$capability" = avx2 ] && [ "${capabilities[0]}" != avx2 ]; }; then
+    fuzz entry_points "$capability" fuzz/entry_points/seeds -- ||
+      failed+=("entry_points at $capability")
+  fi
 done
-if [ "${#product_loops[@]}" -le 1 ]; then # the BLAS alone: no x86 loops to choose
-  fuzz entry_points "" fuzz/entry_points/seeds -- || failed+=(entry_points)
-fi
 
 if [ -x build/attn_backend_choices ]; then
   ./build/attn_backend_choices >build-fuzz/backend-choices-gcc.txt

@@ -12,10 +12,8 @@
 #include <attn/modules/multi_head_attention.h>
 #include <attn/modules/scaled_dot_product_attention.h>
 
-#include "kernels/cpu/batched_attention.h"
 #include "kernels/cpu/short_heads.h"
-#include "kernels/cpu/tile_product.h" // which loops compute the kernels' float products
-#include "kernels/cpu/tiled_attention.h"
+#include "sdpa/backend.h" // the capabilities' loops and products
 
 #include <cmath>
 #include <cstdint>
@@ -112,7 +110,9 @@ struct SdpaCase {
   c10::optional<double> scale;
   torch::ScalarType dtype;
   Layout layout;
-  attn::detail::ProductLoops products; // the float products: attn's loops or BLAS's
+  // The function's CPU capability (attn's loops or the BLAS's products);
+  // a module runs at the widest.
+  attn::CpuCapability capability = attn::cpu_capabilities().back();
 
   std::string describe() const {
     std::ostringstream s;
@@ -123,7 +123,7 @@ struct SdpaCase {
       << " window=" << window << " need_weights=" << need_weights
       << " requires_grad=" << requires_grad
       << " scale=" << (scale ? std::to_string(*scale) : "default") << " dtype=" << dtype
-      << " layout=" << name(layout) << " products=" << attn::detail::product_loops_name(products);
+      << " layout=" << name(layout) << " capability=" << capability;
     return s.str();
   }
 };
@@ -155,10 +155,12 @@ SdpaCase draw_sdpa_case(uint64_t seed) {
   c.scale = coin(rng) ? c10::optional<double>(pick(rng, {0.05, 0.7, 1.3})) : c10::nullopt;
   c.dtype = coin(rng) ? torch::kDouble : torch::kFloat;
   c.layout = pick(rng, {Layout::contiguous, Layout::transposed, Layout::expanded});
-  // Any of the loops this CPU runs (drawn last, so that the other draws
-  // are the same on every CPU).
-  const auto loops = attn::detail::available_product_loops();
-  c.products = loops[std::uniform_int_distribution<size_t>(0, loops.size() - 1)(rng)];
+  // Any of the capabilities this CPU runs (drawn last, so that the other
+  // draws are the same on every CPU).
+  const auto capabilities = attn::cpu_capabilities();
+  const auto drawn =
+      capabilities[std::uniform_int_distribution<size_t>(0, capabilities.size() - 1)(rng)];
+  c.capability = c.module ? capabilities.back() : drawn;
   return c;
 }
 
@@ -201,22 +203,29 @@ torch::Tensor reference_bias(const SdpaCase& c, const torch::Tensor& mask) {
   return bias.reshape({-1, c.L, c.S}); // (N, L, S)
 }
 
-// The backend the function chooses for the case, and whether the fused
-// kernel runs its short loops (short_heads.h) on it.
+// The function's options for the case.
+attn::SDPAOptions sdpa_options(const SdpaCase& c, const torch::Tensor& mask) {
+  return attn::SDPAOptions()
+      .attn_mask(mask)
+      .is_causal(c.causal)
+      .scale(c.scale)
+      .need_weights(c.need_weights)
+      .cpu_capability(c.capability);
+}
+
+// The backend the plan chooses for the case, and whether the fused kernel
+// runs its short loops (short_heads.h) on it.
 std::string route_of(
     const torch::Tensor& q,
     const torch::Tensor& k,
     const torch::Tensor& v,
     const torch::Tensor& mask,
     const SdpaCase& c) {
-  const auto backend = attn::select_backend(
-      q, k, v,
-      attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale).need_weights(
-          c.need_weights));
+  const auto plan = attn::testing::plan_of(q, k, v, sdpa_options(c, mask));
   std::ostringstream route;
-  route << backend;
-  if (backend == attn::AttentionBackend::fused_cpu &&
-      attn::detail::short_heads_run(c.dtype, c.L, c.S)) {
+  route << plan.backend;
+  if (plan.backend == attn::AttentionBackend::fused_cpu &&
+      plan.kernel.fused_loops == attn::detail::FusedLoops::short_heads) {
     route << " (short heads)";
   }
   return route.str();
@@ -240,7 +249,6 @@ attn::testing::QueryKeyValue case_inputs(const SdpaCase& c) {
 void check_sdpa_case(const SdpaCase& c) {
   const auto [q, k, v] = case_inputs(c);
   const auto mask = make_sdpa_mask(c);
-  const attn::detail::ScopedProductLoops products(c.products);
   SCOPED_TRACE("route: " + route_of(q, k, v, mask, c));
 
   torch::Tensor out, weights;
@@ -250,10 +258,7 @@ void check_sdpa_case(const SdpaCase& c) {
     sdpa->eval(); // dropout off
     std::tie(out, weights) = sdpa(q, k, v, mask, c.causal, c.need_weights);
   } else {
-    std::tie(out, weights) = attn::scaled_dot_product_attention(
-        q, k, v,
-        attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale).need_weights(
-            c.need_weights));
+    std::tie(out, weights) = attn::scaled_dot_product_attention(q, k, v, sdpa_options(c, mask));
   }
 
   const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
@@ -309,7 +314,10 @@ constexpr int kHalfPrecisionCases = 40;
 // short heads' loops do, and elsewhere; some of those that need no
 // gradient ask for the weights (the weights kernel, or the batched
 // kernel at short lengths).
-SdpaCase draw_half_precision_case(uint64_t seed, torch::ScalarType dtype) {
+SdpaCase draw_half_precision_case(
+    uint64_t seed,
+    torch::ScalarType dtype,
+    attn::CpuCapability capability) {
   std::mt19937_64 rng(seed);
   SdpaCase c;
   c.seed = seed;
@@ -328,16 +336,17 @@ SdpaCase draw_half_precision_case(uint64_t seed, torch::ScalarType dtype) {
   c.scale = coin(rng) ? c10::optional<double>(pick(rng, {0.05, 0.7})) : c10::nullopt;
   c.dtype = dtype;
   c.layout = pick(rng, {Layout::contiguous, Layout::transposed});
-  c.products = attn::detail::active_product_loops();
+  c.capability = capability;
   c.need_weights = !c.requires_grad && coin(rng); // drawn last: the draws above stay
   return c;
 }
 
-// Whether the half-precision loops of c's dtype run here: bfloat16 where
-// its products outrun float ones, float16 wherever attn's loops widen it.
-bool half_precision_loops_run(torch::ScalarType dtype) {
-  return dtype == torch::kBFloat16 ? attn::detail::bf16_products_outrun_float()
-                                   : attn::detail::half_products_run();
+// Whether the tiled loops compute `dtype` in its own dtype at
+// `capability`: bfloat16 where its products outrun float ones, float16
+// wherever attn's loops widen it (backend.h, half_products_pay).
+bool half_precision_loops_run(torch::ScalarType dtype, attn::CpuCapability capability) {
+  return attn::detail::half_products_pay(
+      attn::detail::cpu_loops(attn::detail::cpu_level_of(capability)), dtype);
 }
 
 // Which of the fused kernels' loops a case took: the tiled loops, the
@@ -357,30 +366,25 @@ FusedRoute check_half_precision_case(const SdpaCase& c) {
     mask.select(-1, 0).fill_(visible);
     mask.diagonal(0, -2, -1).fill_(visible);
   }
-  auto options =
-      attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).scale(c.scale).need_weights(
-          c.need_weights);
+  auto options = sdpa_options(c, mask);
   if (c.window > 0) {
     options.window(c.window);
   }
-  const auto backend = attn::select_backend(q, k, v, options);
-  const bool short_heads = attn::detail::short_heads_run(torch::kFloat, c.L, c.S);
-  const auto route = backend == attn::AttentionBackend::fused_cpu_weights ? FusedRoute::weights
-      : backend != attn::AttentionBackend::fused_cpu                      ? FusedRoute::none
-      : short_heads                                                       ? FusedRoute::short_heads
-                                                                          : FusedRoute::tiled;
-  const int64_t tiled_calls = attn::detail::tiled_half_calls(c.dtype);
-  const int64_t short_calls = attn::detail::short_heads_half_calls(c.dtype);
+  const auto plan = attn::testing::plan_of(q, k, v, options);
+  const bool short_heads = plan.kernel.fused_loops == attn::detail::FusedLoops::short_heads;
+  const auto route = plan.backend == attn::AttentionBackend::fused_cpu_weights ? FusedRoute::weights
+      : plan.backend != attn::AttentionBackend::fused_cpu                      ? FusedRoute::none
+      : short_heads ? FusedRoute::short_heads
+                    : FusedRoute::tiled;
   const auto [out, weights] = attn::scaled_dot_product_attention(q, k, v, options);
   EXPECT_EQ(out.scalar_type(), c.dtype);
   if ((route == FusedRoute::tiled || route == FusedRoute::weights) &&
-      half_precision_loops_run(c.dtype)) {
-    EXPECT_GT(attn::detail::tiled_half_calls(c.dtype), tiled_calls)
-        << "the half-precision loops did not run";
+      half_precision_loops_run(c.dtype, c.capability)) {
+    EXPECT_EQ(plan.compute_dtype, c.dtype) << "the half-precision loops do not run";
   }
   if (route == FusedRoute::short_heads) {
-    EXPECT_GT(attn::detail::short_heads_half_calls(c.dtype), short_calls)
-        << "the short heads' loops did not compute the half precision";
+    EXPECT_EQ(plan.compute_dtype, c.dtype)
+        << "the short heads' loops do not compute the half precision";
   }
 
   const double scale = c.scale.value_or(1.0 / std::sqrt(static_cast<double>(c.E)));
@@ -439,9 +443,11 @@ FusedRoute check_half_precision_case(const SdpaCase& c) {
 // blocks begin at an odd key, so that a band starting 32 keys on begins
 // with a lone key; a causal window over more keys than queries; a causal
 // mask over more keys than queries, whose last query tile is one row.
-std::vector<SdpaCase> banded_half_precision_cases(torch::ScalarType dtype) {
+std::vector<SdpaCase> banded_half_precision_cases(
+    torch::ScalarType dtype,
+    attn::CpuCapability capability) {
   const auto banded = [&](int64_t L, int64_t S, bool causal, int64_t window) {
-    SdpaCase c = draw_half_precision_case(kBaseSeed, dtype);
+    SdpaCase c = draw_half_precision_case(kBaseSeed, dtype, capability);
     c.seed = kBaseSeed + 100 + static_cast<uint64_t>(L + S + window);
     c.batch = {1, 2};
     c.L = L;
@@ -459,15 +465,15 @@ std::vector<SdpaCase> banded_half_precision_cases(torch::ScalarType dtype) {
 
 // The sweep of `dtype`'s cases, at least a quarter of them on the tiled
 // loops, an eighth on the weights kernel, and some on the short heads'
-// where they run, after the banded cases.
-void sweep_half_precision(torch::ScalarType dtype) {
-  for (const auto& c : banded_half_precision_cases(dtype)) {
+// where they run, after the banded cases; at `capability`.
+void sweep_half_precision(torch::ScalarType dtype, attn::CpuCapability capability) {
+  for (const auto& c : banded_half_precision_cases(dtype, capability)) {
     SCOPED_TRACE(c.describe());
     EXPECT_EQ(check_half_precision_case(c), FusedRoute::tiled);
   }
   int tiled = 0, short_heads = 0, weights = 0;
   for (int i = 0; i < kHalfPrecisionCases && !::testing::Test::HasFailure(); ++i) {
-    const auto c = draw_half_precision_case(kBaseSeed + i, dtype);
+    const auto c = draw_half_precision_case(kBaseSeed + i, dtype, capability);
     SCOPED_TRACE(c.describe());
     const auto route = check_half_precision_case(c);
     tiled += route == FusedRoute::tiled ? 1 : 0;
@@ -477,37 +483,51 @@ void sweep_half_precision(torch::ScalarType dtype) {
   if (!::testing::Test::HasFailure()) {
     EXPECT_GE(tiled, kHalfPrecisionCases / 4) << "cases on the tiled loops";
     EXPECT_GE(weights, kHalfPrecisionCases / 8) << "cases on the weights kernel";
-    if (attn::detail::short_heads_run(torch::kFloat, 1, 1)) {
+    const auto loops = attn::detail::cpu_loops(attn::detail::cpu_level_of(capability));
+    if (attn::detail::short_heads_run(loops, torch::kFloat, 1, 1)) {
       EXPECT_GE(short_heads, kHalfPrecisionCases / 8) << "cases on the short heads' loops";
     }
   }
 }
 
-// On each of the bfloat16 products this CPU runs (the bfloat16 loops run
-// where they outrun float ones: backend.h, fused_cpu_computes_half), and on none
-// (the request computed in float32) where it runs neither.
+// The capabilities this CPU runs, of those `wanted` names.
+std::vector<attn::CpuCapability> capabilities_among(
+    std::initializer_list<attn::CpuCapability> wanted) {
+  std::vector<attn::CpuCapability> runs;
+  for (const auto capability : attn::cpu_capabilities()) {
+    if (std::find(wanted.begin(), wanted.end(), capability) != wanted.end()) {
+      runs.push_back(capability);
+    }
+  }
+  return runs;
+}
+
+// At each capability with bfloat16 products this CPU runs (the bfloat16
+// loops run where they outrun float ones: backend.h, half_products_pay),
+// and at the widest (the request computed in float32) where it runs none.
 TEST(PropertySweep, Bfloat16IsWithinTwiceLibTorchsBfloat16Error) {
-  const auto products = attn::detail::available_bf16_products();
+  const auto products = capabilities_among(
+      {attn::CpuCapability::avx512_bf16, attn::CpuCapability::amx});
   if (products.empty()) {
     std::cout << "[  NOTE    ] this CPU has no bfloat16 products (AVX512-BF16, AMX): the sweep "
                  "checks bfloat16 requests computed in float32 on the tiled route\n";
-    sweep_half_precision(torch::kBFloat16);
+    sweep_half_precision(torch::kBFloat16, attn::cpu_capabilities().back());
   }
-  for (const auto p : products) {
-    SCOPED_TRACE(std::string("bfloat16 products: ") + attn::detail::bf16_products_name(p));
-    const attn::detail::ScopedBf16Products on(p);
-    sweep_half_precision(torch::kBFloat16);
+  for (const auto capability : products) {
+    SCOPED_TRACE(std::string("capability: ") + attn::cpu_capability_name(capability));
+    sweep_half_precision(torch::kBFloat16, capability);
   }
 }
 
-// On each of attn's float loops this CPU runs, whose micro-tiles widen
-// float16 (backend.h, fused_cpu_computes_half), and on the BLAS, where the
-// request is computed in float32.
+// At each of attn's float loops this CPU runs, whose micro-tiles widen
+// float16 (backend.h, half_products_pay), and at portable, the BLAS's
+// products, where the request is computed in float32.
 TEST(PropertySweep, Float16IsWithinFloat32RoundedToFloat16) {
-  for (const auto loops : attn::detail::available_product_loops()) {
-    SCOPED_TRACE(std::string("product loops: ") + attn::detail::product_loops_name(loops));
-    const attn::detail::ScopedProductLoops on(loops);
-    sweep_half_precision(torch::kHalf);
+  for (const auto capability : capabilities_among(
+           {attn::CpuCapability::portable, attn::CpuCapability::avx2,
+            attn::CpuCapability::avx512})) {
+    SCOPED_TRACE(std::string("capability: ") + attn::cpu_capability_name(capability));
+    sweep_half_precision(torch::kHalf, capability);
   }
 }
 
@@ -515,7 +535,7 @@ TEST(PropertySweep, Float16IsWithinFloat32RoundedToFloat16) {
 // kernel computes one (its loops widen it as they add it): transposed,
 // strided over the keys and per batch entry, on the short heads' loops
 // and on the tiled ones (where they compute the half precision: checked
-// by their counts of calls), against the float64 oracle of the same
+// on the call's plan), against the float64 oracle of the same
 // values. The output is rounded once into the half precision.
 TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
   torch::manual_seed(31);
@@ -528,20 +548,19 @@ TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
           {"transposed", torch::randn({S, L}).to(dtype).t()},
           {"every other key", torch::randn({L, 2 * S}).to(dtype).slice(1, 0, 2 * S, 2)},
           {"per batch entry", torch::randn({2, 1, 1, S}).to(dtype)}};
-      const bool short_heads = attn::detail::short_heads_run(torch::kFloat, L, S);
       for (const auto& [name, mask] : masks) {
         SCOPED_TRACE(
             ::testing::Message() << c10::toString(dtype) << " L=" << L << " S=" << S << " mask "
                                  << name);
         const auto options = attn::SDPAOptions().attn_mask(mask);
-        const int64_t short_calls = attn::detail::short_heads_half_calls(dtype);
-        const int64_t tiled_calls = attn::detail::tiled_half_calls(dtype);
-        const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
-        if (short_heads) {
-          EXPECT_GT(attn::detail::short_heads_half_calls(dtype), short_calls);
-        } else if (half_precision_loops_run(dtype)) {
-          EXPECT_GT(attn::detail::tiled_half_calls(dtype), tiled_calls);
+        const auto plan = attn::testing::plan_of(q, k, v, options);
+        EXPECT_EQ(plan.backend, attn::AttentionBackend::fused_cpu);
+        const bool short_heads = plan.kernel.fused_loops == attn::detail::FusedLoops::short_heads;
+        if (short_heads || half_precision_loops_run(dtype, attn::cpu_capabilities().back())) {
+          EXPECT_EQ(plan.compute_dtype, dtype);
+          EXPECT_EQ(plan.mask_dtype, dtype);
         }
+        const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
         const auto flat = [&](const torch::Tensor& t) {
           return t.to(torch::kDouble).reshape({-1, t.size(-2), t.size(-1)});
         };
@@ -556,15 +575,15 @@ TEST(PropertySweep, HalfPrecisionMasksAtAnyStrideGiveTheOraclesResults) {
 
 // The batched kernel computes half precision in float, query chunks of
 // 64 rows of one matrix of the batch at a time (the last one partial),
-// its results rounded once (batched_half_calls): here weights with
+// its results rounded once (its plan's compute dtype): here weights with
 // gradients (cpu-short-sequences, or cpu-weights-with-gradients where
 // bfloat16 leaves the former). The output, the weights and the
 // gradients of q, k and v through both, against the float64 oracle
 // (softmax(Q Kᵀ·scale + bias), op by op in float64) of the same inputs:
 // bfloat16 by FlashAttention's rule against the same ops in bfloat16,
 // float16 within float32's tolerance rounded once, the weights each
-// within half an ulp of float32's (WithinFloat32RoundedOnce). On each
-// of the float products this CPU runs (attn's loops, the BLAS).
+// within half an ulp of float32's (WithinFloat32RoundedOnce). At each
+// of the float products this CPU runs (attn's loops, the BLAS's).
 TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWeights) {
   enum class Mask { none, shared, per_head }; // a float mask (L, S) or (B, H, L, S)
   struct Shape {
@@ -586,12 +605,12 @@ TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWei
   torch::manual_seed(41);
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     for (const auto& c : shapes) {
-      for (const auto loops : attn::detail::available_product_loops()) {
-        const attn::detail::ScopedProductLoops on(loops);
+      for (const auto capability : capabilities_among(
+               {attn::CpuCapability::portable, attn::CpuCapability::avx2,
+                attn::CpuCapability::avx512})) {
         SCOPED_TRACE(
-            ::testing::Message() << c10::toString(dtype) << " products "
-                                 << attn::detail::product_loops_name(loops) << " B=" << c.B
-                                 << " L=" << c.L << " S=" << c.S << " Hkv=" << c.Hkv
+            ::testing::Message() << c10::toString(dtype) << " capability " << capability
+                                 << " B=" << c.B << " L=" << c.L << " S=" << c.S << " Hkv=" << c.Hkv
                                  << " causal=" << c.causal << " window=" << c.window
                                  << " mask=" << static_cast<int>(c.mask)
                                  << " output in the loss=" << c.output_in_loss);
@@ -604,14 +623,18 @@ TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWei
         const auto mask = c.mask == Mask::none ? torch::Tensor()
             : c.mask == Mask::shared           ? torch::randn({c.L, c.S}).to(dtype)
                                                : torch::randn({B, H, c.L, c.S}).to(dtype);
-        auto options =
-            attn::SDPAOptions().attn_mask(mask).is_causal(c.causal).need_weights(true).enable_gqa(
-                c.Hkv < H);
+        auto options = attn::SDPAOptions()
+                           .attn_mask(mask)
+                           .is_causal(c.causal)
+                           .need_weights(true)
+                           .enable_gqa(c.Hkv < H)
+                           .cpu_capability(capability);
         if (c.window > 0) {
           options.window(c.window);
         }
-        ASSERT_EQ(attn::select_backend(q, k, v, options), attn::AttentionBackend::batched_cpu);
-        const int64_t calls = attn::detail::batched_half_calls(dtype);
+        const auto plan = attn::testing::plan_of(q, k, v, options);
+        ASSERT_EQ(plan.backend, attn::AttentionBackend::batched_cpu);
+        EXPECT_EQ(plan.compute_dtype, dtype) << "a chunk of one matrix at a time in float";
         const auto [out, weights] = attn::scaled_dot_product_attention(q, k, v, options);
         const auto upstream = torch::randn(out.sizes()).to(dtype);
         const auto weights_upstream = torch::randn(weights.sizes()).to(dtype);
@@ -623,7 +646,6 @@ TEST(PropertySweep, HalfPrecisionOnTheBatchedKernelMatchesTheOracleThroughTheWei
               : from_weights;
         };
         const auto grads = torch::autograd::grad({loss(out, weights)}, {q, k, v});
-        EXPECT_EQ(attn::detail::batched_half_calls(dtype), calls + 2) << "forward and backward";
         EXPECT_EQ(weights.scalar_type(), dtype);
 
         auto bias = attn::testing::additive_bias(

@@ -9,6 +9,7 @@
 #include "kernels/cpu/tile_product.h"
 #include "runtime/compat.h"
 #include "runtime/threads.h"
+#include "sdpa/backend.h"
 
 #include <attn/backend.h>
 #include <attn/threads.h>
@@ -45,7 +46,7 @@ using attn::testing::kInf;
 
 // The function's routes on the CPU, each backend asked for by name: the
 // tiled kernel without weights (with and without a gradient; kept to it
-// at short lengths by keep_to_route), the same kernel's short loops (its
+// at short lengths by options()), the same kernel's short loops (its
 // heads cut to their bounds, short_heads.h), the tiled kernel with
 // weights (inference), the math path (weights with a gradient), and the
 // batched kernel for short sequences in all four combinations. A test
@@ -67,17 +68,21 @@ struct Route {
       << " requires_grad=" << requires_grad;
     return s.str();
   }
-  SDPAOptions options() const { return SDPAOptions().backend(backend).need_weights(need_weights); }
-  // The tiled routes keep to the tiled kernel at lengths the short loops
-  // would take (L queries, S keys): with the BLAS's products, as on CPUs
-  // without AVX2. Held for the route's call.
-  std::optional<attn::detail::ScopedProductLoops> keep_to_route(int64_t L, int64_t S) const {
+  // The route's options for L queries and S keys, at `capability` (unset:
+  // the widest). The tiled routes keep to the tiled kernel at lengths the
+  // short loops would take: at capability portable, the BLAS's products,
+  // as on CPUs without AVX2.
+  SDPAOptions options(
+      int64_t L,
+      int64_t S,
+      c10::optional<attn::CpuCapability> capability = c10::nullopt) const {
+    const auto loops = attn::detail::cpu_loops(
+        capability ? attn::detail::cpu_level_of(*capability) : attn::detail::widest_cpu_level());
     if (backend == attn::AttentionBackend::fused_cpu && !short_heads &&
-        attn::detail::short_heads_run(torch::kFloat, L, S)) {
-      return std::optional<attn::detail::ScopedProductLoops>(
-          std::in_place, attn::detail::ProductLoops::blas);
+        attn::detail::short_heads_run(loops, torch::kFloat, L, S)) {
+      capability = attn::CpuCapability::portable;
     }
-    return std::nullopt;
+    return SDPAOptions().backend(backend).need_weights(need_weights).cpu_capability(capability);
   }
 };
 const Route kRoutes[] = {
@@ -104,14 +109,13 @@ TEST(NumericalRobustness, ScoresOfMagnitude1e4GiveAFiniteExactSoftmaxOnEveryPath
     for (const auto& route : kRoutes) {
       SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
       const int64_t L = route.queries(130), S = route.keys(600);
-      const auto tiled = route.keep_to_route(L, S);
       const auto q =
           torch::randint(-100, 101, {2, L, 2}, dtype).requires_grad_(route.requires_grad);
       const auto k =
           torch::randint(-100, 101, {2, S, 2}, dtype).requires_grad_(route.requires_grad);
       const auto v = torch::randn({2, S, 3}, dtype).requires_grad_(route.requires_grad);
       const auto [out, weights] = attn::scaled_dot_product_attention(
-          q, k, v, route.options().scale(1.0).is_causal(true));
+          q, k, v, route.options(L, S).scale(1.0).is_causal(true));
       const auto causal = additive_bias(attn::testing::band_mask(L, S, 0, /*causal=*/true, 0));
       const auto [ref_out, ref_weights] = attn::testing::reference_attention(q, k, v, causal, 1.0);
       const auto tolerance = attn::testing::tolerance_for(dtype);
@@ -159,9 +163,9 @@ TEST(NumericalRobustness, MultiHeadAttentionStaysFiniteWithInputsScaledTo1e4Scor
 // PropertySweep.Bfloat16IsWithinTwiceLibTorchsBfloat16Error holds it to
 // LibTorch's own bfloat16 error; the weights kernel's weights are still
 // the float32 ones rounded once. float16 stays in float32 on the tiled
-// route here, which runs on the BLAS's products (keep_to_route), where the
+// route here, which runs on the BLAS's products (Route::options), where the
 // fused kernel computes float16 in float32 (backend.h,
-// fused_cpu_computes_half); the weights kernel multiplies float16's exact
+// half_products_pay); the weights kernel multiplies float16's exact
 // values in float where attn's loops run, and at these 40 keys, one block,
 // in the float32 kernel's order, so its results are the float32 ones
 // rounded once too; PropertySweep.Float16IsWithinFloat32RoundedToFloat16
@@ -176,19 +180,18 @@ TEST(NumericalRobustness, HalfPrecisionFunctionRoundsTheFloat32ResultOnce) {
     const double half_ulp = dtype == torch::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
     for (const auto& route : kRoutes) {
       SCOPED_TRACE(route.describe() + " dtype=" + c10::toString(dtype));
-      const bool bf16_products = dtype == torch::kBFloat16 && !route.short_heads &&
-          (route.backend == attn::AttentionBackend::fused_cpu ||
-           route.backend == attn::AttentionBackend::fused_cpu_weights) &&
-          attn::detail::bf16_products_outrun_float();
-      if (bf16_products && !route.need_weights) {
-        continue; // computed in bfloat16 (above)
-      }
-      const auto tiled = route.keep_to_route(70, 40);
       const auto q = torch::randn({2, 3, 70, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto k = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto v = torch::randn({2, 3, 40, 16}).to(dtype).requires_grad_(route.requires_grad);
       const auto mask = torch::randn({70, 40}).masked_fill(torch::rand({70, 40}) > 0.7, -kInf);
-      const auto options = route.options().is_causal(true);
+      const auto options = route.options(70, 40).is_causal(true);
+      const bool bf16_products = dtype == torch::kBFloat16 && !route.short_heads &&
+          (route.backend == attn::AttentionBackend::fused_cpu ||
+           route.backend == attn::AttentionBackend::fused_cpu_weights) &&
+          attn::testing::plan_of(q, k, v, options).compute_dtype == torch::kBFloat16;
+      if (bf16_products && !route.need_weights) {
+        continue; // computed in bfloat16 (above)
+      }
       const auto [out, weights] = attn::scaled_dot_product_attention(
           q, k, v, SDPAOptions(options).attn_mask(mask.to(dtype)));
       const auto as_float = [](const torch::Tensor& t) {
@@ -298,7 +301,6 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
             route.describe() + " dtype=" + c10::toString(dtype) +
             (bool_mask ? " bool mask" : " float mask"));
         const int64_t L = route.queries(140), S = route.keys(520);
-        const auto tiled = route.keep_to_route(L, S);
         const auto q = torch::randn({2, L, 8}).to(dtype).requires_grad_(route.requires_grad);
         const auto k = torch::randn({2, S, 8}).to(dtype).requires_grad_(route.requires_grad);
         const auto v = torch::randn({2, S, 8}).to(dtype).requires_grad_(route.requires_grad);
@@ -308,7 +310,7 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
         allowed.select(1, late_row).fill_(false);
         const auto mask = bool_mask ? allowed : additive_bias(allowed).to(dtype);
         const auto [out, weights] = attn::scaled_dot_product_attention(
-            q, k, v, route.options().attn_mask(mask));
+            q, k, v, route.options(L, S).attn_mask(mask));
         for (const int64_t row : {int64_t{3}, late_row}) {
           EXPECT_EQ(out.select(1, row).abs().max().item<double>(), 0.0) << "row " << row;
           if (route.need_weights) {
@@ -329,7 +331,7 @@ TEST(FullyMaskedRows, GiveZerosAndFiniteGradientsOnEveryPath) {
 }
 
 // Empty operands: no queries, no keys, no batch, or values of width 0, on
-// every route, dtype and product loops this CPU runs (the loops offset
+// every route, dtype and CPU capability this CPU runs (the loops offset
 // their operands by their vectors' width: with AVX2's 8 lanes, no keys and
 // values 33 wide once offset a null pointer). Each result against the
 // float64 formula (reference_attention).
@@ -357,17 +359,17 @@ Tolerance empty_sweep_tolerance(torch::ScalarType dtype) {
 void expect_empty_case_matches_formula(
     const EmptySizes& n,
     torch::ScalarType dtype,
-    const Route& route) {
+    const Route& route,
+    attn::CpuCapability capability) {
   constexpr double kScale = 0.5;
   const int64_t L = route.queries(n.L), S = route.keys(n.S);
-  const auto tiled = route.keep_to_route(L, S);
   const auto input = [&](int64_t T, int64_t width) {
     return torch::randn({n.B, T, width}).to(dtype).requires_grad_(route.requires_grad);
   };
   const auto q = input(L, n.D), k = input(S, n.D), v = input(S, n.Dv);
   const auto allowed = torch::rand({L, S}) > 0.3;
   const auto [out, weights] = attn::scaled_dot_product_attention(
-      q, k, v, route.options().attn_mask(allowed).is_causal(true).scale(kScale));
+      q, k, v, route.options(L, S, capability).attn_mask(allowed).is_causal(true).scale(kScale));
   const auto bias =
       additive_bias(allowed & attn::testing::band_mask(L, S, 0, true, 0)).expand({n.B, L, S});
   const auto as_double = [](const torch::Tensor& t) { return t.detach().to(torch::kDouble); };
@@ -392,17 +394,16 @@ void expect_empty_case_matches_formula(
   }
 }
 
-TEST(EmptyInputs, EmptyOperandsGiveTheFormulasResultOnEveryPathDtypeAndProductLoops) {
+TEST(EmptyInputs, EmptyOperandsGiveTheFormulasResultOnEveryPathDtypeAndCpuCapability) {
   torch::manual_seed(17);
-  for (const auto loops : attn::detail::available_product_loops()) {
-    const attn::detail::ScopedProductLoops chosen(loops);
+  for (const auto capability : attn::cpu_capabilities()) {
     for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
       for (const auto& sizes : kEmptySizes) {
         for (const auto& route : kRoutes) {
           SCOPED_TRACE(
-              route.describe() + " " + sizes.describe() + " " + c10::toString(dtype) + " on " +
-              attn::detail::product_loops_name(loops) + " products");
-          expect_empty_case_matches_formula(sizes, dtype, route);
+              route.describe() + " " + sizes.describe() + " " + c10::toString(dtype) + " at " +
+              attn::cpu_capability_name(capability));
+          expect_empty_case_matches_formula(sizes, dtype, route, capability);
         }
       }
     }

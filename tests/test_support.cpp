@@ -380,6 +380,22 @@ void expect_same_parameters_in_own_tensors(
   }
 }
 
+attn::detail::CallPlan plan_of(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const attn::SDPAOptions& options) {
+  return attn::detail::plan_call(query, key, value, options);
+}
+
+attn::detail::CpuLoops widest_loops() {
+  return attn::detail::cpu_loops(attn::detail::widest_cpu_level());
+}
+
+attn::detail::KernelPlan kernel_plan(attn::detail::FusedLoops loops) {
+  return {widest_loops(), loops};
+}
+
 std::string linux_cpuinfo_field(const std::string& name) {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;

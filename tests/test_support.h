@@ -6,6 +6,8 @@
 
 #include <attn/modules/multi_head_attention.h>
 
+#include "sdpa/plan.h"
+
 #include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -231,6 +233,22 @@ void copy_parameters(const torch::nn::Module& source, torch::nn::Module& target)
 void expect_same_parameters_in_own_tensors(
     const torch::nn::Module& copy,
     const torch::nn::Module& original);
+
+// The plan of a valid call of attn::scaled_dot_product_attention
+// (sdpa/plan.h): which backend, dtype, loops and policies it runs, for
+// tests that check which path a request takes.
+attn::detail::CallPlan plan_of(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const attn::SDPAOptions& options = {});
+
+// The loops of the widest CPU capability this CPU runs (isa.h).
+attn::detail::CpuLoops widest_loops();
+
+// A kernel plan on widest_loops() whose fused kernel runs `loops`, for
+// tests that call the kernels themselves.
+attn::detail::KernelPlan kernel_plan(attn::detail::FusedLoops loops);
 
 // The value of the first processor's field `name` in /proc/cpuinfo
 // ("vendor_id": "AuthenticAMD"). Empty where there is no such file or field.

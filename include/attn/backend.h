@@ -1,10 +1,12 @@
 #pragma once
 
 /// \file
-/// The implementations behind `attn::scaled_dot_product_attention`;
-/// `attn::select_backend` (in sdpa.h) chooses between them.
+/// The implementations behind `attn::scaled_dot_product_attention`, and
+/// the CPU instructions attn's CPU kernels may use; `attn::select_backend`
+/// (in sdpa.h) chooses between the backends.
 
 #include <ostream>
+#include <vector>
 
 namespace attn {
 
@@ -68,5 +70,42 @@ const char* backend_name(AttentionBackend backend);
 
 /// Writes `backend_name(backend)`.
 std::ostream& operator<<(std::ostream& stream, AttentionBackend backend);
+
+/// How far up the x86 instruction sets attn's CPU kernels may reach, each
+/// level adding to the one below (`SDPAOptions::cpu_capability`): a call
+/// computes on the loops of one level, and the backend rules read it as
+/// the CPU's (docs/BACKENDS.md).
+///
+/// Example: run as on an AVX2-only CPU, on any CPU that has AVX2.
+/// ```
+/// auto [out, none] = attn::scaled_dot_product_attention(
+///     q, k, v, attn::SDPAOptions().cpu_capability(attn::CpuCapability::avx2));
+/// ```
+enum class CpuCapability {
+  /// Portable C++ and the BLAS's matrix products: every CPU.
+  portable,
+  /// attn's AVX2 and FMA loops (float16 conversions where the CPU has F16C).
+  avx2,
+  /// attn's AVX-512 loops.
+  avx512,
+  /// And bfloat16 products on AVX512-BF16.
+  avx512_bf16,
+  /// And bfloat16 products on AMX's tiles.
+  amx,
+};
+
+/// The capability's name, as `ATTN_CPU_CAPABILITY` takes it: `"portable"`,
+/// `"avx2"`, `"avx512"`, `"avx512_bf16"`, `"amx"`.
+const char* cpu_capability_name(CpuCapability capability);
+
+/// Writes `cpu_capability_name(capability)`.
+std::ostream& operator<<(std::ostream& stream, CpuCapability capability);
+
+/// The capabilities this CPU runs, narrowest first; the last is what a
+/// call uses unless `SDPAOptions::cpu_capability` asks for less. Where the
+/// environment sets `ATTN_CPU_CAPABILITY` (read once, when attn first
+/// asks), none above the one it names: the process then runs as on a CPU
+/// that has no more.
+std::vector<CpuCapability> cpu_capabilities();
 
 } // namespace attn

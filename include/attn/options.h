@@ -131,6 +131,11 @@ struct SDPAOptions {
   /// The implementation to run, or unset to let `attn::select_backend`
   /// choose. A backend that cannot run the request is an error naming why.
   TORCH_ARG(c10::optional<AttentionBackend>, backend) = c10::nullopt;
+  /// The widest CPU instructions attn's CPU kernels use for this call, one
+  /// of `attn::cpu_capabilities()`, or unset: the widest of them. The
+  /// backend rules read it as the CPU's. A capability this CPU lacks is an
+  /// error naming the ones it has.
+  TORCH_ARG(c10::optional<CpuCapability>, cpu_capability) = c10::nullopt;
 
   /// Score modifiers. Each scaled score `s` of query `i` (at position
   /// `i' = i + query_offset`) and key `j` of head `h` becomes

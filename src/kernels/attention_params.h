@@ -9,7 +9,6 @@
 #include <torch/types.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -156,25 +155,6 @@ inline bool is_half_precision(torch::ScalarType dtype) {
   return dtype == torch::kBFloat16 || dtype == torch::kHalf;
 }
 
-// Calls of one kernel's loops on half-precision inputs in this process,
-// per dtype: what its test hook (tiled_half_calls, short_heads_half_calls,
-// batched_half_calls) reads, so that tests can tell which loops took a
-// request.
-class HalfPrecisionCalls {
- public:
-  void count(torch::ScalarType dtype) { of(dtype).fetch_add(1, std::memory_order_relaxed); }
-  int64_t in(torch::ScalarType dtype) { return of(dtype).load(std::memory_order_relaxed); }
-
- private:
-  std::atomic<int64_t>& of(torch::ScalarType dtype) {
-    TORCH_INTERNAL_ASSERT(
-        is_half_precision(dtype), "calls are counted in half precision, not ", dtype);
-    return dtype == torch::kBFloat16 ? bfloat16_ : float16_;
-  }
-
-  std::atomic<int64_t> bfloat16_{0}, float16_{0};
-};
-
 // An attention request as the kernels read it, its arguments already
 // checked: q (B, H, L, D), k (B, Hkv, S, D) and v (B, Hkv, S, Dv) with Hkv
 // dividing H (query head h reads key/value head h / (H / Hkv)), any
@@ -231,7 +211,7 @@ struct AttentionParams {
 // delta_i = dO_i·O_i, so that the learned tensors' gradients, which sum
 // it, carry no rounding of the output. In bfloat16 the forward that
 // writes it also multiplies P unrounded into V, without which O itself
-// carries P's rounding (fused_attention.cpp, keeps_out_rounding).
+// carries P's rounding (sdpa/plan.cpp, keeps_out_rounding).
 struct ForwardResult {
   torch::Tensor out, lse;
   torch::Tensor weights = {};

@@ -30,7 +30,46 @@ std::ostream& operator<<(std::ostream& stream, AttentionBackend backend) {
   return stream << backend_name(backend);
 }
 
+const char* cpu_capability_name(CpuCapability capability) {
+  return detail::cpu_level_name(detail::cpu_level_of(capability));
+}
+
+std::ostream& operator<<(std::ostream& stream, CpuCapability capability) {
+  return stream << cpu_capability_name(capability);
+}
+
+std::vector<CpuCapability> cpu_capabilities() {
+  std::vector<CpuCapability> capabilities;
+  for (const auto level : detail::cpu_levels()) {
+    capabilities.push_back(detail::cpu_capability_of(level));
+  }
+  return capabilities;
+}
+
 namespace detail {
+
+CpuLevel cpu_level_of(CpuCapability capability) {
+  switch (capability) {
+    case CpuCapability::portable: return CpuLevel::portable;
+    case CpuCapability::avx2: return CpuLevel::avx2;
+    case CpuCapability::avx512: return CpuLevel::avx512;
+    case CpuCapability::avx512_bf16: return CpuLevel::avx512_bf16;
+    case CpuCapability::amx: return CpuLevel::amx;
+  }
+  return CpuLevel::portable;
+}
+
+CpuCapability cpu_capability_of(CpuLevel level) {
+  switch (level) {
+    case CpuLevel::portable: return CpuCapability::portable;
+    case CpuLevel::avx2: return CpuCapability::avx2;
+    case CpuLevel::avx512: return CpuCapability::avx512;
+    case CpuLevel::avx512_bf16: return CpuCapability::avx512_bf16;
+    case CpuLevel::amx: return CpuCapability::amx;
+  }
+  return CpuCapability::portable;
+}
+
 namespace {
 
 constexpr const char* kScoreModifierNames =
@@ -154,11 +193,8 @@ bool libtorch_fused_cpu_kernel_applies(
 // The condition of the rule `cpu-libtorch-faster` (docs/BACKENDS.md, which
 // states it and links the measurements behind it): where LibTorch's fused
 // CPU kernel outran attn's, for a request both can run.
-bool libtorch_faster_on_cpu(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options) {
+bool libtorch_faster_on_cpu(const BackendRequest& r) {
+  const auto& [query, key, value, options, level] = r;
   // Masks, windows and non-square causal bands were not measured: attn.
   // Dropout: LibTorch's fused CPU kernel has none (its math path would run).
   if (!kLibTorchCpuRuleMeasured || !libtorch_fused_cpu_kernel_applies(query, key, value) ||
@@ -171,48 +207,46 @@ bool libtorch_faster_on_cpu(
   // The machine the rule was measured on had AVX-512 (LibTorch's float32
   // kernel) and AMX (its bfloat16 products); elsewhere attn keeps its own
   // kernel.
-  const auto& cpu = cpu_features();
   switch (query.scalar_type()) {
     case torch::kFloat:
-      return cpu.avx512f &&
-          ((S <= 64 && !short_heads_run(torch::kFloat, query.size(-2), S)) ||
+      return level >= CpuLevel::avx512 &&
+          ((S <= 64 && !short_heads_run(cpu_loops(level), torch::kFloat, query.size(-2), S)) ||
            (!options.is_causal() && S >= 2048 && heads >= 32));
     // bfloat16: attn's kernel computes it in bfloat16 on AMX, and trains
     // 1.5-3.7x faster than LibTorch's; LibTorch's forward alone stays
     // 1.0-1.6x faster. Without AMX, attn: on Zen 4's AVX512-BF16 its
     // forward ran 1.5-3.6x LibTorch's, its training 1.5-3.7x.
-    case torch::kBFloat16: return cpu.amx_bf16 && !inputs_need_grad(query, key, value);
+    case torch::kBFloat16: return level == CpuLevel::amx && !inputs_need_grad(query, key, value);
     default: return false;
   }
 }
 
 // The dtype whose loops the rules below consult for a request: float32
-// for half precision, which takes the loops float32 takes
-// (fused_cpu_computes_half).
+// for half precision, which takes the loops float32 takes (the plan's
+// compute dtype aside: sdpa/plan.cpp).
 torch::ScalarType computed_on_cpu(const torch::Tensor& query) {
   return query.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
 }
 
-// Whether the fused kernel's tiled loops multiply bfloat16 in bfloat16 on
-// this CPU, as its flags say (fused_cpu_computes_half reads what this
-// build runs, which a rule must not: every compiler's build chooses
-// alike; a build without AMX's loops computes the request in float32 on
-// the same kernel): on AMX, or AMD's AVX512-BF16.
-bool bf16_loops_on_cpu() {
-  const auto& cpu = cpu_features();
-  return cpu.amx_bf16 || (cpu.avx512_bf16 && cpu.vendor == CpuVendor::amd);
+// Whether the fused kernel's tiled loops multiply bfloat16 in bfloat16 at
+// `level`, as the CPU's flags say (the plan's half_products_pay reads
+// what this build runs, which a rule must not: every compiler's build
+// chooses alike; a build without AMX's loops computes the request in
+// float32 on the same kernel): on AMX, or AMD's AVX512-BF16.
+bool bf16_loops_at(CpuLevel level) {
+  return level == CpuLevel::amx ||
+      (level >= CpuLevel::avx512_bf16 && cpu_features().vendor == CpuVendor::amd);
 }
 
 // The condition of the rule `cpu-short-sequences` (docs/BACKENDS.md; the
 // measurements in docs/design/cpu-kernels.md, "Short sequences"): where
 // attn's batched kernel outran its tiled one, whose per-head products are
 // too small there to pay for a loop each.
-bool batched_cpu_faster(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const SDPAOptions& options) {
+bool batched_cpu_faster(const BackendRequest& r) {
+  const auto& [query, key, value, options, level] = r;
   const int64_t L = query.size(-2), S = key.size(-2);
-  const int64_t longest = kLibTorchCpuRuleMeasured || !tile_products_run(computed_on_cpu(query))
+  const int64_t longest = kLibTorchCpuRuleMeasured ||
+          !tile_products_run(cpu_loops(level), computed_on_cpu(query))
       ? 64
       : 32;
   // The batched kernel computes half precision in float (a matrix of the
@@ -225,7 +259,7 @@ bool batched_cpu_faster(
   // it by a later rule. float16, which both compute in float, ran
   // 0.89-0.94x the tiled loops' time on the batched kernel, and 0.88-0.96x
   // the weights kernel's.
-  if (query.scalar_type() == torch::kBFloat16 && bf16_loops_on_cpu()) {
+  if (query.scalar_type() == torch::kBFloat16 && bf16_loops_at(level)) {
     return false;
   }
   return (L <= longest && S <= longest) ||
@@ -235,8 +269,9 @@ bool batched_cpu_faster(
 // The condition of the rule `cpu-short-heads` (docs/BACKENDS.md; the
 // measurements in docs/design/cpu-kernels.md, "Short heads"): wherever the
 // fused kernel's short loops run (kernels/cpu/short_heads.h).
-bool short_heads_faster(const torch::Tensor& query, const torch::Tensor& key) {
-  return short_heads_run(computed_on_cpu(query), query.size(-2), key.size(-2));
+bool short_heads_faster(const BackendRequest& r) {
+  return short_heads_run(
+      cpu_loops(r.level), computed_on_cpu(r.query), r.query.size(-2), r.key.size(-2));
 }
 
 } // namespace
@@ -276,15 +311,12 @@ bool can_run(AttentionBackend backend, const BackendRequest& r) {
 constexpr BackendRule kBackendRules[] = {
     {"cpu-libtorch-faster", AttentionBackend::libtorch,
      [](const BackendRequest& r) {
-       return on_cpu(r) && can_run(AttentionBackend::fused_cpu, r) &&
-           libtorch_faster_on_cpu(r.query, r.key, r.value, r.options);
+       return on_cpu(r) && can_run(AttentionBackend::fused_cpu, r) && libtorch_faster_on_cpu(r);
      }},
     {"cpu-short-heads", AttentionBackend::fused_cpu,
-     [](const BackendRequest& r) { return on_cpu(r) && short_heads_faster(r.query, r.key); }},
+     [](const BackendRequest& r) { return on_cpu(r) && short_heads_faster(r); }},
     {"cpu-short-sequences", AttentionBackend::batched_cpu,
-     [](const BackendRequest& r) {
-       return on_cpu(r) && batched_cpu_faster(r.query, r.key, r.options);
-     }},
+     [](const BackendRequest& r) { return on_cpu(r) && batched_cpu_faster(r); }},
     {"cpu-weights-for-inference", AttentionBackend::fused_cpu_weights,
      [](const BackendRequest& r) { return on_cpu(r) && r.options.need_weights(); }},
     {"cpu-weights-with-gradients", AttentionBackend::batched_cpu,
@@ -310,64 +342,24 @@ const BackendRule& deciding_rule(const BackendRequest& request) {
   return kBackendRules[std::size(kBackendRules) - 1]; // math runs everything
 }
 
-AttentionBackend choose_backend(
-    const torch::Tensor& query,
-    const torch::Tensor& key,
-    const torch::Tensor& value,
-    const SDPAOptions& options) {
-  return deciding_rule({query, key, value, options}).backend;
+bool needs_tiled_loops(const SDPAOptions& options) {
+  return dropout_active(options) || has_score_modifiers(options) || mask_needs_grad(options);
 }
 
-namespace {
-
-// fused_cpu_loops for params computed in `dtype`.
-FusedLoops fused_cpu_loops_in(const AttentionParams& params, torch::ScalarType dtype) {
-  // Only the tiled loops drop weights, modify scores and differentiate the
-  // mask.
-  const bool mask_needs_grad = params.mask.defined() && params.mask.requires_grad() &&
-      torch::GradMode::is_enabled();
-  const bool plain = !params.dropout.active() && !params.modifiers.active() && !mask_needs_grad;
-  return plain && short_heads_run(dtype, params.L(), params.S()) ? FusedLoops::short_heads
-                                                                 : FusedLoops::tiled;
+FusedLoops fused_cpu_loops(
+    const CpuLoops& loops,
+    torch::ScalarType dtype,
+    int64_t L,
+    int64_t S,
+    bool plain) {
+  const auto computed = is_half_precision(dtype) ? torch::kFloat : dtype;
+  return plain && short_heads_run(loops, computed, L, S) ? FusedLoops::short_heads
+                                                         : FusedLoops::tiled;
 }
 
-} // namespace
-
-FusedLoops fused_cpu_loops(const AttentionParams& params) {
-  return fused_cpu_loops_in(params, params.q.scalar_type());
-}
-
-namespace {
-
-// Whether `params` are a half-precision request on the CPU, no size 0.
-bool nonempty_half_request_on_cpu(const AttentionParams& params) {
-  const bool every_size_positive = params.q.numel() > 0 && params.k.numel() > 0 &&
-      params.v.numel() > 0;
-  return params.q.device().is_cpu() && is_half_precision(params.q.scalar_type()) &&
-      every_size_positive;
-}
-
-// Whether the tiled loops' products in `dtype` pay (backend.h,
-// fused_cpu_computes_half).
-bool half_products_pay(torch::ScalarType dtype) {
-  return dtype == torch::kBFloat16 ? bf16_products_outrun_float()
-                                   : dtype == torch::kHalf && half_products_run();
-}
-
-} // namespace
-
-bool fused_cpu_computes_half(const AttentionParams& params) {
-  const bool short_heads = fused_cpu_loops_in(params, torch::kFloat) == FusedLoops::short_heads;
-  return nonempty_half_request_on_cpu(params) &&
-      (short_heads || half_products_pay(params.q.scalar_type()));
-}
-
-bool fused_cpu_weights_computes_half(const AttentionParams& params) {
-  return nonempty_half_request_on_cpu(params) && half_products_pay(params.q.scalar_type());
-}
-
-bool batched_cpu_computes_half(const AttentionParams& params) {
-  return nonempty_half_request_on_cpu(params);
+bool half_products_pay(const CpuLoops& loops, torch::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? bf16_products_outrun_float(loops)
+                                   : dtype == torch::kHalf && half_products_run(loops);
 }
 
 } // namespace detail

@@ -10,6 +10,7 @@
 #include "sdpa/block_mask.h"
 #include "sdpa/masks.h"
 #include "sdpa/math_attention.h"
+#include "sdpa/plan.h"
 #include "sdpa/projection_attention.h"
 #include "sdpa/score_modifiers.h"
 
@@ -199,17 +200,17 @@ detail::AttentionParams attention_params(
   return params;
 }
 
-// The fused kernel's loops for `params`, and params with the blocks of its
-// bool mask where the tiled loops run: they skip the blocks the mask hides
-// and test no element of those it leaves whole.
-std::pair<detail::FusedLoops, detail::AttentionParams> fused_cpu_request(
+// params with the blocks of its bool mask where the fused kernel's tiled
+// loops run: they skip the blocks the mask hides and test no element of
+// those it leaves whole.
+detail::AttentionParams with_bool_mask_blocks(
+    const detail::KernelPlan& plan,
     detail::AttentionParams params) {
-  const auto loops = detail::fused_cpu_loops(params);
-  if (loops == detail::FusedLoops::tiled && params.mask.defined() &&
+  if (plan.fused_loops == detail::FusedLoops::tiled && params.mask.defined() &&
       params.mask.scalar_type() == torch::kBool && !params.blocks.defined()) {
     params.blocks = detail::blocks_of_bool_mask(params.mask);
   }
-  return {loops, std::move(params)};
+  return params;
 }
 
 // params for the math path, which reads every mask as one tensor: a block
@@ -227,22 +228,23 @@ detail::AttentionParams with_dense_block_mask(
   return params;
 }
 
-// attn's backend `backend` on `params`: the output (B, H, L, Dv) and, with
-// `need_weights`, the weights (B, H, L, S).
+// attn's backend on `params` as `plan` says: the output (B, H, L, Dv)
+// and, with `need_weights`, the weights (B, H, L, S).
 std::tuple<torch::Tensor, torch::Tensor> run_attn_backend(
-    AttentionBackend backend,
+    const detail::CallPlan& plan,
     const detail::AttentionParams& params,
     bool need_weights) {
-  switch (backend) {
-    case AttentionBackend::fused_cpu: {
-      const auto [loops, request] = fused_cpu_request(params);
-      return {detail::fused_attention(loops, request), torch::Tensor()};
-    }
+  const auto& kernel = plan.kernel;
+  switch (plan.backend) {
+    case AttentionBackend::fused_cpu:
+      return {
+          detail::fused_attention(kernel, with_bool_mask_blocks(kernel, params)), torch::Tensor()};
     case AttentionBackend::fused_cpu_weights: {
-      const auto result = detail::tiled_forward_with_weights(params);
+      const auto result = detail::tiled_forward_with_weights(kernel.cpu, params);
       return {result.out, need_weights ? result.weights : torch::Tensor()};
     }
-    case AttentionBackend::batched_cpu: return detail::batched_attention(params, need_weights);
+    case AttentionBackend::batched_cpu:
+      return detail::batched_attention(kernel.cpu, params, need_weights);
     case AttentionBackend::math:
     case AttentionBackend::libtorch: break;
   }
@@ -279,49 +281,30 @@ torch::Tensor run_libtorch(
   return output.reshape(output_shape).masked_fill(empty_rows, 0.0);
 }
 
-// Whether the request is in half precision on the CPU.
-bool half_precision_on_cpu(const torch::Tensor& query) {
-  const auto dtype = query.scalar_type();
-  return query.device().is_cpu() && (dtype == torch::kHalf || dtype == torch::kBFloat16);
-}
-
-// A half-precision request as attn's CPU backends compute it: in its own
-// dtype where the fused, weights or batched kernel does (backend.h,
-// fused_cpu_computes_half, fused_cpu_weights_computes_half,
-// batched_cpu_computes_half),
-// a floating mask too (the kernels widen it as they add it, and give one
-// of the scores' size its gradient in its dtype, each element rounded
-// once) unless its gradient sums over the mask's broadcast dims, which it
-// then does in float32 before one rounding; else in float32, converted whole, its
-// results rounded once (scores and softmax sums held in 8 or 11 mantissa
-// bits would lose most of the weights' precision, and LibTorch 1.13 has
-// no float16 GEMM on the CPU). The modifiers' tensors are float either way.
-detail::AttentionParams half_precision_params(
-    AttentionBackend backend,
+// The request as attn's backends read it in the plan's dtypes: the
+// inputs in its compute dtype (half-precision inputs converted whole into
+// float32 where it says so, their results rounded once after), a floating
+// mask in its mask dtype; the modifiers' tensors float for half-precision
+// inputs, which the kernels read in float.
+detail::AttentionParams params_of_plan(
+    const detail::CallPlan& plan,
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  auto params = attention_params(query, key, value, options, torch::kFloat);
-  const bool in_half = backend == AttentionBackend::fused_cpu
-      ? detail::fused_cpu_computes_half(params)
-      : backend == AttentionBackend::fused_cpu_weights
-      ? detail::fused_cpu_weights_computes_half(params)
-      : backend == AttentionBackend::batched_cpu && detail::batched_cpu_computes_half(params);
+  const bool half_on_cpu = query.device().is_cpu() &&
+      detail::is_half_precision(query.scalar_type());
+  auto params = half_on_cpu ? attention_params(query, key, value, options, torch::kFloat)
+                            : attention_params(query, key, value, options);
   const auto& mask = options.attn_mask();
-  // A gradient summed over the mask's broadcast dims (the expanded mask
-  // holds more elements than the mask).
-  const bool mask_gradient_sums = mask.defined() && mask.requires_grad() &&
-      torch::GradMode::is_enabled() && mask.numel() != params.mask.numel();
-  if (mask.defined() && mask.is_floating_point() && (!in_half || mask_gradient_sums)) {
-    params.mask = scores_mask(mask.to(torch::kFloat), query, key);
+  if (mask.defined() && mask.is_floating_point() && mask.scalar_type() != plan.mask_dtype) {
+    params.mask = scores_mask(mask.to(plan.mask_dtype), query, key);
   }
-  if (in_half) {
-    return params;
+  if (params.q.scalar_type() != plan.compute_dtype) {
+    params.q = params.q.to(plan.compute_dtype);
+    params.k = params.k.to(plan.compute_dtype);
+    params.v = params.v.to(plan.compute_dtype);
   }
-  params.q = params.q.to(torch::kFloat);
-  params.k = params.k.to(torch::kFloat);
-  params.v = params.v.to(torch::kFloat);
   return params;
 }
 
@@ -335,36 +318,48 @@ uint64_t next_dropout_seed() {
   return at::check_generator<at::CPUGeneratorImpl>(generator)->random64();
 }
 
-// Runs `backend`, already chosen for this checked request; `qkv` is
-// undefined, or the tensor whose heads_of_projection are query, key and
-// value.
-std::tuple<torch::Tensor, torch::Tensor> run_backend(
-    AttentionBackend backend,
+// Runs the checked request as `plan` says; `qkv` is undefined, or the
+// tensor whose heads_of_projection are query, key and value.
+std::tuple<torch::Tensor, torch::Tensor> run_plan(
+    const detail::CallPlan& plan,
     const torch::Tensor& query,
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options,
     const torch::Tensor& qkv = {}) {
-  if (backend == AttentionBackend::libtorch) {
+  if (plan.backend == AttentionBackend::libtorch) {
     return {run_libtorch(query, key, value, options), torch::Tensor()};
   }
-  auto params = half_precision_on_cpu(query)
-      ? half_precision_params(backend, query, key, value, options)
-      : attention_params(query, key, value, options);
+  auto params = params_of_plan(plan, query, key, value, options);
   if (params.q.scalar_type() == query.scalar_type()) {
     params.qkv = qkv;
   }
-  if (backend == AttentionBackend::fused_cpu && params.dropout.active()) {
+  if (plan.backend == AttentionBackend::fused_cpu && params.dropout.active()) {
     params.dropout.seed = next_dropout_seed();
   }
-  if (backend == AttentionBackend::math) {
+  if (plan.backend == AttentionBackend::math) {
     params = with_dense_block_mask(std::move(params), options);
   }
-  const auto [output, weights] = run_attn_backend(backend, params, options.need_weights());
+  const auto [output, weights] = run_attn_backend(plan, params, options.need_weights());
   const auto dtype = query.scalar_type();
   return {
       output.reshape(with_last_dim(query, value.size(-1))).to(dtype),
       weights.defined() ? weights.reshape(with_last_dim(query, key.size(-2))).to(dtype) : weights};
+}
+
+// Every check of the arguments, once, at the API boundary; then the plan.
+detail::CallPlan checked_plan(
+    const torch::Tensor& query,
+    const torch::Tensor& key,
+    const torch::Tensor& value,
+    const SDPAOptions& options) {
+  check_leading_dims(query, key, value, options);
+  check_features_dtypes_and_devices(query, key, value);
+  check_attn_mask(query, key, options.attn_mask());
+  check_option_values(options);
+  detail::check_score_modifiers(kSdpaCaller, query, options);
+  detail::check_block_mask(kSdpaCaller, query, key, options);
+  return detail::plan_call(query, key, value, options);
 }
 
 } // namespace
@@ -374,21 +369,7 @@ AttentionBackend select_backend(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  // Every check of the arguments, once, at the API boundary.
-  check_leading_dims(query, key, value, options);
-  check_features_dtypes_and_devices(query, key, value);
-  check_attn_mask(query, key, options.attn_mask());
-  check_option_values(options);
-  detail::check_score_modifiers(kSdpaCaller, query, options);
-  detail::check_block_mask(kSdpaCaller, query, key, options);
-  const auto& requested = options.backend();
-  if (!requested) {
-    return detail::choose_backend(query, key, value, options);
-  }
-  const auto reason = detail::unsupported_reason(*requested, query, key, value, options);
-  TORCH_CHECK(
-      reason.empty(), kSdpaCaller, ": backend ", *requested, " was requested, but it ", reason);
-  return *requested;
+  return checked_plan(query, key, value, options).backend;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
@@ -396,7 +377,7 @@ std::tuple<torch::Tensor, torch::Tensor> scaled_dot_product_attention(
     const torch::Tensor& key,
     const torch::Tensor& value,
     const SDPAOptions& options) {
-  return run_backend(select_backend(query, key, value, options), query, key, value, options);
+  return run_plan(checked_plan(query, key, value, options), query, key, value, options);
 }
 
 torch::Tensor alibi_slopes(int64_t num_heads) {
@@ -428,8 +409,8 @@ std::tuple<torch::Tensor, torch::Tensor> attention_over_projection(
       qkv.dim() == 5 && qkv.size(2) == 3, "the heads of one projection are (B, L, 3, H, D), got ",
       qkv.sizes());
   const auto heads = heads_of_projection(qkv);
-  const auto backend = select_backend(heads.q, heads.k, heads.v, options);
-  return run_backend(backend, heads.q, heads.k, heads.v, options, qkv);
+  const auto plan = checked_plan(heads.q, heads.k, heads.v, options);
+  return run_plan(plan, heads.q, heads.k, heads.v, options, qkv);
 }
 
 } // namespace detail

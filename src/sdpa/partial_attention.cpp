@@ -3,8 +3,8 @@
 #include "kernels/attention_params.h"
 #include "kernels/cpu/fused_attention.h"
 #include "kernels/partial_results.h"
-#include "sdpa/backend.h"
 #include "sdpa/block_mask.h"
+#include "sdpa/plan.h"
 
 #include <attn/block_mask.h>
 
@@ -50,7 +50,7 @@ bool band_leaves_pairs(
 
 PartResult attend_part(const AttentionPart& part) {
   const auto params = part_params(part);
-  const auto result = fused_forward(fused_cpu_loops(params), params);
+  const auto result = fused_forward(plan_part(params.q, params.k), params);
   return {result.out, result.lse};
 }
 
@@ -64,7 +64,7 @@ PartGradients attend_part_backward(
     const torch::Tensor& grad_out) {
   const auto params = part_params(part);
   const auto grads = fused_backward(
-      fused_cpu_loops(params), params, {merged.out, merged.lse}, grad_out);
+      plan_part(params.q, params.k), params, {merged.out, merged.lse}, grad_out);
   return {grads.dq, grads.dk, grads.dv};
 }
 

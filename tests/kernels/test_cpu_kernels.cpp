@@ -133,8 +133,13 @@ TEST(RowOps, Avx512RowMaxFindsTheLargestAtEveryTailLength) {
 }
 
 TEST(RowOps, DispatchedRowMaxFindsTheLargestAtEveryTailLength) {
-  const auto row_max = [](const float* x, int64_t n) { return attn::detail::row_max(x, n); };
-  expect_row_max_finds_the_largest(row_max);
+  for (const auto level : attn::detail::cpu_levels()) {
+    SCOPED_TRACE(attn::detail::cpu_level_name(level));
+    static attn::detail::CpuLoops loops; // a function pointer captures nothing
+    loops = attn::detail::cpu_loops(level);
+    expect_row_max_finds_the_largest(
+        [](const float* x, int64_t n) { return attn::detail::row_max(loops, x, n); });
+  }
 }
 
 TEST(Workspace, ReusesEachThreadsBufferPerSlot) {
@@ -204,43 +209,49 @@ TEST(Workspace, ServesCallsInAndOutOfInferenceModeOnOneThread) {
       .join();
 }
 
-// Each of the product loops this CPU runs (attn's for each instruction
-// set, and BLAS's), set for the scope of `body()`.
+// The loops of each CPU level this CPU runs up to AVX-512 (attn's float
+// loops for each instruction set, and the BLAS's products), for `body(loops)`.
 template <typename Body>
-void for_each_product_loops(const Body& body) {
-  for (const auto loops : attn::detail::available_product_loops()) {
-    const std::string name = attn::detail::product_loops_name(loops);
-    SCOPED_TRACE(name + " loops");
-    const attn::detail::ScopedProductLoops chosen(loops);
-    body();
+void for_each_float_level(const Body& body) {
+  for (const auto level : attn::detail::cpu_levels()) {
+    if (level > attn::detail::CpuLevel::avx512) {
+      break; // the same float loops as AVX-512's
+    }
+    SCOPED_TRACE(std::string("level ") + attn::detail::cpu_level_name(level));
+    body(attn::detail::cpu_loops(level));
   }
 }
 
-// The CPU's own word (GCC's and Clang's builtins) against the loops the
-// library offers: every instruction set it has, the BLAS always.
+// The CPU's own word (GCC's and Clang's builtins) against the float loops
+// of each level: every instruction set it has, the BLAS's products at
+// portable.
 TEST(TileProduct, EveryInstructionSetOfThisCpuRunsAttnsLoops) {
-  using attn::detail::ProductLoops;
-  const auto loops = attn::detail::available_product_loops();
-  ASSERT_FALSE(loops.empty());
-  EXPECT_EQ(loops.front(), ProductLoops::blas);
-  EXPECT_FALSE(attn::detail::tile_products_run(torch::kDouble));
+  using attn::detail::CpuLevel;
+  const auto& levels = attn::detail::cpu_levels();
+  ASSERT_FALSE(levels.empty());
+  EXPECT_EQ(levels.front(), CpuLevel::portable);
+  const auto portable = attn::detail::cpu_loops(CpuLevel::portable);
+  EXPECT_FALSE(attn::detail::tile_products_run(portable, torch::kFloat));
+  EXPECT_FALSE(attn::detail::tile_products_run(attn::testing::widest_loops(), torch::kDouble));
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool avx512 = __builtin_cpu_supports("avx512f");
-  const auto has = [&](ProductLoops each) {
-    return std::find(loops.begin(), loops.end(), each) != loops.end();
+  const auto has = [&](CpuLevel each) {
+    return std::find(levels.begin(), levels.end(), each) != levels.end();
   };
-  EXPECT_EQ(has(ProductLoops::avx2), avx2);
-  EXPECT_EQ(has(ProductLoops::avx512), avx512);
-  EXPECT_EQ(
-      loops.back(),
-      avx512     ? ProductLoops::avx512
-          : avx2 ? ProductLoops::avx2
-                 : ProductLoops::blas);
-  EXPECT_EQ(attn::detail::tile_products_run(torch::kFloat), avx2 || avx512);
+  if (std::getenv("ATTN_CPU_CAPABILITY") == nullptr) {
+    EXPECT_EQ(has(CpuLevel::avx2), avx2);
+    EXPECT_EQ(has(CpuLevel::avx512), avx512);
+  }
+  for (const auto level : {CpuLevel::avx2, CpuLevel::avx512}) {
+    if (has(level)) {
+      EXPECT_TRUE(attn::detail::tile_products_run(attn::detail::cpu_loops(level), torch::kFloat))
+          << attn::detail::cpu_level_name(level);
+    }
+  }
 #else
-  EXPECT_EQ(loops.size(), 1U);
+  EXPECT_EQ(levels.size(), 1U);
   GTEST_SKIP() << "attn's loops are built for x86 with GCC or Clang only; the BLAS multiplies here";
 #endif
 }
@@ -248,7 +259,7 @@ TEST(TileProduct, EveryInstructionSetOfThisCpuRunsAttnsLoops) {
 TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
   torch::manual_seed(7);
   ThreadCount one_thread(1); // attn's loops run every product on one thread
-  for_each_product_loops([] {
+  for_each_float_level([](const attn::detail::CpuLoops& loops) {
     // Rows around the micro-tiles' 4 and 8, columns around their 16 and 32
     // (registers of 8 and 16 floats), depths from none to a key block's; a
     // read plain and transposed, c overwritten and accumulated into, as the
@@ -270,7 +281,7 @@ TEST(TileProduct, MatchesAFloat64ProductAtEveryTileEdge) {
               const auto c = buffer.narrow(1, 0, cols);
               const auto before = buffer.clone();
               const double alpha = 0.125;
-              attn::detail::tile_addmm(c, a, b, beta, alpha);
+              attn::detail::tile_addmm(loops, c, a, b, beta, alpha);
               const auto expected = before.narrow(1, 0, cols).to(torch::kDouble) * beta +
                   alpha * torch::mm(a.to(torch::kDouble), b.to(torch::kDouble));
               EXPECT_CLOSE(c, expected, (Tolerance{1e-5, 1e-5}));
@@ -295,12 +306,11 @@ TEST(TileProduct, Float16RowsConvertAsC10Half) {
   const float specials[] = {0.0F,     -0.0F,    inf,     -inf,     std::nanf(""),   65504.0F,
                             65520.0F, 70000.0F, 6.0e-8F, -3.0e-5F, 1.0F + 0x1p-11F, 1.0F + 0x3p-11F,
                             1e-9F,    0x1p-24F};
-  for_each_product_loops([&] {
-    using attn::detail::ProductLoops;
-    const auto loops = attn::detail::active_product_loops();
+  for_each_float_level([&](const attn::detail::CpuLoops& loops) {
+    using attn::detail::CpuLevel;
     EXPECT_EQ(
-        attn::detail::half_products_run(),
-        loops == ProductLoops::avx512 || (loops == ProductLoops::avx2 && f16c));
+        attn::detail::half_products_run(loops),
+        loops.level == CpuLevel::avx512 || (loops.level == CpuLevel::avx2 && f16c));
     for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 33}) {
       SCOPED_TRACE("n=" + std::to_string(n));
       // Random values of float16's range at odd places, the specials at even ones.
@@ -309,9 +319,9 @@ TEST(TileProduct, Float16RowsConvertAsC10Half) {
         floats[j] = specials[j / 2 % static_cast<int64_t>(std::size(specials))];
       }
       std::vector<uint16_t> rounded(static_cast<size_t>(n) + 1, 0xABCD);
-      attn::detail::round_half_row(floats.data_ptr<float>(), n, rounded.data());
+      attn::detail::round_half_row(loops, floats.data_ptr<float>(), n, rounded.data());
       std::vector<float> widened(static_cast<size_t>(n) + 1, 42.0F);
-      attn::detail::widen_half_row(rounded.data(), n, widened.data());
+      attn::detail::widen_half_row(loops, rounded.data(), n, widened.data());
       for (int64_t j = 0; j < n; ++j) {
         const auto expected = c10::Half(floats[j].item<float>());
         const auto at = static_cast<size_t>(j);
@@ -330,8 +340,8 @@ TEST(TileProduct, Float16RowsConvertAsC10Half) {
 // c10::BFloat16 converts, bit for bit, at every tail length of the
 // registers: finite values, ±0, infinities, NaN, ties, floats beyond its
 // range; subnormals round to c10's value or, on AVX512-BF16, to zero.
-// Widened on each instruction set's loops, and one by one while the BLAS
-// multiplies; rounded on AVX512-BF16 where the CPU has it, else one by
+// Widened on each instruction set's loops, and one by one at level
+// portable; rounded on AVX512-BF16 where the level has it, else one by
 // one.
 TEST(TileProduct, Bfloat16RowsConvertAsC10BFloat16) {
   torch::manual_seed(23);
@@ -339,8 +349,9 @@ TEST(TileProduct, Bfloat16RowsConvertAsC10BFloat16) {
   const float specials[] = {0.0F,           -0.0F,   inf,       -inf,
                             std::nanf(""),  3.0e38F, 3.4e38F,   1.0F + 0x1p-8F,
                             1.0F + 0x3p-8F, -1e-39F, 0x1p-130F, 1.0F + 0x1p-9F};
-  const auto rows = attn::detail::half_rows(torch::kBFloat16);
-  for_each_product_loops([&] {
+  for (const auto level : attn::detail::cpu_levels()) {
+    SCOPED_TRACE(std::string("level ") + attn::detail::cpu_level_name(level));
+    const auto rows = attn::detail::half_rows(attn::detail::cpu_loops(level), torch::kBFloat16);
     for (const int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 33}) {
       SCOPED_TRACE("n=" + std::to_string(n));
       // Random values at odd places, the specials at even ones.
@@ -371,7 +382,7 @@ TEST(TileProduct, Bfloat16RowsConvertAsC10BFloat16) {
       EXPECT_EQ(rounded.back(), 0xABCD) << "a write past the row";
       EXPECT_EQ(widened.back(), 42.0F) << "a write past the row";
     }
-  });
+  }
 }
 
 // attn's bfloat16 products, accumulated in float (AVX512-BF16's vdpbf16ps
@@ -387,8 +398,8 @@ torch::Tensor packed_pairs(const torch::Tensor& b, int64_t ld) {
   const int64_t depth = b.size(0), cols = b.size(1);
   const auto packed = torch::full({(depth + 1) / 2, ld}, 7.0, torch::kBFloat16);
   attn::detail::pack_bf16_pairs(
-      depth, cols, b.data_ptr<c10::BFloat16>(), b.stride(0), b.stride(1),
-      packed.data_ptr<c10::BFloat16>(), ld);
+      attn::testing::widest_loops(), depth, cols, b.data_ptr<c10::BFloat16>(), b.stride(0),
+      b.stride(1), packed.data_ptr<c10::BFloat16>(), ld);
   return packed;
 }
 
@@ -435,21 +446,28 @@ TEST(TileProduct, Bfloat16PairsPackEveryLayout) {
 
 TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
   using attn::detail::Bf16GemmOperands;
+  using attn::detail::CpuLevel;
   const auto flags = attn::testing::linux_cpu_flags();
-  EXPECT_EQ(attn::detail::bf16_products_run(), flags.count("avx512_bf16") > 0);
+  const auto& levels = attn::detail::cpu_levels();
+  const auto has = [&](CpuLevel level) {
+    return std::find(levels.begin(), levels.end(), level) != levels.end();
+  };
+  if (std::getenv("ATTN_CPU_CAPABILITY") == nullptr) {
+    EXPECT_EQ(has(CpuLevel::avx512_bf16), flags.count("avx512_bf16") > 0);
+  }
   // The loops multiply bfloat16 in bfloat16 on AMX, or on AMD's AVX512-BF16.
   const bool amd = attn::testing::linux_cpuinfo_field("vendor_id") == "AuthenticAMD";
-  EXPECT_EQ(
-      attn::detail::bf16_products_outrun_float(),
-      attn::detail::amx_products_run() || (amd && flags.count("avx512_bf16") > 0));
-  std::vector<
-      std::pair<std::string, std::function<bool(int64_t, int64_t, const Bf16GemmOperands&)>>>
-      products;
-  if (attn::detail::bf16_products_run()) {
-    products.emplace_back("AVX512-BF16", attn::detail::tile_gemm_bf16);
+  if (std::getenv("ATTN_CPU_CAPABILITY") == nullptr) {
+    EXPECT_EQ(
+        attn::detail::bf16_products_outrun_float(attn::testing::widest_loops()),
+        attn::detail::amx_products_run() || (amd && flags.count("avx512_bf16") > 0));
   }
-  if (attn::detail::amx_products_run()) {
-    products.emplace_back("AMX", attn::detail::amx_gemm_bf16);
+  std::vector<std::pair<std::string, attn::detail::CpuLoops>> products;
+  if (has(CpuLevel::avx512_bf16)) {
+    products.emplace_back("AVX512-BF16", attn::detail::cpu_loops(CpuLevel::avx512_bf16));
+  }
+  if (has(CpuLevel::amx) && attn::detail::amx_products_run()) {
+    products.emplace_back("AMX", attn::detail::cpu_loops(CpuLevel::amx));
   } else if (flags.count("amx_bf16") > 0 && !attn::detail::amx_tiles_granted()) {
     ADD_FAILURE() << "/proc/cpuinfo lists amx_bf16, but Linux did not grant the tile state";
   }
@@ -478,15 +496,15 @@ TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
           const auto a64 = a.to(torch::kDouble), b64 = b.to(torch::kDouble);
           // Float accumulation: a few units of float's rounding per term.
           const auto bound = 4e-7 * (depth + 1) * a64.abs().mm(b64.abs()) + 1e-6;
-          for (const auto& [name, product] : products) {
+          for (const auto& [name, loops] : products) {
             for (const bool accumulate : {false, true}) {
               SCOPED_TRACE(name + " accumulate=" + std::to_string(accumulate));
               const auto buffer = torch::randn({rows, cols + 3});
               const auto c = buffer.narrow(1, 0, cols);
               const auto before = buffer.clone();
               const float alpha = 0.125F;
-              ASSERT_TRUE(product(
-                  rows, cols,
+              ASSERT_TRUE(attn::detail::gemm_bf16(
+                  loops, rows, cols,
                   Bf16GemmOperands{
                       depth, alpha, reinterpret_cast<const uint16_t*>(a.data_ptr<c10::BFloat16>()),
                       a.stride(0),
@@ -511,6 +529,7 @@ TEST(TileProduct, Bfloat16ProductsMatchAFloat64ProductOfTheirInputs) {
 // inside its band the product (restricted to the band's depth), outside it
 // the values from before.
 void expect_banded_product(
+    const attn::detail::CpuLoops& loops,
     attn::detail::ProductBand band,
     const std::vector<attn::detail::IndexRange>& bands,
     double beta) {
@@ -523,7 +542,8 @@ void expect_banded_product(
   const double alpha = 0.5;
   using attn::detail::matrix_of;
   attn::detail::tile_addmm_banded(
-      matrix_of<float>(c), matrix_of<float>(a), matrix_of<float>(b), beta, alpha, band, bands);
+      loops, matrix_of<float>(c), matrix_of<float>(a), matrix_of<float>(b), beta, alpha, band,
+      bands);
   for (size_t block = 0; block < bands.size(); ++block) {
     SCOPED_TRACE("row block " + std::to_string(block));
     const int64_t r0 = static_cast<int64_t>(block) * kProductRowBlock;
@@ -550,10 +570,10 @@ TEST(TileProduct, BandedProductsComputeTheirBandsOnly) {
   using attn::detail::ProductBand;
   const std::vector<attn::detail::IndexRange> columns{{0, 32}, {32, 70}, {0, 0}};
   const std::vector<attn::detail::IndexRange> depths{{0, 40}, {8, 24}, {0, 0}};
-  for_each_product_loops([&] {
+  for_each_float_level([&](const attn::detail::CpuLoops& loops) {
     for (const double beta : {0.0, 1.0}) {
-      expect_banded_product(ProductBand::columns, columns, beta);
-      expect_banded_product(ProductBand::depth, depths, beta);
+      expect_banded_product(loops, ProductBand::columns, columns, beta);
+      expect_banded_product(loops, ProductBand::depth, depths, beta);
     }
   });
 }
@@ -585,7 +605,7 @@ TEST(TileProduct, SpreadRowStridesAreAnOddNumberOfCacheLines) {
 // rows wider than the result (so that a write past a row's end shows).
 TEST(TileProduct, TransposesMatchATensTranspose) {
   torch::manual_seed(9);
-  for_each_product_loops([] {
+  for_each_float_level([](const attn::detail::CpuLoops& loops) {
     for (const int64_t rows : {0, 1, 7, 8, 9, 15, 16, 17, 48, 130}) {
       for (const int64_t cols : {1, 8, 16, 33, 64}) {
         for (const int64_t column_stride : {1, 2}) {
@@ -597,7 +617,7 @@ TEST(TileProduct, TransposesMatchATensTranspose) {
                                 .slice(1, 0, cols * column_stride, column_stride);
           const auto to = torch::full({cols, rows + 5}, -1.0F);
           attn::detail::transpose_float(
-              rows, cols, from.data_ptr<float>(), from.stride(0), from.stride(1),
+              loops, rows, cols, from.data_ptr<float>(), from.stride(0), from.stride(1),
               to.data_ptr<float>(), to.stride(0));
           EXPECT_TRUE(torch::equal(to.narrow(1, 0, rows), from.t()));
           EXPECT_TRUE(torch::equal(to.narrow(1, rows, 5), torch::full({cols, 5}, -1.0F)));
@@ -754,11 +774,13 @@ TEST_P(CpuKernels, TiledKernelsMatchTheMathPathInOutputWeightsAndGradients) {
   SCOPED_TRACE(c.describe());
   ThreadCount threads(c.threads);
   const KernelRun run(c);
-  const auto out = attn::detail::fused_attention(FusedLoops::tiled, run.params);
+  const auto out = attn::detail::fused_attention(
+      attn::testing::kernel_plan(FusedLoops::tiled), run.params);
   attn::detail::ForwardResult with_weights;
   {
     torch::NoGradGuard no_grad;
-    with_weights = attn::detail::tiled_forward_with_weights(run.params);
+    with_weights = attn::detail::tiled_forward_with_weights(
+        attn::testing::widest_loops(), run.params);
   }
   EXPECT_CLOSE(out, run.math_out, run.tolerance);
   EXPECT_CLOSE(with_weights.out, run.math_out, run.tolerance);
@@ -771,7 +793,8 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
   SCOPED_TRACE(c.describe());
   ThreadCount threads(c.threads);
   const KernelRun run(c);
-  const auto [out, weights] = attn::detail::batched_attention(run.params, /*need_weights=*/true);
+  const auto [out, weights] = attn::detail::batched_attention(
+      attn::testing::widest_loops(), run.params, /*need_weights=*/true);
   EXPECT_CLOSE(out, run.math_out, run.tolerance);
   EXPECT_CLOSE(weights, run.math_weights, run.tolerance);
   // Through the output alone, and through the output and the weights.
@@ -781,7 +804,7 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
       {out, weights}, {run.math_out, run.math_weights},
       {upstream, torch::randn(weights.sizes(), weights.options())});
   const auto [alone, no_weights] = attn::detail::batched_attention(
-      run.params, /*need_weights=*/false);
+      attn::testing::widest_loops(), run.params, /*need_weights=*/false);
   EXPECT_FALSE(no_weights.defined());
   EXPECT_TRUE(torch::equal(alone, out));
 }
@@ -807,9 +830,11 @@ TEST_P(CpuKernels, EveryKernelsForwardReturnsTheRowLogSumExp) {
   const auto expected = scores.logsumexp(-1);
   const auto unseen = torch::isinf(expected); // -inf - -inf is no difference to compare
   const std::pair<const char*, attn::detail::ForwardResult> results[] = {
-      {"tiled", attn::detail::fused_forward(FusedLoops::tiled, run.params)},
-      {"tiled with weights", attn::detail::tiled_forward_with_weights(run.params)},
-      {"batched", attn::detail::batched_forward(run.params)}};
+      {"tiled",
+       attn::detail::fused_forward(attn::testing::kernel_plan(FusedLoops::tiled), run.params)},
+      {"tiled with weights",
+       attn::detail::tiled_forward_with_weights(attn::testing::widest_loops(), run.params)},
+      {"batched", attn::detail::batched_forward(attn::testing::widest_loops(), run.params)}};
   for (const auto& [kernel, result] : results) {
     const auto lse = result.lse.to(torch::kDouble);
     EXPECT_TRUE(torch::equal(lse == -kInf, unseen)) << kernel;
@@ -850,17 +875,16 @@ std::vector<KernelCase> short_head_cases(int count) {
 }
 
 TEST(ShortHeads, EveryInstructionSetMatchesTheMathPathInOutputAndGradients) {
-  for_each_product_loops([] {
-    const bool short_loops = attn::detail::active_product_loops() !=
-        attn::detail::ProductLoops::blas;
+  for_each_float_level([](const attn::detail::CpuLoops& loops) {
+    const bool short_loops = loops.level != attn::detail::CpuLevel::portable;
     for (const auto& c : short_head_cases(48)) {
       SCOPED_TRACE(c.describe());
       // The route: the short loops wherever attn's loops multiply.
-      EXPECT_EQ(attn::detail::short_heads_run(c.dtype, c.L, c.S), short_loops);
+      EXPECT_EQ(attn::detail::short_heads_run(loops, c.dtype, c.L, c.S), short_loops);
       ThreadCount threads(c.threads);
       const KernelRun run(c);
       const auto out = attn::detail::fused_attention(
-          short_loops ? FusedLoops::short_heads : FusedLoops::tiled, run.params);
+          {loops, short_loops ? FusedLoops::short_heads : FusedLoops::tiled}, run.params);
       EXPECT_CLOSE(out, run.math_out, run.tolerance);
       run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes())});
       if (HasFailure()) {
@@ -879,9 +903,9 @@ TEST(ShortHeads, EveryInstructionSetMatchesTheMathPathInOutputAndGradients) {
 // stored output's rounding through delta_i = dO_i·O_i: test_support.h,
 // float16_delta_error). Wrong heads, rows or groups miss by O(1).
 TEST(ShortHeads, HalfPrecisionIsTheFloatComputationOfItsValuesRoundedOnce) {
-  for_each_product_loops([] {
-    if (attn::detail::active_product_loops() == attn::detail::ProductLoops::blas) {
-      return; // no short loops while the BLAS multiplies
+  for_each_float_level([](const attn::detail::CpuLoops& loops) {
+    if (loops.level == attn::detail::CpuLevel::portable) {
+      return; // no short loops with the BLAS's products
     }
     for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
       const double half_ulp = std::ldexp(1.0, dtype == torch::kBFloat16 ? -8 : -11);
@@ -891,7 +915,7 @@ TEST(ShortHeads, HalfPrecisionIsTheFloatComputationOfItsValuesRoundedOnce) {
       for (auto c : cases) {
         c.dtype = torch::kDouble;
         SCOPED_TRACE(c.describe() + " computed in " + c10::toString(dtype));
-        ASSERT_TRUE(attn::detail::short_heads_run(dtype, c.L, c.S));
+        ASSERT_TRUE(attn::detail::short_heads_run(loops, dtype, c.L, c.S));
         ThreadCount threads(c.threads);
         const KernelRun reference(c, dtype);
         auto params = reference.params;
@@ -904,8 +928,7 @@ TEST(ShortHeads, HalfPrecisionIsTheFloatComputationOfItsValuesRoundedOnce) {
         if (params.mask.defined() && params.mask.is_floating_point()) {
           params.mask = params.mask.to(torch::kFloat);
         }
-        const int64_t calls = attn::detail::short_heads_half_calls(dtype);
-        const auto out = attn::detail::fused_attention(FusedLoops::short_heads, params);
+        const auto out = attn::detail::fused_attention({loops, FusedLoops::short_heads}, params);
         ASSERT_EQ(out.scalar_type(), dtype);
         EXPECT_CLOSE(out, reference.math_out, (Tolerance{2e-5, half_ulp}));
         const auto upstream = torch::randn(out.sizes()).to(dtype);
@@ -918,7 +941,6 @@ TEST(ShortHeads, HalfPrecisionIsTheFloatComputationOfItsValuesRoundedOnce) {
           ASSERT_EQ(grads[i].scalar_type(), dtype) << names[i];
           EXPECT_CLOSE(grads[i], math_grads[i], (Tolerance{5e-5, 5e-5 + 4 * half_ulp})) << names[i];
         }
-        EXPECT_EQ(attn::detail::short_heads_half_calls(dtype), calls + 2);
         if (HasFailure()) {
           return; // one reproducible configuration is enough to report
         }
@@ -931,17 +953,16 @@ TEST(ShortHeads, TakeHeadsUpToTheirBoundsOnly) {
   using attn::detail::kMaxShortKeys;
   using attn::detail::kMaxShortQueries;
   using attn::detail::short_heads_run;
-  for_each_product_loops([] {
-    const bool short_loops = attn::detail::active_product_loops() !=
-        attn::detail::ProductLoops::blas;
-    EXPECT_EQ(short_heads_run(torch::kFloat, kMaxShortQueries, kMaxShortKeys), short_loops);
-    EXPECT_EQ(short_heads_run(torch::kFloat, 0, 0), short_loops);
-    EXPECT_FALSE(short_heads_run(torch::kFloat, kMaxShortQueries + 1, kMaxShortKeys));
-    EXPECT_FALSE(short_heads_run(torch::kFloat, kMaxShortQueries, kMaxShortKeys + 1));
-    EXPECT_FALSE(short_heads_run(torch::kDouble, 16, 16));
+  for_each_float_level([](const attn::detail::CpuLoops& loops) {
+    const bool short_loops = loops.level != attn::detail::CpuLevel::portable;
+    EXPECT_EQ(short_heads_run(loops, torch::kFloat, kMaxShortQueries, kMaxShortKeys), short_loops);
+    EXPECT_EQ(short_heads_run(loops, torch::kFloat, 0, 0), short_loops);
+    EXPECT_FALSE(short_heads_run(loops, torch::kFloat, kMaxShortQueries + 1, kMaxShortKeys));
+    EXPECT_FALSE(short_heads_run(loops, torch::kFloat, kMaxShortQueries, kMaxShortKeys + 1));
+    EXPECT_FALSE(short_heads_run(loops, torch::kDouble, 16, 16));
     for (const auto half : {torch::kBFloat16, torch::kHalf}) {
-      EXPECT_EQ(short_heads_run(half, kMaxShortQueries, kMaxShortKeys), short_loops);
-      EXPECT_FALSE(short_heads_run(half, kMaxShortQueries + 1, kMaxShortKeys));
+      EXPECT_EQ(short_heads_run(loops, half, kMaxShortQueries, kMaxShortKeys), short_loops);
+      EXPECT_FALSE(short_heads_run(loops, half, kMaxShortQueries + 1, kMaxShortKeys));
     }
   });
 }
@@ -969,7 +990,8 @@ TEST(FusedKernel, BackwardSplitAcrossKeyRangesMatchesTheMathPath) {
       SCOPED_TRACE(c.describe());
       ThreadCount thread_count(threads);
       const KernelRun run(c);
-      const auto out = attn::detail::fused_attention(FusedLoops::tiled, run.params);
+      const auto out = attn::detail::fused_attention(
+          attn::testing::kernel_plan(FusedLoops::tiled), run.params);
       EXPECT_CLOSE(out, run.math_out, run.tolerance);
       run.expect_same_gradients({out}, {run.math_out}, {torch::randn(out.sizes())});
     }
@@ -985,7 +1007,8 @@ TEST(FusedKernel, FullyMaskedRowsGiveZeroOutputAndZeroGradients) {
   allowed.select(2, 66).fill_(false); // a row in the second query tile
   auto params = kernel_params(q, k, v, 0.3, /*causal=*/false);
   params.mask = allowed;
-  const auto out = attn::detail::fused_attention(FusedLoops::tiled, params);
+  const auto out = attn::detail::fused_attention(
+      attn::testing::kernel_plan(FusedLoops::tiled), params);
   EXPECT_EQ(out.select(2, 66).abs().max().item<float>(), 0.0f);
   const auto dq = torch::autograd::grad({out.sum()}, {q})[0];
   EXPECT_EQ(dq.select(2, 66).abs().max().item<float>(), 0.0f);
@@ -1017,7 +1040,7 @@ TEST(FusedKernel, TheGradientOfOneProjectionIsOneTensorOfItsLayout) {
         const auto heads = attn::detail::heads_of_projection(qkv);
         auto params = kernel_params(heads.q, heads.k, heads.v, 0.3, /*causal=*/true);
         params.qkv = qkv;
-        const auto out = attn::detail::fused_attention(loops, params);
+        const auto out = attn::detail::fused_attention(attn::testing::kernel_plan(loops), params);
         const auto grad_out = torch::randn(out.sizes(), out.options());
         const auto grad = torch::autograd::grad({out}, {qkv}, {grad_out})[0];
 
@@ -1037,13 +1060,38 @@ TEST(FusedKernel, TheGradientOfOneProjectionIsOneTensorOfItsLayout) {
   }
 }
 
+// A differentiable call's backward runs on its forward's plan: the plan
+// kept in an autograd context comes back whole, its loops those of its
+// level.
+TEST(KernelPlan, KeptInAnAutogradContextComesBackWhole) {
+  using attn::detail::FusedLoops;
+  for (const auto level : attn::detail::cpu_levels()) {
+    for (const auto loops : {FusedLoops::tiled, FusedLoops::short_heads}) {
+      for (const bool keeps : {false, true}) {
+        SCOPED_TRACE(
+            std::string(attn::detail::cpu_level_name(level)) + " keeps=" + std::to_string(keeps));
+        const attn::detail::KernelPlan plan{attn::detail::cpu_loops(level), loops, keeps};
+        torch::autograd::AutogradContext ctx;
+        plan.save_to(ctx);
+        const auto back = attn::detail::KernelPlan::restore_from(ctx);
+        EXPECT_EQ(back.cpu.level, level);
+        EXPECT_EQ(back.cpu.isa, plan.cpu.isa);
+        EXPECT_EQ(back.cpu.bf16, plan.cpu.bf16);
+        EXPECT_EQ(back.cpu.amx, plan.cpu.amx);
+        EXPECT_EQ(back.fused_loops, loops);
+        EXPECT_EQ(back.keeps_out_rounding, keeps);
+      }
+    }
+  }
+}
+
 TEST(FusedKernel, ReadsStridedHeadsAndWritesInterleavedOutput) {
   // (B, L, H, D) memory seen as (B, H, L, D), as MultiHeadAttention passes it.
   torch::manual_seed(4);
   const auto x = torch::randn({2, 9, 3, 16});
   const auto q = x.transpose(1, 2);
   const auto out = attn::detail::fused_attention(
-      FusedLoops::tiled, kernel_params(q, q, q, 0.25, /*causal=*/true));
+      attn::testing::kernel_plan(FusedLoops::tiled), kernel_params(q, q, q, 0.25, /*causal=*/true));
   const auto [math_out, w] = attn::detail::math_attention(
       kernel_params(q.contiguous(), q.contiguous(), q.contiguous(), 0.25, /*causal=*/true));
   EXPECT_CLOSE(out, math_out, Tolerance{1e-6});

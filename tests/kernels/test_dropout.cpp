@@ -95,8 +95,7 @@ uint64_t seed_after_manual_seed(uint64_t manual_seed) {
 }
 
 // Every float version of a dropout row operation: each instruction set's
-// that this CPU runs, and the one the dispatch picks (the widest, or the
-// portable one).
+// that this CPU runs, and the one the widest CPU level's loops pick.
 template <typename Fn>
 std::vector<std::pair<std::string, Fn>> float_versions(
     Fn dispatched,
@@ -132,7 +131,9 @@ TEST(Philox, DrawsAreLibTorchsPhiloxEngineAtEveryStartAndLength) {
 TEST(Dropout, EveryInstructionSetDropsTheDrawsBelowTheThreshold) {
   using DropRow = void (*)(float*, int64_t, const DropoutRow&);
   const auto versions = float_versions<DropRow>(
-      [](float* x, int64_t n, const DropoutRow& row) { attn::detail::drop_row(x, n, row); },
+      [](float* x, int64_t n, const DropoutRow& row) {
+        attn::detail::drop_row(attn::testing::widest_loops(), x, n, row);
+      },
       [](const attn::detail::DropoutLoops& loops) { return loops.drop_row; });
   const uint64_t seed = 12345, subsequence = 3;
   for (const auto& [name, drop_row] : versions) {
@@ -157,7 +158,8 @@ TEST(Dropout, EveryInstructionSetsSoftmaxBackwardRowIsItsFormula) {
   using BackwardRow = void (*)(float*, float*, int64_t, float, float, const DropoutRow&);
   const auto versions = float_versions<BackwardRow>(
       [](float* p, float* ds, int64_t n, float delta, float keep, const DropoutRow& row) {
-        attn::detail::dropout_softmax_backward_row(p, ds, n, delta, keep, row);
+        attn::detail::dropout_softmax_backward_row(
+            attn::testing::widest_loops(), p, ds, n, delta, keep, row);
       },
       [](const attn::detail::DropoutLoops& loops) { return loops.softmax_backward_row; });
   torch::manual_seed(3);
@@ -251,6 +253,83 @@ void expect_float16_within_float32_rounded(
   }
 }
 
+// One case in `dtype` on the fused kernel's tiled loops of `loops`,
+// against the oracle with the engine's mask.
+void expect_dropout_case_matches_the_oracle(
+    const DropoutCase& c,
+    torch::ScalarType dtype,
+    const attn::detail::CpuLoops& loops) {
+  SCOPED_TRACE(
+      ::testing::Message() << "B " << c.B << " H " << c.H << " Hkv " << c.Hkv << " L " << c.L
+                           << " S " << c.S << " D " << c.D << " causal " << c.causal << " masked "
+                           << c.masked << " p " << c.p << " " << dtype);
+  ThreadCount threads(c.threads);
+  torch::manual_seed(c.L + c.S);
+  const auto opts = torch::TensorOptions(dtype);
+  const auto q = torch::randn({c.B, c.H, c.L, c.D}, opts).requires_grad_();
+  const auto k = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
+  const auto v = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
+  auto allowed = c.masked ? (torch::rand({c.B, 1, c.L, c.S}) > 0.2)
+                          : torch::ones({1, 1, c.L, c.S}, torch::kBool);
+  if (c.masked) {
+    allowed.select(2, c.L / 2).fill_(false); // a row that sees no key
+  }
+  attn::detail::AttentionParams params;
+  params.q = q;
+  params.k = k;
+  params.v = v;
+  params.scale = 1.0 / std::sqrt(c.D);
+  params.causal = c.causal;
+  if (c.masked) {
+    params.mask = allowed.expand({c.B, c.H, c.L, c.S});
+  }
+  params.dropout = {c.p, 0x0123456789abcdefULL + static_cast<uint64_t>(c.S)};
+  const auto out = attn::detail::fused_attention({loops, attn::detail::FusedLoops::tiled}, params);
+  const auto upstream = torch::randn(out.sizes(), opts);
+  const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
+
+  const auto band = attn::testing::band_mask(c.L, c.S, 0, c.causal, 0);
+  const auto keep = engine_keep_mask(c.B, c.H, c.L, c.S, params.dropout.seed, c.p);
+  std::vector<torch::Tensor> exact{
+      q.detach().to(torch::kDouble).requires_grad_(),
+      k.detach().to(torch::kDouble).requires_grad_(),
+      v.detach().to(torch::kDouble).requires_grad_()};
+  const auto expected = dropout_oracle(
+      exact[0], exact[1], exact[2], allowed.logical_and(band), keep, params.scale,
+      drop_probability(c.p));
+  const auto expected_grads = torch::autograd::grad(
+      {expected}, exact, {upstream.to(torch::kDouble)});
+  if (dtype == torch::kHalf) {
+    expect_float16_within_float32_rounded(
+        exact, out, grads, expected, expected_grads,
+        oracle_weights(exact[0], exact[1], allowed.logical_and(band), params.scale), upstream,
+        params.scale);
+    return;
+  }
+  const char* names[] = {"dq", "dk", "dv"};
+  if (dtype == torch::kBFloat16) { // FlashAttention's rule (test_support.h)
+    std::vector<torch::Tensor> low{
+        q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()};
+    const auto libtorch = dropout_oracle(
+        low[0], low[1], low[2], allowed.logical_and(band), keep, params.scale,
+        drop_probability(c.p));
+    const auto libtorch_grads = torch::autograd::grad({libtorch}, low, {upstream});
+    EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, expected);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(grads[i], libtorch_grads[i], expected_grads[i])
+          << names[i];
+    }
+    return;
+  }
+  // float64: summation order only. float32: O(1) values, relative to
+  // the largest (the 1 / (1 - p) scale makes them larger).
+  const Tolerance tolerance = dtype == torch::kDouble ? Tolerance{1e-10} : Tolerance{2e-5, 2e-5};
+  EXPECT_CLOSE(out, expected, tolerance);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_CLOSE(grads[i], expected_grads[i], tolerance) << names[i];
+  }
+}
+
 TEST(FusedKernelDropout, OutputAndEveryGradientAreTheOraclesWithTheEngineMask) {
   const DropoutCase cases[] = {
       // Two query tiles, two key blocks (128 × 512): every tile edge.
@@ -260,88 +339,33 @@ TEST(FusedKernelDropout, OutputAndEveryGradientAreTheOraclesWithTheEngineMask) {
       {1, 1, 1, 40, 1100, 8, false, false, 0.5, 2},
       {2, 3, 3, 33, 70, 64, true, true, 0.9, 1},
   };
+  // bfloat16 on each level with bfloat16 products (AVX512-BF16's
+  // micro-tiles, AMX's tiles), whichever the plan would choose.
+  std::vector<attn::detail::CpuLoops> bf16_levels;
+  for (const auto level : attn::detail::cpu_levels()) {
+    if (level >= attn::detail::CpuLevel::avx512_bf16) {
+      bf16_levels.push_back(attn::detail::cpu_loops(level));
+    }
+  }
+  if (bf16_levels.empty()) {
+    std::cout << "[  NOTE    ] no bfloat16 products on this CPU (AVX512-BF16, AMX): the "
+                 "fused kernel computes bfloat16 in float32, through the public function\n";
+  }
+  const auto widest = attn::testing::widest_loops();
+  if (!attn::detail::half_products_run(widest)) {
+    std::cout << "[  NOTE    ] attn's loops do not widen float16 here: the fused kernel "
+                 "computes float16 in float32, through the public function\n";
+  }
   for (const auto& c : cases) {
-    for (const auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16, torch::kHalf}) {
-      if (dtype == torch::kBFloat16 && !attn::detail::bf16_gemm_runs()) {
-        std::cout << "[  NOTE    ] no bfloat16 products on this CPU (AVX512-BF16, AMX): the "
-                     "fused kernel computes bfloat16 in float32, through the public function\n";
-        continue;
-      }
-      if (dtype == torch::kHalf && !attn::detail::half_products_run()) {
-        std::cout << "[  NOTE    ] attn's loops do not widen float16 here: the fused kernel "
-                     "computes float16 in float32, through the public function\n";
-        continue;
-      }
-      SCOPED_TRACE(
-          ::testing::Message() << "B " << c.B << " H " << c.H << " Hkv " << c.Hkv << " L " << c.L
-                               << " S " << c.S << " D " << c.D << " causal " << c.causal
-                               << " masked " << c.masked << " p " << c.p << " " << dtype);
-      ThreadCount threads(c.threads);
-      torch::manual_seed(c.L + c.S);
-      const auto opts = torch::TensorOptions(dtype);
-      const auto q = torch::randn({c.B, c.H, c.L, c.D}, opts).requires_grad_();
-      const auto k = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
-      const auto v = torch::randn({c.B, c.Hkv, c.S, c.D}, opts).requires_grad_();
-      auto allowed = c.masked ? (torch::rand({c.B, 1, c.L, c.S}) > 0.2)
-                              : torch::ones({1, 1, c.L, c.S}, torch::kBool);
-      if (c.masked) {
-        allowed.select(2, c.L / 2).fill_(false); // a row that sees no key
-      }
-      attn::detail::AttentionParams params;
-      params.q = q;
-      params.k = k;
-      params.v = v;
-      params.scale = 1.0 / std::sqrt(c.D);
-      params.causal = c.causal;
-      if (c.masked) {
-        params.mask = allowed.expand({c.B, c.H, c.L, c.S});
-      }
-      params.dropout = {c.p, 0x0123456789abcdefULL + static_cast<uint64_t>(c.S)};
-      const auto out = attn::detail::fused_attention(attn::detail::FusedLoops::tiled, params);
-      const auto upstream = torch::randn(out.sizes(), opts);
-      const auto grads = torch::autograd::grad({out}, {q, k, v}, {upstream});
-
-      const auto band = attn::testing::band_mask(c.L, c.S, 0, c.causal, 0);
-      const auto keep = engine_keep_mask(c.B, c.H, c.L, c.S, params.dropout.seed, c.p);
-      std::vector<torch::Tensor> exact{
-          q.detach().to(torch::kDouble).requires_grad_(),
-          k.detach().to(torch::kDouble).requires_grad_(),
-          v.detach().to(torch::kDouble).requires_grad_()};
-      const auto expected = dropout_oracle(
-          exact[0], exact[1], exact[2], allowed.logical_and(band), keep, params.scale,
-          drop_probability(c.p));
-      const auto expected_grads = torch::autograd::grad(
-          {expected}, exact, {upstream.to(torch::kDouble)});
-      if (dtype == torch::kHalf) {
-        expect_float16_within_float32_rounded(
-            exact, out, grads, expected, expected_grads,
-            oracle_weights(exact[0], exact[1], allowed.logical_and(band), params.scale), upstream,
-            params.scale);
-        continue;
-      }
-      const char* names[] = {"dq", "dk", "dv"};
-      if (dtype == torch::kBFloat16) { // FlashAttention's rule (test_support.h)
-        std::vector<torch::Tensor> low{
-            q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()};
-        const auto libtorch = dropout_oracle(
-            low[0], low[1], low[2], allowed.logical_and(band), keep, params.scale,
-            drop_probability(c.p));
-        const auto libtorch_grads = torch::autograd::grad({libtorch}, low, {upstream});
-        EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, expected);
-        for (size_t i = 0; i < 3; ++i) {
-          EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(grads[i], libtorch_grads[i], expected_grads[i])
-              << names[i];
-        }
-        continue;
-      }
-      // float64: summation order only. float32: O(1) values, relative to
-      // the largest (the 1 / (1 - p) scale makes them larger).
-      const Tolerance tolerance = dtype == torch::kDouble ? Tolerance{1e-10}
-                                                          : Tolerance{2e-5, 2e-5};
-      EXPECT_CLOSE(out, expected, tolerance);
-      for (size_t i = 0; i < 3; ++i) {
-        EXPECT_CLOSE(grads[i], expected_grads[i], tolerance) << names[i];
-      }
+    for (const auto dtype : {torch::kDouble, torch::kFloat}) {
+      expect_dropout_case_matches_the_oracle(c, dtype, widest);
+    }
+    for (const auto& loops : bf16_levels) {
+      SCOPED_TRACE(std::string("level ") + attn::detail::cpu_level_name(loops.level));
+      expect_dropout_case_matches_the_oracle(c, torch::kBFloat16, loops);
+    }
+    if (attn::detail::half_products_run(widest)) {
+      expect_dropout_case_matches_the_oracle(c, torch::kHalf, widest);
     }
   }
 }
@@ -409,7 +433,7 @@ TEST(Dropout, OneSeedGivesBitwiseEqualResultsAndTheDrawDoesNotDependOnTheThreads
   // The forward is per query tile: where attn's loops multiply (not a
   // BLAS, whose summation may follow its threads), bitwise the same on
   // any thread count.
-  if (attn::detail::tile_products_run(torch::kFloat)) {
+  if (attn::detail::tile_products_run(attn::testing::widest_loops(), torch::kFloat)) {
     EXPECT_TRUE(torch::equal(one_thread[0], first[0]));
   }
 }

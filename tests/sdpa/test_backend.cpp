@@ -66,13 +66,16 @@ Inputs make_inputs(
 // measured with LibTorch 2.15 and MKL, or 1.13 (and other versions) where
 // the tiled kernel multiplies in attn's loops or, on other CPUs, in BLAS.
 int64_t batched_longest() {
-  return kRuleMeasured || !attn::detail::tile_products_run(torch::kFloat) ? 64 : 32;
+  return kRuleMeasured ||
+          !attn::detail::tile_products_run(attn::testing::widest_loops(), torch::kFloat)
+      ? 64
+      : 32;
 }
 
 // Whether the fused kernel's short loops run here (attn's loops multiply:
 // x86 with AVX-512 or AVX2).
 bool short_loops() {
-  return attn::detail::short_heads_run(torch::kFloat, 1, 1);
+  return attn::detail::short_heads_run(attn::testing::widest_loops(), torch::kFloat, 1, 1);
 }
 
 // Whether the CPU's flags say attn's loops multiply bfloat16 in bfloat16
@@ -85,6 +88,33 @@ bool bf16_loops_here() {
 
 // Sequences longer than that, for the rules between the other backends.
 constexpr int64_t kLong = 200;
+
+// The capabilities print as ATTN_CPU_CAPABILITY takes them; asking for
+// one beyond this CPU's is an error naming those it runs (ctest runs this
+// again under ATTN_CPU_CAPABILITY=avx2, where avx512 is beyond).
+TEST(CpuCapability, OneBeyondThisCpuIsAnErrorNamingThoseItRuns) {
+  using attn::CpuCapability;
+  std::ostringstream printed;
+  printed << CpuCapability::portable << ' ' << CpuCapability::avx2 << ' ' << CpuCapability::avx512
+          << ' ' << CpuCapability::avx512_bf16 << ' ' << CpuCapability::amx;
+  EXPECT_EQ(printed.str(), "portable avx2 avx512 avx512_bf16 amx");
+  const auto runs = attn::cpu_capabilities();
+  ASSERT_FALSE(runs.empty());
+  EXPECT_EQ(runs.front(), CpuCapability::portable);
+  if (runs.back() == CpuCapability::amx) {
+    GTEST_SKIP() << "this CPU runs every capability: none is beyond it";
+  }
+  std::string names;
+  for (const auto capability : runs) {
+    names += (names.empty() ? "" : ", ") + std::string(attn::cpu_capability_name(capability));
+  }
+  const auto beyond = static_cast<CpuCapability>(static_cast<int>(runs.back()) + 1);
+  const auto q = torch::randn({1, 2, 4, 8});
+  EXPECT_ATTN_ERROR(
+      select_backend(q, q, q, SDPAOptions().cpu_capability(beyond)),
+      std::string("scaled_dot_product_attention: cpu_capability ") +
+          attn::cpu_capability_name(beyond) + " is beyond this CPU, which runs " + names);
+}
 
 TEST(Backend, NamesPrintAsTheDocsWriteThem) {
   std::ostringstream printed;
@@ -242,7 +272,8 @@ TEST(BackendRules, EveryRuleDecidesSomeRequest) {
       return torch::zeros({1, 1, T, D}, dtype).requires_grad_(grad).expand({heads, 1, T, D});
     };
     const auto q = make(L), k = make(S), v = make(S);
-    const auto& rule = attn::detail::deciding_rule({q, k, v, options});
+    const auto& rule = attn::detail::deciding_rule(
+        {q, k, v, options, attn::detail::widest_cpu_level()});
     decided[rule.name] += 1;
     EXPECT_EQ(select_backend(q, k, v, options), rule.backend) << rule.name;
     EXPECT_EQ(attn::detail::unsupported_reason(rule.backend, q, k, v, options), "") << rule.name;
@@ -284,17 +315,15 @@ TEST(BackendRules, EveryRuleDecidesSomeRequest) {
   }
 }
 
-// Which loops run the fused kernel (sdpa/backend.cpp alone decides): the
-// short heads' within their bounds (128 queries, 64 keys; float, bfloat16
-// or float16) where they run, the tiled ones elsewhere.
+// Which loops run the fused kernel (the call's plan says: sdpa/plan.h):
+// the short heads' within their bounds (128 queries, 64 keys; float,
+// bfloat16 or float16) where they run, the tiled ones elsewhere.
 TEST(BackendSelection, TheFusedKernelTakesTheShortLoopsWithinTheirBounds) {
   using attn::detail::FusedLoops;
   const auto loops = [](int64_t L, int64_t S, torch::ScalarType dtype) {
-    attn::detail::AttentionParams params;
-    params.q = torch::zeros({1, 2, L, 8}, dtype);
-    params.k = torch::zeros({1, 2, S, 8}, dtype);
-    params.v = params.k;
-    return attn::detail::fused_cpu_loops(params);
+    const auto q = torch::zeros({1, 2, L, 8}, dtype), k = torch::zeros({1, 2, S, 8}, dtype);
+    return attn::testing::plan_of(q, k, k, SDPAOptions().backend(AttentionBackend::fused_cpu))
+        .kernel.fused_loops;
   };
   const auto within = short_loops() ? FusedLoops::short_heads : FusedLoops::tiled;
   EXPECT_EQ(loops(1, 1, torch::kFloat), within);
@@ -425,12 +454,10 @@ TEST(BackendSelection, DropoutWhileTrainingTakesTheFusedKernelOnItsTiledLoops) {
       EXPECT_EQ(
           select_backend(in.q, in.k, in.v, SDPAOptions(dropout).attn_mask(padding)),
           AttentionBackend::fused_cpu);
-      auto params = attn::detail::AttentionParams();
-      params.q = in.q;
-      params.k = in.k;
-      params.v = in.v;
-      params.dropout.p = 0.1;
-      EXPECT_EQ(attn::detail::fused_cpu_loops(params), attn::detail::FusedLoops::tiled);
+      EXPECT_EQ(
+          attn::testing::plan_of(in.q, in.k, in.v, SDPAOptions(dropout).attn_mask(padding))
+              .kernel.fused_loops,
+          attn::detail::FusedLoops::tiled);
     }
   }
   // Weights with dropout: the math path, whose draw is LibTorch's.
@@ -450,12 +477,9 @@ TEST(BackendSelection, AMaskThatNeedsAGradientTakesTheFusedKernelOrWithWeightsTh
       select_backend(in.q, in.k, in.v, SDPAOptions().attn_mask(bias).need_weights(true)),
       AttentionBackend::math);
   // Its gradient comes from the tiled loops, not the short heads'.
-  auto params = attn::detail::AttentionParams();
-  params.q = in.q;
-  params.k = in.k;
-  params.v = in.v;
-  params.mask = bias.expand({in.q.size(0), in.q.size(1), 40, 40});
-  EXPECT_EQ(attn::detail::fused_cpu_loops(params), attn::detail::FusedLoops::tiled);
+  EXPECT_EQ(
+      attn::testing::plan_of(in.q, in.k, in.v, SDPAOptions().attn_mask(bias)).kernel.fused_loops,
+      attn::detail::FusedLoops::tiled);
 }
 
 // A block mask runs on attn's CPU kernels, as the rules choose them for
@@ -494,10 +518,9 @@ TEST(BackendSelection, ABlockMaskTakesAttnsKernelsNeverLibTorchs) {
   const auto padding = (torch::arange(T) < 400).view({1, 1, 1, T});
   EXPECT_EQ(
       select_backend(in, in, in, SDPAOptions().attn_mask(padding)), AttentionBackend::fused_cpu);
-  auto params = attn::detail::AttentionParams();
-  params.q = params.k = params.v = in;
-  params.mask = padding.expand({2, 8, T, T});
-  EXPECT_EQ(attn::detail::fused_cpu_loops(params), attn::detail::FusedLoops::tiled);
+  EXPECT_EQ(
+      attn::testing::plan_of(in, in, in, SDPAOptions().attn_mask(padding)).kernel.fused_loops,
+      attn::detail::FusedLoops::tiled);
 }
 
 // Requests that only attn's backends run: half precision takes the one

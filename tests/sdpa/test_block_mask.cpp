@@ -12,6 +12,7 @@
 #include "kernels/cpu/mask_blocks.h"
 #include "kernels/cpu/tile_product.h"
 #include "kernels/cpu/tiled_attention.h"
+#include "sdpa/backend.h"
 #include "sdpa/block_mask.h"
 
 #include <attn/attn.h>
@@ -186,13 +187,14 @@ void expect_half_precision_within_its_rule(
 
   SCOPED_TRACE(label + " in " + std::string(c10::toString(dtype)));
   const bool bfloat16 = dtype == torch::kBFloat16;
-  const int64_t calls = attn::detail::tiled_half_calls(dtype);
+  // On the half-precision loops, where they run.
+  const auto plan = attn::testing::plan_of(q, k, v, options);
+  if (attn::detail::half_products_pay(attn::testing::widest_loops(), dtype)) {
+    EXPECT_EQ(plan.compute_dtype, dtype);
+    EXPECT_EQ(plan.kernel.fused_loops, attn::detail::FusedLoops::tiled);
+  }
   const auto out = std::get<0>(attn::scaled_dot_product_attention(q, k, v, options));
   const auto grads = torch::autograd::grad({flat(out)}, {q, k, v}, {upstream});
-  // Forward and backward on the half-precision loops, where they run.
-  if (bfloat16 ? attn::detail::bf16_products_outrun_float() : attn::detail::half_products_run()) {
-    EXPECT_EQ(attn::detail::tiled_half_calls(dtype), calls + 2);
-  }
   if (bfloat16) {
     const auto q16 = leaf(flat(q), dtype), k16 = leaf(flat(k), dtype), v16 = leaf(flat(v), dtype);
     const auto libtorch = attn::testing::composite_attention(q16, k16, v16, bias, scale);

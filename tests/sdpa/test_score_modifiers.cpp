@@ -18,6 +18,7 @@
 #include "kernels/cpu/fused_attention.h"
 #include "kernels/cpu/tile_product.h"
 #include "kernels/cpu/tiled_attention.h"
+#include "sdpa/backend.h"
 #include "sdpa/score_modifiers.h"
 
 #include <attn/attn.h>
@@ -387,13 +388,19 @@ HalfPrecisionRequest half_precision_request(const Case& c, torch::ScalarType dty
   return r;
 }
 
-// Where the half-precision loops ran (`loops_run`), a learned mask of the
-// scores' size (the cases' (1, H, L, S) at B = 1) took its gradient in
-// its dtype; one that broadcasts, through a float32 copy (half_mask_gradients
-// was `before` the call).
-void expect_mask_gradient_path(const Case& c, bool loops_run, int64_t before) {
+// Where the half-precision loops run (`loops_run`), the call's plan
+// computes it in `dtype`, and a learned mask of the scores' size (the
+// cases' (1, H, L, S) at B = 1) reaches the kernels in its dtype, which
+// gives it its gradient in that dtype; one that broadcasts, as a float32
+// copy.
+void expect_half_precision_plan(
+    const Case& c,
+    const attn::detail::CallPlan& plan,
+    torch::ScalarType dtype,
+    bool loops_run) {
+  EXPECT_EQ(plan.compute_dtype, loops_run ? dtype : torch::kFloat);
   const bool in_its_dtype = c.mask && !c.key_bias && c.B == 1 && loops_run;
-  EXPECT_EQ(attn::detail::half_mask_gradients(), before + (in_its_dtype ? 1 : 0));
+  EXPECT_EQ(plan.mask_dtype == dtype, in_its_dtype);
 }
 
 // In bfloat16, by FlashAttention's rule (test_support.h): inputs and
@@ -415,17 +422,13 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   const auto libtorch = oracle(q16, k16, v16, options16);
   (libtorch * upstream).sum().backward();
 
-  ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
-  const int64_t bf16_calls = attn::detail::tiled_half_calls(torch::kBFloat16);
-  const int64_t mask_gradients = attn::detail::half_mask_gradients();
+  const auto plan = attn::testing::plan_of(q, k, v, options);
+  ASSERT_EQ(plan.backend, AttentionBackend::fused_cpu);
+  expect_half_precision_plan(
+      c, plan, bf16, attn::detail::bf16_products_outrun_float(attn::testing::widest_loops()));
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), bf16);
-  const bool loops_run = attn::detail::bf16_products_outrun_float();
-  if (loops_run) { // forward and backward on the bfloat16 loops
-    EXPECT_EQ(attn::detail::tiled_half_calls(torch::kBFloat16), bf16_calls + 2);
-  }
-  expect_mask_gradient_path(c, loops_run, mask_gradients);
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(out, libtorch, reference);
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(q.grad(), q16.grad(), q64.grad());
   EXPECT_WITHIN_TWICE_LIBTORCHS_ERROR(k.grad(), k16.grad(), k64.grad());
@@ -440,7 +443,7 @@ void expect_bfloat16_within_twice_libtorchs_error(const Case& c) {
   // times 2.15's (split_keys' table). Where the offset bias takes a
   // gradient, the forward keeps what the output's rounding lost and
   // multiplies the remainder of P's rounding too (keeps_out_rounding in
-  // fused_attention.cpp): every learned tensor measured up to 0.87 times
+  // sdpa/plan.cpp): every learned tensor measured up to 0.87 times
   // LibTorch's error on 2.15; sinks and masks without an offset bias keep
   // nothing and measured up to 0.32 and 0.44 times. Held to 1.5 times,
   // which a forward that never keeps it does not meet.
@@ -470,7 +473,7 @@ TEST(ScoreModifiers, FusedKernelInBfloat16IsWithinTwiceLibTorchsBfloat16Error) {
 // multiplies dS: user_value_of's is below 1.3 + 0.1·h, soft-capping's at
 // most 1). The learned tensors' gradients, sums of dS over their pairs,
 // are held to the same rule with nothing carried: their forward keeps what
-// the output's rounding lost (keeps_out_rounding in fused_attention.cpp).
+// the output's rounding lost (keeps_out_rounding in sdpa/plan.cpp).
 void expect_float16_within_float32_rounded(const Case& c) {
   SCOPED_TRACE(c.name + " in Float16");
   const auto f16 = torch::kHalf;
@@ -482,17 +485,13 @@ void expect_float16_within_float32_rounded(const Case& c) {
   const auto reference = oracle(q64, k64, v64, options64);
   (reference * upstream.to(torch::kDouble)).sum().backward();
 
-  ASSERT_EQ(attn::select_backend(q, k, v, options), AttentionBackend::fused_cpu);
-  const int64_t calls = attn::detail::tiled_half_calls(f16);
-  const int64_t mask_gradients = attn::detail::half_mask_gradients();
+  const auto plan = attn::testing::plan_of(q, k, v, options);
+  ASSERT_EQ(plan.backend, AttentionBackend::fused_cpu);
+  expect_half_precision_plan(
+      c, plan, f16, attn::detail::half_products_run(attn::testing::widest_loops()));
   const auto [out, none] = attn::scaled_dot_product_attention(q, k, v, options);
   (out * upstream).sum().backward();
   EXPECT_EQ(out.scalar_type(), f16);
-  const bool loops_run = attn::detail::half_products_run();
-  if (loops_run) { // forward and backward on the float16 loops
-    EXPECT_EQ(attn::detail::tiled_half_calls(f16), calls + 2);
-  }
-  expect_mask_gradient_path(c, loops_run, mask_gradients);
   const Tolerance float32{0.0, 2e-5};
   EXPECT_TRUE(attn::testing::WithinFloat32RoundedToFloat16(out, reference, float32));
   const int64_t group = c.H / c.Hkv;
@@ -524,7 +523,7 @@ TEST(ScoreModifiers, FusedKernelInFloat16IsWithinFloat32RoundedToFloat16) {
   }
 }
 
-// Which requests keep what their output's rounding lost
+// Which requests' plans keep what their output's rounding lost
 // (keeps_out_rounding): in float16 any that gives a learned tensor a
 // gradient, in bfloat16 those that give the offset bias one (ALiBi's
 // slopes here), in float32 none; none under no grad mode, whatever
@@ -540,9 +539,7 @@ TEST(ScoreModifiers, HalfPrecisionKeepsTheOutputsRoundingWhereALearnedGradientNe
     const auto k = torch::randn({1, H, 700, 32}).to(dtype);
     const auto v = torch::randn({1, H, 700, 32}).to(dtype);
     const auto options = SDPAOptions(modifiers).backend(AttentionBackend::fused_cpu);
-    const int64_t before = attn::detail::out_roundings_kept();
-    attn::scaled_dot_product_attention(q, k, v, options);
-    return attn::detail::out_roundings_kept() - before;
+    return attn::testing::plan_of(q, k, v, options).kernel.keeps_out_rounding ? 1 : 0;
   };
   const auto learned = [](const torch::Tensor& t) { return t.clone().requires_grad_(); };
   const auto slopes = SDPAOptions().alibi_slopes(learned(attn::alibi_slopes(H)));
@@ -551,12 +548,13 @@ TEST(ScoreModifiers, HalfPrecisionKeepsTheOutputsRoundingWhereALearnedGradientNe
   const auto mask_of = [&](torch::ScalarType dtype) {
     return SDPAOptions().attn_mask(learned(torch::randn({1, H, 200, 700}).to(dtype)));
   };
-  const bool float16_loops = attn::detail::half_products_run();
+  const bool float16_loops = attn::detail::half_products_run(attn::testing::widest_loops());
   EXPECT_EQ(kept_by(torch::kHalf, slopes), float16_loops ? 1 : 0);
   EXPECT_EQ(kept_by(torch::kHalf, sinks), float16_loops ? 1 : 0);
   EXPECT_EQ(kept_by(torch::kHalf, mask_of(torch::kHalf)), float16_loops ? 1 : 0);
   EXPECT_EQ(kept_by(torch::kHalf, fixed), 0);
-  const bool bfloat16_loops = attn::detail::bf16_products_outrun_float();
+  const bool bfloat16_loops = attn::detail::bf16_products_outrun_float(
+      attn::testing::widest_loops());
   EXPECT_EQ(kept_by(torch::kBFloat16, slopes), bfloat16_loops ? 1 : 0);
   EXPECT_EQ(kept_by(torch::kBFloat16, sinks), 0);
   EXPECT_EQ(kept_by(torch::kBFloat16, mask_of(torch::kBFloat16)), 0);
@@ -591,7 +589,7 @@ TEST(ScoreModifiers, WeightsKernelReturnsTheOraclesOutput) {
 
 // The weights kernel in half precision (inference), inputs and the
 // modifiers' tensors rounded as above: where the tiled loops' products
-// compute that dtype (backend.h, fused_cpu_weights_computes_half) it
+// compute that dtype (backend.h, half_products_pay) it
 // computes there, elsewhere in float32. Either way its weights are the
 // float32 softmax rounded once (WithinFloat32RoundedOnce, against the
 // oracle's weights), and its output meets each dtype's rule above.
@@ -601,16 +599,15 @@ TEST(ScoreModifiers, WeightsKernelInHalfPrecisionRoundsItsWeightsOnce) {
   const Tolerance float32{0.0, 2e-5};
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     const bool bfloat16 = dtype == torch::kBFloat16;
-    const bool loops_run = bfloat16 ? attn::detail::bf16_products_outrun_float()
-                                    : attn::detail::half_products_run();
+    const bool loops_run = attn::detail::half_products_pay(attn::testing::widest_loops(), dtype);
     for (const auto& c : cases()) {
       SCOPED_TRACE(c.name + " in " + c10::toString(dtype));
       const auto r = half_precision_request(c, dtype);
       const auto options = SDPAOptions(r.options).need_weights(true);
-      ASSERT_EQ(attn::select_backend(r.q, r.k, r.v, options), AttentionBackend::fused_cpu_weights);
-      const int64_t calls = attn::detail::tiled_half_calls(dtype);
+      const auto plan = attn::testing::plan_of(r.q, r.k, r.v, options);
+      ASSERT_EQ(plan.backend, AttentionBackend::fused_cpu_weights);
+      EXPECT_EQ(plan.compute_dtype, loops_run ? dtype : torch::kFloat);
       const auto [out, weights] = attn::scaled_dot_product_attention(r.q, r.k, r.v, options);
-      EXPECT_EQ(attn::detail::tiled_half_calls(dtype), calls + (loops_run ? 1 : 0));
       ASSERT_EQ(weights.scalar_type(), dtype);
       EXPECT_TRUE(attn::testing::WithinFloat32RoundedOnce(
           weights, oracle_weights(r.q64, r.k64, r.options64)));

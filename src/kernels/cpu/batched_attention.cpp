@@ -98,12 +98,12 @@ bool tile_loops_outrun_bmm(int64_t multiply_adds) {
 // Float matrices stored transposed (Kᵀ and Vᵀ, views of K and V) are
 // transposed in registers (transpose_heads); anything else is made
 // contiguous.
-torch::Tensor row_major(const torch::Tensor& b) {
+torch::Tensor row_major(const CpuLoops& loops, const torch::Tensor& b) {
   if (b.is_contiguous() || b.scalar_type() != torch::kFloat || b.stride(1) != 1) {
     return b.contiguous();
   }
   auto rows = torch::empty(b.sizes(), b.options());
-  transpose_heads(b.transpose(1, 2).unsqueeze(0), rows.unsqueeze(0));
+  transpose_heads(loops, b.transpose(1, 2).unsqueeze(0), rows.unsqueeze(0));
   return rows;
 }
 
@@ -112,11 +112,12 @@ torch::Tensor row_major(const torch::Tensor& b) {
 // over the batch.
 template <typename scalar_t, typename Multiply>
 torch::Tensor product_per_matrix(
+    const CpuLoops& loops,
     const torch::Tensor& a,
     const torch::Tensor& b,
     const Multiply& multiply) {
   const int64_t N = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
-  const auto rows = row_major(b);
+  const auto rows = row_major(loops, b);
   auto out = torch::empty({N, m, n}, a.options());
   const scalar_t* a_data = a.data_ptr<scalar_t>();
   const scalar_t* b_data = rows.data_ptr<scalar_t>();
@@ -132,37 +133,34 @@ torch::Tensor product_per_matrix(
   return out;
 }
 
-// One float product in attn's register-tiled loops (tile_product.h).
-void tile_product(
-    float* c,
-    const float* a,
-    int64_t a_row_stride,
-    int64_t a_depth_stride,
-    const float* b,
-    int64_t m,
-    int64_t n,
-    int64_t k) {
-  tile_gemm_float(m, n, k, 1.0f, a, a_row_stride, a_depth_stride, b, n, c, n, false);
-}
-
 // a (N, m, k) · b (N, k, n), any strides: torch::bmm, or attn's loops
-// above, in parallel over the batch. (The scale stays in the row pass:
-// torch::baddbmm with alpha took 1.6-1.7× bmm's time at 512 × 64 × 64 × 64
-// on LibTorch 1.13.)
-torch::Tensor batched_product(const torch::Tensor& a, const torch::Tensor& b) {
+// (tile_product.h) or the small products above, in parallel over the
+// batch. (The scale stays in the row pass: torch::baddbmm with alpha took
+// 1.6-1.7× bmm's time at 512 × 64 × 64 × 64 on LibTorch 1.13.)
+torch::Tensor batched_product(
+    const CpuLoops& loops,
+    const torch::Tensor& a,
+    const torch::Tensor& b) {
   const int64_t m = a.size(1), k = a.size(2), n = b.size(2);
   if (m * n * k == 0) {
     return torch::bmm(a, b);
   }
-  if (tile_products_run(a.scalar_type()) && tile_loops_outrun_bmm(m * n * k)) {
-    return product_per_matrix<float>(a, b, tile_product);
+  if (tile_products_run(loops, a.scalar_type()) && tile_loops_outrun_bmm(m * n * k)) {
+    const auto tile_product = [&](float* c, const float* a_data, int64_t a_row_stride,
+                                  int64_t a_depth_stride, const float* b_data, int64_t rows,
+                                  int64_t cols, int64_t depth) {
+      tile_gemm_float(
+          loops, rows, cols, depth, 1.0f, a_data, a_row_stride, a_depth_stride, b_data, cols, c,
+          cols, false);
+    };
+    return product_per_matrix<float>(loops, a, b, tile_product);
   }
   if (m * n * k > kSmallProduct) {
     return torch::bmm(a, b);
   }
   torch::Tensor out;
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "batched_product", [&] {
-    out = product_per_matrix<scalar_t>(a, b, small_product<scalar_t>);
+    out = product_per_matrix<scalar_t>(loops, a, b, small_product<scalar_t>);
   });
   return out;
 }
@@ -172,6 +170,7 @@ torch::Tensor batched_product(const torch::Tensor& a, const torch::Tensor& b) {
 // zeros. Returns its log-sum-exp (-inf where it sees no key).
 template <typename scalar_t>
 scalar_t softmax_row(
+    const CpuLoops& loops,
     scalar_t* x,
     int64_t row,
     const BatchedShape& shape,
@@ -182,12 +181,12 @@ scalar_t softmax_row(
   shape.locate(row, b, h, i);
   scale_row(x, S, scale);
   mask.apply(x, S, b, h, i, 0);
-  const scalar_t largest = row_max(x, S);
+  const scalar_t largest = row_max(loops, x, S);
   if (largest == kNegativeInfinity<scalar_t>) {
     std::fill(x, x + S, scalar_t(0));
     return largest;
   }
-  const scalar_t sum = exp_shifted_sum(x, S, largest);
+  const scalar_t sum = exp_shifted_sum(loops, x, S, largest);
   scale_row(x, S, scalar_t(1) / sum);
   return largest + std::log(sum);
 }
@@ -197,11 +196,12 @@ scalar_t softmax_row(
 // order: (B, H, L)).
 template <typename scalar_t>
 void softmax_rows(
+    const CpuLoops& loops,
     const torch::Tensor& scores,
     const torch::Tensor& lse,
     const BatchedShape& shape,
     const AttentionParams& params) {
-  const MaskView<scalar_t> mask(params);
+  const MaskView<scalar_t> mask(params, loops);
   const auto scale = static_cast<scalar_t>(params.scale);
   scalar_t* data = scores.data_ptr<scalar_t>();
   scalar_t* lse_data = lse.data_ptr<scalar_t>();
@@ -210,7 +210,7 @@ void softmax_rows(
       0, scores.numel() / std::max<int64_t>(S, 1), parallel_grain(S, kMinRowPassScores),
       [&](int64_t begin, int64_t end) {
         for (int64_t row = begin; row < end; ++row) {
-          lse_data[row] = softmax_row(data + row * S, row, shape, mask, scale);
+          lse_data[row] = softmax_row(loops, data + row * S, row, shape, mask, scale);
         }
       });
 }
@@ -277,14 +277,40 @@ struct BatchedInputs {
 // at the short lengths that the batched kernel takes.
 constexpr int64_t kHalfRows = 64;
 
-// The calls in each half precision, for batched_half_calls.
-HalfPrecisionCalls batched_calls;
-
 // rows × cols of a task's float memory, rows `row_stride` apart, as the
 // products (tile_addmm: attn's float loops, else the BLAS) take it.
 MatrixRef<float> task_matrix(const float* data, int64_t rows, int64_t cols, int64_t row_stride) {
   return {const_cast<float*>(data), rows, cols, row_stride, 1};
 }
+
+// A half-precision call as its tasks read it: the inputs as (N = B·Hkv,
+// ·, ·) matrices, the mask, the conversions of its dtype.
+struct HalfBatch {
+  HalfBatch(const CpuLoops& loops, const AttentionParams& params)
+      : loops(loops),
+        in(params),
+        mask(params, loops),
+        conversion(half_rows(loops, params.q.scalar_type())),
+        scale(static_cast<float>(params.scale)),
+        N(in.shape.B * in.shape.Hkv),
+        rows(in.shape.group * in.shape.L),
+        S(in.shape.S),
+        D(params.D()),
+        Dv(params.Dv()) {}
+
+  int64_t chunks() const { return ceil_div(rows, kHalfRows); }
+  // Rows [begin, end) of a matrix's queries: chunk `chunk`.
+  IndexRange chunk_rows(int64_t chunk) const {
+    return {chunk * kHalfRows, std::min(rows, (chunk + 1) * kHalfRows)};
+  }
+
+  CpuLoops loops; // the call's plan's (kernel_plan.h)
+  BatchedInputs in;
+  MaskView<float> mask;
+  HalfRows conversion;
+  float scale;
+  int64_t N, rows, S, D, Dv;
+};
 
 // Which layouts of a widened matrix its task's products read.
 enum class Layouts { rows, transposed, both };
@@ -303,14 +329,15 @@ class WidenedRows {
 
   // `rows` rows of cols elements from `from` (contiguous), unless they are
   // those of `tag` (a matrix's index, or -1: none) already.
-  void widen(const HalfRows& conversion, const uint16_t* from, int64_t rows, int64_t tag = -1) {
+  // Widened and transposed on the batch's loops.
+  void widen(const HalfBatch& batch, const uint16_t* from, int64_t rows, int64_t tag = -1) {
     if (tag >= 0 && tag == held_) {
       return;
     }
     held_ = tag;
-    conversion.widen(from, rows * cols_, rows_.data());
+    batch.conversion.widen(from, rows * cols_, rows_.data());
     if (!transposed_.empty()) {
-      transpose_float(rows, cols_, rows_.data(), cols_, 1, transposed_.data(), rows);
+      transpose_float(batch.loops, rows, cols_, rows_.data(), cols_, 1, transposed_.data(), rows);
     }
   }
 
@@ -324,33 +351,6 @@ class WidenedRows {
   int64_t cols_, held_ = -1;
   std::vector<float> rows_, transposed_; // rows_: also the transpose's source
   bool keep_rows_;
-};
-
-// A half-precision call as its tasks read it: the inputs as (N = B·Hkv,
-// ·, ·) matrices, the mask, the conversions of its dtype.
-struct HalfBatch {
-  explicit HalfBatch(const AttentionParams& params)
-      : in(params),
-        mask(params),
-        conversion(half_rows(params.q.scalar_type())),
-        scale(static_cast<float>(params.scale)),
-        N(in.shape.B * in.shape.Hkv),
-        rows(in.shape.group * in.shape.L),
-        S(in.shape.S),
-        D(params.D()),
-        Dv(params.Dv()) {}
-
-  int64_t chunks() const { return ceil_div(rows, kHalfRows); }
-  // Rows [begin, end) of a matrix's queries: chunk `chunk`.
-  IndexRange chunk_rows(int64_t chunk) const {
-    return {chunk * kHalfRows, std::min(rows, (chunk + 1) * kHalfRows)};
-  }
-
-  BatchedInputs in;
-  MaskView<float> mask;
-  HalfRows conversion;
-  float scale;
-  int64_t N, rows, S, D, Dv;
 };
 
 // Row r of matrix n of t (N, ·, cols), contiguous and 16-bit: its bits.
@@ -372,12 +372,12 @@ void half_probabilities(
     float* lse) {
   const int64_t count = rows.end - rows.begin, S = batch.S;
   tile_addmm(
-      task_matrix(probs, count, S, S), task_matrix(queries, count, batch.D, batch.D),
+      batch.loops, task_matrix(probs, count, S, S), task_matrix(queries, count, batch.D, batch.D),
       task_matrix(keys.transposed(), batch.D, S, S), /*beta=*/0, /*alpha=*/1);
   const int64_t first = n * batch.rows + rows.begin; // of the (B·Hkv, group·L) rows
   for (int64_t r = 0; r < count; ++r) {
     const float row_lse = softmax_row(
-        probs + r * S, first + r, batch.in.shape, batch.mask, batch.scale);
+        batch.loops, probs + r * S, first + r, batch.in.shape, batch.mask, batch.scale);
     if (lse != nullptr) {
       lse[r] = row_lse;
     }
@@ -401,10 +401,12 @@ struct HalfForwardMemory {
 // batched_forward for q, k, v in bfloat16 or float16: out and, where
 // `need_weights`, the weights in their dtype (else an empty tensor); lse
 // in float. One task per chunk of a matrix's queries.
-ForwardResult batched_forward_half(const AttentionParams& params, bool need_weights) {
+ForwardResult batched_forward_half(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    bool need_weights) {
   TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the batched kernel drops no weights");
-  batched_calls.count(params.q.scalar_type());
-  const HalfBatch batch(params);
+  const HalfBatch batch(loops, params);
   const auto& shape = batch.in.shape;
   const int64_t S = batch.S, Dv = batch.Dv, chunks = batch.chunks();
   auto out = torch::empty({batch.N, batch.rows, Dv}, params.q.options());
@@ -417,9 +419,9 @@ ForwardResult batched_forward_half(const AttentionParams& params, bool need_weig
         const int64_t n = unit / chunks;
         const auto rows = batch.chunk_rows(unit % chunks);
         const int64_t count = rows.end - rows.begin;
-        m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), S, n);
-        m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), S, n);
-        m.queries.widen(batch.conversion, half_row(batch.in.q, n, rows.begin), count);
+        m.keys.widen(batch, half_row(batch.in.k, n, 0), S, n);
+        m.values.widen(batch, half_row(batch.in.v, n, 0), S, n);
+        m.queries.widen(batch, half_row(batch.in.q, n, rows.begin), count);
         half_probabilities(
             batch, n, rows, m.queries.rows(), m.keys, m.probs.data(),
             lse.data_ptr<float>() + n * batch.rows + rows.begin);
@@ -427,8 +429,9 @@ ForwardResult batched_forward_half(const AttentionParams& params, bool need_weig
           batch.conversion.round(m.probs.data(), count * S, half_row(weights, n, rows.begin));
         }
         tile_addmm(
-            task_matrix(m.out.data(), count, Dv, Dv), task_matrix(m.probs.data(), count, S, S),
-            task_matrix(m.values.rows(), S, Dv, Dv), /*beta=*/0, /*alpha=*/1);
+            loops, task_matrix(m.out.data(), count, Dv, Dv),
+            task_matrix(m.probs.data(), count, S, S), task_matrix(m.values.rows(), S, Dv, Dv),
+            /*beta=*/0, /*alpha=*/1);
         batch.conversion.round(m.out.data(), count * Dv, half_row(out, n, rows.begin));
       });
   return {
@@ -467,8 +470,8 @@ void half_backward_chunk(
     const torch::Tensor& grad_weights,
     const torch::Tensor& dq) {
   const int64_t count = rows.end - rows.begin, S = batch.S, D = batch.D, Dv = batch.Dv;
-  m.queries.widen(batch.conversion, half_row(batch.in.q, n, rows.begin), count);
-  m.grad_out.widen(batch.conversion, half_row(grad_out, n, rows.begin), count);
+  m.queries.widen(batch, half_row(batch.in.q, n, rows.begin), count);
+  m.grad_out.widen(batch, half_row(grad_out, n, rows.begin), count);
   half_probabilities(batch, n, rows, m.queries.rows(), m.keys, m.probs.data(), nullptr);
   const auto probs = task_matrix(m.probs.data(), count, S, S);
   const auto ds = task_matrix(m.ds.data(), count, S, S);
@@ -478,18 +481,21 @@ void half_backward_chunk(
   if (weights_gradient) {
     batch.conversion.widen(half_row(grad_weights, n, rows.begin), count * S, m.ds.data());
   }
+  const auto& loops = batch.loops;
   tile_addmm(
-      ds, grad_rows, task_matrix(m.values.transposed(), Dv, S, S), weights_gradient ? 1 : 0, 1);
+      loops, ds, grad_rows, task_matrix(m.values.transposed(), Dv, S, S), weights_gradient ? 1 : 0,
+      1);
   // dV += Pᵀ dO
-  tile_addmm(task_matrix(m.dv.data(), S, Dv, Dv), probs.transposed(), grad_rows, 1, 1);
+  tile_addmm(loops, task_matrix(m.dv.data(), S, Dv, Dv), probs.transposed(), grad_rows, 1, 1);
   for (int64_t r = 0; r < count; ++r) {
     softmax_backward_row(m.probs.data() + r * S, m.ds.data() + r * S, S, batch.scale);
   }
   // dQ = dS K; dK += dSᵀ Q
-  tile_addmm(task_matrix(m.dq.data(), count, D, D), ds, task_matrix(m.keys.rows(), S, D, D), 0, 1);
+  tile_addmm(
+      loops, task_matrix(m.dq.data(), count, D, D), ds, task_matrix(m.keys.rows(), S, D, D), 0, 1);
   batch.conversion.round(m.dq.data(), count * D, half_row(dq, n, rows.begin));
   tile_addmm(
-      task_matrix(m.dk.data(), S, D, D), ds.transposed(),
+      loops, task_matrix(m.dk.data(), S, D, D), ds.transposed(),
       task_matrix(m.queries.rows(), count, D, D), 1, 1);
 }
 
@@ -528,11 +534,11 @@ struct SplitKeyGradients {
 // their dtype. Each task takes a range of one matrix's chunks, summing dK
 // and dV over them in float (SplitKeyGradients).
 InputGradients batched_backward_half(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const torch::Tensor& grad_out,
     const torch::Tensor& grad_weights) {
-  batched_calls.count(params.q.scalar_type());
-  const HalfBatch batch(params);
+  const HalfBatch batch(loops, params);
   const auto& shape = batch.in.shape;
   const auto dtype = params.q.scalar_type();
   const auto as_matrices = [&](const torch::Tensor& t, int64_t cols) {
@@ -551,8 +557,8 @@ InputGradients batched_backward_half(
       batch.N * splits, flops, [&] { return HalfBackwardMemory(batch); },
       [&](HalfBackwardMemory& m, int64_t unit) {
         const int64_t n = unit / splits, part = unit % splits;
-        m.keys.widen(batch.conversion, half_row(batch.in.k, n, 0), batch.S, n);
-        m.values.widen(batch.conversion, half_row(batch.in.v, n, 0), batch.S, n);
+        m.keys.widen(batch, half_row(batch.in.k, n, 0), batch.S, n);
+        m.values.widen(batch, half_row(batch.in.v, n, 0), batch.S, n);
         std::fill(m.dk.begin(), m.dk.end(), 0.0F);
         std::fill(m.dv.begin(), m.dv.end(), 0.0F);
         for (int64_t chunk = part * chunks / splits; chunk < (part + 1) * chunks / splits;
@@ -589,6 +595,7 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
       const torch::Tensor& k,
       const torch::Tensor& v,
       const AttentionParams& params,
+      const CpuLoops& loops,
       bool need_weights) {
     // Contiguous once: the products read them so, forward and backward.
     auto contiguous = params;
@@ -597,11 +604,12 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
     contiguous.v = v.contiguous();
     // Half precision computes the probabilities again in the backward.
     const bool half = is_half_precision(q.scalar_type());
-    const auto result = half ? batched_forward_half(contiguous, need_weights)
-                             : batched_forward(contiguous);
+    const auto result = half ? batched_forward_half(loops, contiguous, need_weights)
+                             : batched_forward(loops, contiguous);
     ctx->save_for_backward(
         {contiguous.q, contiguous.k, contiguous.v, half ? torch::Tensor() : result.weights});
     params.save_settings_to(*ctx);
+    ctx->saved_data["cpu_level"] = static_cast<int64_t>(loops.level);
     ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
       ctx->mark_non_differentiable({result.weights});
@@ -627,68 +635,67 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
     // for an output marked non-differentiable).
     const auto grad_weights = ctx->saved_data.at("need_weights").toBool() ? grad_outputs[1]
                                                                           : torch::Tensor();
-    const auto grads = batched_backward(params, forward, grad_out, grad_weights);
-    return {
-        grads.dq, grads.dk, grads.dv, torch::Tensor(),
-        torch::Tensor()}; // nothing for params, need_weights
+    const auto loops = cpu_loops(static_cast<CpuLevel>(ctx->saved_data.at("cpu_level").toInt()));
+    const auto grads = batched_backward(loops, params, forward, grad_out, grad_weights);
+    return {grads.dq,        grads.dk,       grads.dv, torch::Tensor(),
+            torch::Tensor(), torch::Tensor()}; // nothing for params, loops, need_weights
   }
 };
 
 } // namespace
 
-ForwardResult batched_forward(const AttentionParams& params) {
+ForwardResult batched_forward(const CpuLoops& loops, const AttentionParams& params) {
   TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the batched kernel drops no weights");
   if (is_half_precision(params.q.scalar_type())) {
-    return batched_forward_half(params, /*need_weights=*/true);
+    return batched_forward_half(loops, params, /*need_weights=*/true);
   }
   const BatchedInputs in(params);
   const auto& shape = in.shape;
-  auto probs = batched_product(in.q, in.k.transpose(1, 2)); // (B·Hkv, group·L, S)
+  auto probs = batched_product(loops, in.q, in.k.transpose(1, 2)); // (B·Hkv, group·L, S)
   auto lse = torch::empty({shape.B, shape.H, shape.L}, probs.options());
   AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "batched_forward", [&] {
-    softmax_rows<scalar_t>(probs, lse, shape, params);
+    softmax_rows<scalar_t>(loops, probs, lse, shape, params);
   });
-  const auto out = batched_product(probs, in.v).view({shape.B, shape.H, shape.L, params.Dv()});
+  const auto out =
+      batched_product(loops, probs, in.v).view({shape.B, shape.H, shape.L, params.Dv()});
   return {out, lse, probs.view({shape.B, shape.H, shape.L, shape.S})};
 }
 
 InputGradients batched_backward(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const torch::Tensor& grad_weights) {
   if (is_half_precision(params.q.scalar_type())) {
-    return batched_backward_half(params, grad_out, grad_weights);
+    return batched_backward_half(loops, params, grad_out, grad_weights);
   }
   const BatchedInputs in(params);
   const auto& shape = in.shape;
   const auto probs = forward.weights.view({shape.B * shape.Hkv, shape.group * shape.L, shape.S});
   const auto grad_out3 = grad_out.contiguous().view({probs.size(0), probs.size(1), params.Dv()});
-  const auto grad_v = batched_product(probs.transpose(1, 2), grad_out3);
-  auto grad_probs = batched_product(grad_out3, in.v.transpose(1, 2));
+  const auto grad_v = batched_product(loops, probs.transpose(1, 2), grad_out3);
+  auto grad_probs = batched_product(loops, grad_out3, in.v.transpose(1, 2));
   if (grad_weights.defined()) {
     grad_probs += grad_weights.reshape(probs.sizes());
   }
   AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "batched_backward", [&] {
     batched_softmax_backward_rows<scalar_t>(probs, grad_probs, params.scale);
   });
-  const auto grad_q = batched_product(grad_probs, in.k);
-  const auto grad_k = batched_product(grad_probs.transpose(1, 2), in.q);
+  const auto grad_q = batched_product(loops, grad_probs, in.k);
+  const auto grad_k = batched_product(loops, grad_probs.transpose(1, 2), in.q);
   const int64_t B = shape.B, Hkv = shape.Hkv, S = shape.S;
   return {
       grad_q.view(params.q.sizes()), grad_k.view({B, Hkv, S, params.D()}),
       grad_v.view({B, Hkv, S, params.Dv()})};
 }
 
-int64_t batched_half_calls(torch::ScalarType dtype) {
-  return batched_calls.in(dtype);
-}
-
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(
+    const CpuLoops& loops,
     const AttentionParams& params,
     bool need_weights) {
   const auto results = BatchedAttentionFunction::apply(
-      params.q, params.k, params.v, params, need_weights);
+      params.q, params.k, params.v, params, loops, need_weights);
   return {results[0], need_weights ? results[1] : torch::Tensor()};
 }
 

@@ -17,6 +17,7 @@
 // again instead of keeping them.
 
 #include "kernels/attention_params.h"
+#include "kernels/cpu/isa.h"
 
 #include <torch/types.h>
 
@@ -24,29 +25,27 @@
 
 namespace attn::detail {
 
+// Each runs on `loops`, the call's plan's (kernel_plan.h).
+
 // The output, lse and the weights (B, H, L, S), which the backward reads.
-ForwardResult batched_forward(const AttentionParams& params);
+ForwardResult batched_forward(const CpuLoops& loops, const AttentionParams& params);
 
 // The gradients of q, k and v (shaped like them) from `forward`'s
 // weights (in half precision, from the probabilities computed again),
 // for grad_out (B, H, L, Dv) and grad_weights (B, H, L, S), the gradient
 // of the weights where they were returned (undefined otherwise).
 InputGradients batched_backward(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const torch::Tensor& grad_weights);
 
-// How many calls (forward and backward) the batched kernel ran on inputs
-// in `dtype` (bfloat16 or float16) in this process, a chunk of one
-// matrix of the batch at a time in float: for tests that check which
-// path took a request.
-int64_t batched_half_calls(torch::ScalarType dtype);
-
 // The output (B, H, L, Dv) and, with `need_weights`, the weights
 // (B, H, L, S), both differentiable through batched_backward (else an
 // undefined tensor).
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(
+    const CpuLoops& loops,
     const AttentionParams& params,
     bool need_weights);
 

@@ -31,16 +31,12 @@ void dropout_softmax_backward_row_portable(
   dropout_softmax_backward_loop(p, ds, n, delta, keep_scale, row, PortableGroup{});
 }
 
-// The float loops of the widest instruction set with vector loops (isa.h),
-// else portable C++.
-const DropoutLoops& float_dropout_loops() {
-  static const DropoutLoops chosen = [] {
-    const auto* isa = widest_isa_loops();
-    return isa != nullptr && isa->dropout != nullptr
-        ? *isa->dropout
-        : DropoutLoops{drop_row_portable<float>, dropout_softmax_backward_row_portable<float>};
-  }();
-  return chosen;
+// The float loops of `loops` where they have vector loops (isa.h), else
+// portable C++.
+DropoutLoops float_dropout_loops(const CpuLoops& loops) {
+  return loops.isa != nullptr && loops.isa->dropout != nullptr
+      ? *loops.isa->dropout
+      : DropoutLoops{drop_row_portable<float>, dropout_softmax_backward_row_portable<float>};
 }
 
 } // namespace
@@ -72,25 +68,27 @@ void dropout_draws(uint16_t* draws, int64_t n, const DropoutRow& row) {
       });
 }
 
-void drop_row(float* x, int64_t n, const DropoutRow& row) {
-  float_dropout_loops().drop_row(x, n, row);
+void drop_row(const CpuLoops& loops, float* x, int64_t n, const DropoutRow& row) {
+  float_dropout_loops(loops).drop_row(x, n, row);
 }
 
-void drop_row(double* x, int64_t n, const DropoutRow& row) {
+void drop_row(const CpuLoops& /*loops*/, double* x, int64_t n, const DropoutRow& row) {
   drop_row_portable(x, n, row);
 }
 
 void dropout_softmax_backward_row(
+    const CpuLoops& loops,
     float* p,
     float* ds,
     int64_t n,
     float delta,
     float keep_scale,
     const DropoutRow& row) {
-  float_dropout_loops().softmax_backward_row(p, ds, n, delta, keep_scale, row);
+  float_dropout_loops(loops).softmax_backward_row(p, ds, n, delta, keep_scale, row);
 }
 
 void dropout_softmax_backward_row(
+    const CpuLoops& /*loops*/,
     double* p,
     double* ds,
     int64_t n,

@@ -21,6 +21,7 @@
 // (philox.h says why).
 
 #include "kernels/attention_params.h"
+#include "kernels/cpu/isa.h"
 
 #include <cstdint>
 
@@ -55,14 +56,17 @@ void dropout_draws(uint16_t* draws, int64_t n, const DropoutRow& row);
 
 // x[j] = 0 where the row's draw j drops it (the kept ones unscaled: the
 // forward folds the keep scale into its normalisation).
-void drop_row(float* x, int64_t n, const DropoutRow& row);
-void drop_row(double* x, int64_t n, const DropoutRow& row);
+// On the vector loops of `loops` where they have them (isa.h).
+void drop_row(const CpuLoops& loops, float* x, int64_t n, const DropoutRow& row);
+void drop_row(const CpuLoops& loops, double* x, int64_t n, const DropoutRow& row);
 
 // The softmax backward of a row whose probabilities `p` were dropped:
 // given dPd = dO·Vᵀ in `ds` and delta = Σ_j dO_j·O_j, writes
 // ds[j] = p[j] · (m_j · ds[j] - delta) and p[j] = m_j · p[j], where m_j is
-// keep_scale for a kept weight and 0 for a dropped one.
+// keep_scale for a kept weight and 0 for a dropped one; on the vector
+// loops of `loops` where they have them.
 void dropout_softmax_backward_row(
+    const CpuLoops& loops,
     float* p,
     float* ds,
     int64_t n,
@@ -70,6 +74,7 @@ void dropout_softmax_backward_row(
     float keep_scale,
     const DropoutRow& row);
 void dropout_softmax_backward_row(
+    const CpuLoops& loops,
     double* p,
     double* ds,
     int64_t n,

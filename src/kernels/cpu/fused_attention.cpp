@@ -7,7 +7,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 namespace attn::detail {
@@ -52,68 +51,9 @@ torch::TensorOptions score_options(const AttentionParams& params) {
   return params.q.options().dtype(is_half_precision(dtype) ? torch::kFloat : dtype);
 }
 
-// The counts behind half_mask_gradients and out_roundings_kept.
-std::atomic<int64_t>& half_mask_gradient_count() {
-  static std::atomic<int64_t> count{0};
-  return count;
-}
-std::atomic<int64_t>& out_rounding_count() {
-  static std::atomic<int64_t> count{0};
-  return count;
-}
-
-// Which of the tensors that add to the scores get a gradient.
-struct ScoreGradientsWanted {
-  bool offset_bias = false, mask = false, sinks = false;
-};
-
-// Whether a differentiable forward keeps what rounding its output lost
-// (ForwardResult::out_rounding), on the tiled loops in half precision.
-// Each dS_ij carries the error of delta_i = dO_i·O_i: the output's
-// rounding (up to 2^-8 of Σ_d |dO_id·O_id| in bfloat16, 2^-11 in
-// float16) and, in bfloat16, that of P rounded for P V.
-// - float16: kept wherever a learned tensor takes a gradient, at one
-//   more tensor the output's size (0-9 % more training time); without
-//   it those gradients reached 36x float32's tolerance plus one rounding.
-// - bfloat16: the forward must also multiply P's remainder into V
-//   (add_weights_remainder_times_values), about 15 % more training time,
-//   which changes the output's last bits; kept only for the offset bias,
-//   whose gradients (ALiBi's slopes, a position table's entries) sum dS
-//   over every pair of a head: the worst, 1.96x LibTorch's error
-//   without it, 0.12x with it. The sinks' gradients sum delta_i over
-//   the rows, a mask's take each dS_ij alone or summed over queries or
-//   heads: within 0.64x of LibTorch's error without it.
-// (tests/sdpa/test_score_modifiers.cpp; docs/design/cpu-kernels.md.)
-bool keeps_out_rounding(
-    const AttentionParams& params,
-    FusedLoops loops,
-    const ScoreGradientsWanted& wanted) {
-  if (loops != FusedLoops::tiled) {
-    return false;
-  }
-  switch (params.q.scalar_type()) {
-    case torch::kHalf: return wanted.offset_bias || wanted.mask || wanted.sinks;
-    case torch::kBFloat16: return wanted.offset_bias;
-    default: return false;
-  }
-}
-
 // Whether t is defined and requires grad.
 bool wants_gradient(const torch::Tensor& t) {
   return t.defined() && t.requires_grad();
-}
-
-// What a differentiable call gives a gradient: the modifiers' tensors and
-// a floating mask that require one; none where grad mode is off (read
-// before the autograd function's forward, which runs without it).
-ScoreGradientsWanted score_gradients_wanted(const AttentionParams& params) {
-  if (!torch::GradMode::is_enabled()) {
-    return {};
-  }
-  return {
-      wants_gradient(params.modifiers.offset_bias),
-      wants_gradient(params.mask) && params.mask.is_floating_point(),
-      wants_gradient(params.modifiers.sinks)};
 }
 
 // Uninitialised gradients for what `wanted` names, the others undefined
@@ -129,9 +69,6 @@ InputGradients score_gradients(const AttentionParams& params, const ScoreGradien
   // over no broadcast dims: sdpa/functional.cpp) gets its gradient in its
   // dtype, each element rounded once.
   const bool half_mask = wanted.mask && is_half_precision(params.mask.scalar_type());
-  if (half_mask) {
-    half_mask_gradient_count().fetch_add(1, std::memory_order_relaxed);
-  }
   grads.d_mask = half_mask ? torch::empty({B, H, L, S}, params.mask.options())
                            : empty_if(wanted.mask, {B, H, L, S});
   grads.d_sinks = empty_if(wanted.sinks, {H});
@@ -169,11 +106,14 @@ InputGradients summed_over_groups(const AttentionParams& params, InputGradients 
   return grads;
 }
 
-// The loops' forward into `result`.
-void run_forward(FusedLoops loops, const AttentionParams& params, const ForwardResult& result) {
-  switch (loops) {
-    case FusedLoops::tiled: tiled_forward(params, result); return;
-    case FusedLoops::short_heads: short_heads_forward(params, result); return;
+// The plan's loops' forward into `result`.
+void run_forward(
+    const KernelPlan& plan,
+    const AttentionParams& params,
+    const ForwardResult& result) {
+  switch (plan.fused_loops) {
+    case FusedLoops::tiled: tiled_forward(plan.cpu, params, result); return;
+    case FusedLoops::short_heads: short_heads_forward(plan.cpu, params, result); return;
   }
 }
 
@@ -196,7 +136,7 @@ torch::Tensor sink_gradient(
 
 // The loops' backward into `grads`, every element of which they write.
 void run_backward(
-    FusedLoops loops,
+    const KernelPlan& plan,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
@@ -209,13 +149,13 @@ void run_backward(
       {},
       rounding.defined() ? heads_for_kernels(rounding, 1) : rounding};
   const auto prepared_grad_out = heads_for_kernels(grad_out, 1);
-  switch (loops) {
+  switch (plan.fused_loops) {
     case FusedLoops::tiled:
-      tiled_backward(prepared, prepared_forward, prepared_grad_out, grads);
+      tiled_backward(plan.cpu, prepared, prepared_forward, prepared_grad_out, grads);
       break;
     case FusedLoops::short_heads:
       TORCH_INTERNAL_ASSERT(!grads.d_offset_bias.defined() && !grads.d_mask.defined());
-      short_heads_backward(prepared, prepared_forward, prepared_grad_out, grads);
+      short_heads_backward(plan.cpu, prepared, prepared_forward, prepared_grad_out, grads);
       break;
   }
   if (grads.d_sinks.defined()) {
@@ -243,7 +183,7 @@ InputGradients with_input_gradients(
 // strided rows made the loops 4 % slower, and the gradients are computed
 // apart and stacked.
 torch::Tensor projection_gradient(
-    FusedLoops loops,
+    const KernelPlan& plan,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
@@ -253,13 +193,13 @@ torch::Tensor projection_gradient(
     auto grad = torch::empty_like(params.qkv);
     const auto heads = heads_of_projection(grad);
     run_backward(
-        loops, params, forward, grad_out,
+        plan, params, forward, grad_out,
         with_input_gradients(score_grads, heads.q, heads.k, heads.v));
     return grad;
   }
   const auto fresh = input_gradients(params);
   run_backward(
-      loops, params, forward, grad_out,
+      plan, params, forward, grad_out,
       with_input_gradients(score_grads, fresh.dq, fresh.dk, fresh.dv));
   return torch::stack(
       {fresh.dq.transpose(1, 2), fresh.dk.transpose(1, 2), fresh.dv.transpose(1, 2)}, 2);
@@ -268,13 +208,13 @@ torch::Tensor projection_gradient(
 // The gradients of a call that is no projection's: those of q, k, v per
 // key/value head, and those `wanted`.
 InputGradients summed_gradients(
-    FusedLoops loops,
+    const KernelPlan& plan,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const ScoreGradientsWanted& wanted) {
   const auto grads = input_gradients(params, wanted);
-  run_backward(loops, params, forward, grad_out, grads);
+  run_backward(plan, params, forward, grad_out, grads);
   return summed_over_groups(params, grads);
 }
 
@@ -299,24 +239,20 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
       const c10::optional<torch::Tensor>& offset_bias,
       const c10::optional<torch::Tensor>& sinks,
       const AttentionParams& params,
-      FusedLoops loops,
+      const KernelPlan& plan,
       ScoreGradientsWanted wanted) {
     const int64_t B = params.B(), H = params.H(), L = params.L();
     // The loops write through a (B, H, L, Dv) view; the function returns
     // the underlying (B, L, H, Dv) tensor itself, not a view of it.
     auto out = torch::empty({B, L, H, params.Dv()}, params.q.options());
     const auto lse = torch::empty({B, H, L}, score_options(params));
-    const auto out_rounding = keeps_out_rounding(params, loops, wanted) ? torch::empty_like(out)
-                                                                        : torch::Tensor();
-    if (out_rounding.defined()) {
-      out_rounding_count().fetch_add(1, std::memory_order_relaxed);
-    }
+    const auto out_rounding = plan.keeps_out_rounding ? torch::empty_like(out) : torch::Tensor();
     run_forward(
-        loops, with_heads_for_kernels(params), {as_heads(out), lse, {}, as_heads(out_rounding)});
+        plan, with_heads_for_kernels(params), {as_heads(out), lse, {}, as_heads(out_rounding)});
     // Each holds a tensor, maybe undefined.
     ctx->save_for_backward({*q, *k, *v, *qkv, out, lse, *offset_bias, *sinks, out_rounding});
     params.save_settings_to(*ctx);
-    ctx->saved_data["loops"] = static_cast<int64_t>(loops);
+    plan.save_to(*ctx);
     ctx->saved_data["offset_bias_grad"] = wanted.offset_bias;
     ctx->saved_data["mask_grad"] = wanted.mask;
     ctx->saved_data["sinks_grad"] = wanted.sinks;
@@ -336,7 +272,7 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     params.v = heads.v;
     params.modifiers.offset_bias = saved[6];
     params.modifiers.sinks = saved[7];
-    const auto loops = static_cast<FusedLoops>(ctx->saved_data.at("loops").toInt());
+    const auto plan = KernelPlan::restore_from(*ctx);
     const ScoreGradientsWanted wanted{
         ctx->saved_data.at("offset_bias_grad").toBool(), ctx->saved_data.at("mask_grad").toBool(),
         ctx->saved_data.at("sinks_grad").toBool()};
@@ -345,38 +281,38 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     const torch::Tensor none;
     if (params.qkv.defined()) {
       const auto grads = score_gradients(params, wanted);
-      const auto dqkv = projection_gradient(loops, params, forward, grad_out, grads);
-      return {none,           none,
-              none,           dqkv,
-              grads.d_mask,   grads.d_offset_bias,
-              grads.d_sinks,  none /*params*/,
-              none /*loops*/, none /*wanted*/};
+      const auto dqkv = projection_gradient(plan, params, forward, grad_out, grads);
+      return {none,          none,
+              none,          dqkv,
+              grads.d_mask,  grads.d_offset_bias,
+              grads.d_sinks, none /*params*/,
+              none /*plan*/, none /*wanted*/};
     }
-    const auto grads = summed_gradients(loops, params, forward, grad_out, wanted);
-    return {grads.dq,      grads.dk,        grads.dv,       none, grads.d_mask, grads.d_offset_bias,
-            grads.d_sinks, none /*params*/, none /*loops*/, none /*wanted*/};
+    const auto grads = summed_gradients(plan, params, forward, grad_out, wanted);
+    return {grads.dq,      grads.dk,        grads.dv,      none, grads.d_mask, grads.d_offset_bias,
+            grads.d_sinks, none /*params*/, none /*plan*/, none /*wanted*/};
   }
 };
 
 } // namespace
 
-ForwardResult fused_forward(FusedLoops loops, const AttentionParams& params) {
+ForwardResult fused_forward(const KernelPlan& plan, const AttentionParams& params) {
   const ForwardResult result{
       empty_heads_interleaved(params.B(), params.H(), params.L(), params.Dv(), params.q.options()),
       torch::empty({params.B(), params.H(), params.L()}, score_options(params))};
-  run_forward(loops, with_heads_for_kernels(params), result);
+  run_forward(plan, with_heads_for_kernels(params), result);
   return result;
 }
 
 InputGradients fused_backward(
-    FusedLoops loops,
+    const KernelPlan& plan,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out) {
-  return summed_gradients(loops, params, forward, grad_out, {});
+  return summed_gradients(plan, params, forward, grad_out, {});
 }
 
-torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params) {
+torch::Tensor fused_attention(const KernelPlan& plan, const AttentionParams& params) {
   using Input = c10::optional<torch::Tensor>; // an undefined one is no input to autograd
   const bool projection = params.qkv.defined();
   const auto wanted = score_gradients_wanted(params);
@@ -385,16 +321,20 @@ torch::Tensor fused_attention(FusedLoops loops, const AttentionParams& params) {
       Input(projection ? none : params.q), Input(projection ? none : params.k),
       Input(projection ? none : params.v), Input(params.qkv),
       Input(wanted.mask ? params.mask : none), Input(params.modifiers.offset_bias),
-      Input(params.modifiers.sinks), params, loops, wanted);
+      Input(params.modifiers.sinks), params, plan, wanted);
   return as_heads(out);
 }
 
-int64_t half_mask_gradients() {
-  return half_mask_gradient_count().load(std::memory_order_relaxed);
-}
-
-int64_t out_roundings_kept() {
-  return out_rounding_count().load(std::memory_order_relaxed);
+// Read before the autograd function's forward, which runs without grad
+// mode.
+ScoreGradientsWanted score_gradients_wanted(const AttentionParams& params) {
+  if (!torch::GradMode::is_enabled()) {
+    return {};
+  }
+  return {
+      wants_gradient(params.modifiers.offset_bias),
+      wants_gradient(params.mask) && params.mask.is_floating_point(),
+      wants_gradient(params.modifiers.sinks)};
 }
 
 } // namespace attn::detail

@@ -1,9 +1,15 @@
 #include "kernels/cpu/isa.h"
 
+#include "kernels/cpu/amx_products.h"
 #include "kernels/cpu/micro_tile.h"
 #include "kernels/cpu/vector_loops.h"
 
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -181,16 +187,92 @@ bool amx_tiles_granted() {
   return granted;
 }
 
-const Bf16MicroTiles* bf16_micro_tiles() {
-  return cpu_features().avx512_bf16 ? avx512_bf16_micro_tiles() : nullptr;
+namespace {
+
+constexpr CpuLevel kCpuLevels[] = {
+    CpuLevel::portable, CpuLevel::avx2, CpuLevel::avx512, CpuLevel::avx512_bf16, CpuLevel::amx};
+
+// Whether the CPU (and the OS) runs `level`'s instructions.
+bool cpu_has(CpuLevel level) {
+  const auto& cpu = cpu_features();
+  switch (level) {
+    case CpuLevel::portable: return true;
+    case CpuLevel::avx2: return cpu.avx2 && cpu.fma;
+    case CpuLevel::avx512: return cpu.avx512f;
+    case CpuLevel::avx512_bf16: return cpu.avx512_bf16;
+    case CpuLevel::amx: return amx_tiles_granted();
+  }
+  return false;
 }
 
-const IsaLoops* widest_isa_loops() {
-  static const IsaLoops* const widest = [] {
-    const auto* avx512 = isa_loops(InstructionSet::avx512);
-    return avx512 != nullptr ? avx512 : isa_loops(InstructionSet::avx2);
+// The level ATTN_CPU_CAPABILITY names; the widest where it is unset.
+CpuLevel capability_from_environment() {
+  const char* name = std::getenv("ATTN_CPU_CAPABILITY");
+  if (name == nullptr || *name == '\0') {
+    return CpuLevel::amx;
+  }
+  const auto* named = std::find_if(std::begin(kCpuLevels), std::end(kCpuLevels), [&](CpuLevel l) {
+    return std::strcmp(name, cpu_level_name(l)) == 0;
+  });
+  TORCH_CHECK(
+      named != std::end(kCpuLevels),
+      "ATTN_CPU_CAPABILITY must be one of portable, avx2, avx512, avx512_bf16, amx, got '", name,
+      "'");
+  return *named;
+}
+
+} // namespace
+
+const char* cpu_level_name(CpuLevel level) {
+  switch (level) {
+    case CpuLevel::portable: return "portable";
+    case CpuLevel::avx2: return "avx2";
+    case CpuLevel::avx512: return "avx512";
+    case CpuLevel::avx512_bf16: return "avx512_bf16";
+    case CpuLevel::amx: return "amx";
+  }
+  return "unknown";
+}
+
+const std::vector<CpuLevel>& cpu_levels() {
+  static const std::vector<CpuLevel> levels = [] {
+    const CpuLevel cap = capability_from_environment();
+    std::vector<CpuLevel> runs;
+    for (const auto level : kCpuLevels) {
+      if (level > cap || !cpu_has(level)) {
+        break; // each level adds to those below it
+      }
+      runs.push_back(level);
+    }
+    return runs;
   }();
-  return widest;
+  return levels;
+}
+
+CpuLevel widest_cpu_level() {
+  return cpu_levels().back();
+}
+
+CpuLoops cpu_loops(CpuLevel level) {
+  const auto& levels = cpu_levels();
+  TORCH_INTERNAL_ASSERT(
+      std::find(levels.begin(), levels.end(), level) != levels.end(), "the CPU level ",
+      cpu_level_name(level), " is beyond this CPU's");
+  CpuLoops loops;
+  loops.level = level;
+  if (level >= CpuLevel::avx2) {
+    loops.isa = isa_loops(
+        level >= CpuLevel::avx512 ? InstructionSet::avx512 : InstructionSet::avx2);
+  }
+  if (level >= CpuLevel::avx512_bf16) {
+    loops.bf16 = avx512_bf16_micro_tiles();
+  }
+  loops.amx = level == CpuLevel::amx && amx_products_run();
+  loops.bf16_outruns_float = loops.amx ||
+      (loops.bf16 != nullptr && cpu_features().vendor == CpuVendor::amd);
+  loops.half_rows_in_registers = loops.isa != nullptr &&
+      (loops.isa->set == InstructionSet::avx512 || cpu_features().f16c);
+  return loops;
 }
 
 } // namespace attn::detail

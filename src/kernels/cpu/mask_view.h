@@ -92,7 +92,8 @@ struct MaskView {
   BlockView blocks;
   KeyBand band;
 
-  explicit MaskView(const AttentionParams& params)
+  // A half-precision mask widens on `loops`' instructions.
+  MaskView(const AttentionParams& params, const CpuLoops& loops)
       : blocks(params.blocks), band(params.key_band()) {
     const auto& mask = params.mask;
     if (!mask.defined()) {
@@ -106,7 +107,7 @@ struct MaskView {
       allowed = mask.data_ptr<bool>();
     } else if (is_half_precision(mask.scalar_type()) && std::is_same_v<scalar_t, float>) {
       half_bias = static_cast<const uint16_t*>(mask.data_ptr());
-      widen_half_bias = half_rows(mask.scalar_type()).widen;
+      widen_half_bias = half_rows(loops, mask.scalar_type()).widen;
     } else {
       bias = mask.data_ptr<scalar_t>();
     }

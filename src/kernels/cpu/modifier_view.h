@@ -26,8 +26,10 @@ scalar_t* data_or_null(const torch::Tensor& t) {
 
 template <typename scalar_t>
 struct ModifierView {
-  explicit ModifierView(const AttentionParams& params)
-      : softcap(static_cast<scalar_t>(params.modifiers.softcap)),
+  // The soft cap runs on `loops`' row operations.
+  ModifierView(const AttentionParams& params, const CpuLoops& loops)
+      : loops(loops),
+        softcap(static_cast<scalar_t>(params.modifiers.softcap)),
         offset_bias_memory(contiguous_or_undefined(params.modifiers.offset_bias)),
         sinks_memory(contiguous_or_undefined(params.modifiers.sinks)),
         offset_bias(data_or_null<scalar_t>(offset_bias_memory)),
@@ -55,7 +57,7 @@ struct ModifierView {
       int64_t j0,
       scalar_t* slopes) const {
     if (softcap > 0) {
-      softcap_row(scores, n, softcap, slopes);
+      softcap_row(loops, scores, n, softcap, slopes);
     }
     if (user != nullptr) {
       apply_user_function(scores, n, b, h, i, j0, slopes);
@@ -80,6 +82,7 @@ struct ModifierView {
     return sinks == nullptr ? kNegativeInfinity<scalar_t> : sinks[h];
   }
 
+  CpuLoops loops;
   scalar_t softcap;
   torch::Tensor offset_bias_memory, sinks_memory;
   const scalar_t* offset_bias;

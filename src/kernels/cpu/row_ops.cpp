@@ -38,29 +38,12 @@ void softcap_row_portable(T* x, int64_t n, T cap, T* slopes) {
   }
 }
 
-// The float row operations of the widest instruction set with vector
-// loops (isa.h), else portable C++. With the 8-lane exp the row passes
-// (max, exp, sum) took 16 % of the tiled forward's time on an AVX-512 Xeon
-// (perf, T = 2048, D = 64); with 16 lanes that forward ran 1.1-1.2x
-// faster.
-struct FloatRowOps {
-  RowMaxFn row_max = row_max_portable<float>;
-  ExpShiftedSumFn exp_shifted_sum = exp_shifted_sum_portable;
-  SoftcapFn softcap = softcap_row_portable<float>;
-};
-
-const FloatRowOps& float_row_ops() {
-  static const FloatRowOps chosen = [] {
-    FloatRowOps ops;
-    const auto* isa = widest_isa_loops();
-    if (isa != nullptr && isa->row_max != nullptr) {
-      ops.row_max = isa->row_max;
-      ops.exp_shifted_sum = isa->exp_shifted_sum;
-      ops.softcap = isa->softcap;
-    }
-    return ops;
-  }();
-  return chosen;
+// The float row operations of `loops` (isa.h) where they have vector
+// loops, else portable C++. With the 8-lane exp the row passes (max, exp,
+// sum) took 16 % of the tiled forward's time on an AVX-512 Xeon (perf,
+// T = 2048, D = 64); with 16 lanes that forward ran 1.1-1.2x faster.
+bool has_vector_rows(const CpuLoops& loops) {
+  return loops.isa != nullptr && loops.isa->row_max != nullptr;
 }
 
 } // namespace
@@ -69,27 +52,32 @@ float exp_shifted_sum_portable(float* x, int64_t n, float shift) {
   return exp_shifted_sum_generic(x, n, shift);
 }
 
-float row_max(const float* x, int64_t n) {
-  return float_row_ops().row_max(x, n);
+float row_max(const CpuLoops& loops, const float* x, int64_t n) {
+  return has_vector_rows(loops) ? loops.isa->row_max(x, n) : row_max_portable(x, n);
 }
 
-double row_max(const double* x, int64_t n) {
+double row_max(const CpuLoops& /*loops*/, const double* x, int64_t n) {
   return row_max_portable(x, n);
 }
 
-float exp_shifted_sum(float* x, int64_t n, float shift) {
-  return float_row_ops().exp_shifted_sum(x, n, shift);
+float exp_shifted_sum(const CpuLoops& loops, float* x, int64_t n, float shift) {
+  return has_vector_rows(loops) ? loops.isa->exp_shifted_sum(x, n, shift)
+                                : exp_shifted_sum_portable(x, n, shift);
 }
 
-double exp_shifted_sum(double* x, int64_t n, double shift) {
+double exp_shifted_sum(const CpuLoops& /*loops*/, double* x, int64_t n, double shift) {
   return exp_shifted_sum_generic(x, n, shift);
 }
 
-void softcap_row(float* x, int64_t n, float cap, float* slopes) {
-  float_row_ops().softcap(x, n, cap, slopes);
+void softcap_row(const CpuLoops& loops, float* x, int64_t n, float cap, float* slopes) {
+  if (has_vector_rows(loops)) {
+    loops.isa->softcap(x, n, cap, slopes);
+    return;
+  }
+  softcap_row_portable(x, n, cap, slopes);
 }
 
-void softcap_row(double* x, int64_t n, double cap, double* slopes) {
+void softcap_row(const CpuLoops& /*loops*/, double* x, int64_t n, double cap, double* slopes) {
   softcap_row_portable(x, n, cap, slopes);
 }
 

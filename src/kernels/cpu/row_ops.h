@@ -1,27 +1,29 @@
 #pragma once
 
 // Row operations of the attention kernels on raw float/double arrays:
-// max, shifted exp with sum, scaling. The float versions run the widest
-// instruction set's vector loops (isa.h, row_ops_vector.h), chosen once at
-// run time, and portable C++ otherwise.
+// max, shifted exp with sum, scaling. The float versions run the vector
+// loops of the call's `loops` (isa.h, row_ops_vector.h) where they have
+// them, and portable C++ otherwise; the double versions portable C++.
+
+#include "kernels/cpu/isa.h"
 
 #include <cstdint>
 
 namespace attn::detail {
 
 // Largest of x[0..n); -inf for n == 0.
-float row_max(const float* x, int64_t n);
-double row_max(const double* x, int64_t n);
+float row_max(const CpuLoops& loops, const float* x, int64_t n);
+double row_max(const CpuLoops& loops, const double* x, int64_t n);
 
 // x[j] = exp(x[j] - shift) in place; returns the sum of the results. An
 // entry of -inf becomes 0. Callers never pass shift == -inf.
-float exp_shifted_sum(float* x, int64_t n, float shift);
-double exp_shifted_sum(double* x, int64_t n, double shift);
+float exp_shifted_sum(const CpuLoops& loops, float* x, int64_t n, float shift);
+double exp_shifted_sum(const CpuLoops& loops, double* x, int64_t n, double shift);
 
 // Logit soft-capping: x[j] = cap·tanh(x[j] / cap) for cap > 0, and, where
 // `slopes` is not null, slopes[j] = 1 - tanh²(x[j] / cap), the derivative.
-void softcap_row(float* x, int64_t n, float cap, float* slopes);
-void softcap_row(double* x, int64_t n, double cap, double* slopes);
+void softcap_row(const CpuLoops& loops, float* x, int64_t n, float cap, float* slopes);
+void softcap_row(const CpuLoops& loops, double* x, int64_t n, double cap, double* slopes);
 
 // x[j] *= factor for every j in [0, n).
 template <typename T>

@@ -17,30 +17,12 @@
 namespace attn::detail {
 namespace {
 
-// The loops of the instruction set that computes the float products now
-// (tile_product.h); null while the BLAS does.
-const ShortHeadsLoops* active_loops() {
-  const auto loops_of = [](InstructionSet set) {
-    const auto* isa = isa_loops(set);
-    return isa == nullptr ? nullptr : isa->short_heads;
-  };
-  switch (active_product_loops()) {
-    case ProductLoops::avx512: return loops_of(InstructionSet::avx512);
-    case ProductLoops::avx2: return loops_of(InstructionSet::avx2);
-    case ProductLoops::blas: return nullptr;
-  }
-  return nullptr;
-}
-
-// The active loops of a call that short_heads_run admitted; an error, not
-// a null call, if a ScopedProductLoops on another thread took them since.
-const ShortHeadsLoops& admitted_loops() {
-  const auto* loops = active_loops();
-  TORCH_CHECK(
-      loops != nullptr,
-      "attn: the short-heads loops were switched off during the call (expected AVX-512 or AVX2 "
-      "product loops, got the BLAS's)");
-  return *loops;
+// The short heads' loops of `loops`, which short_heads_run admitted.
+const ShortHeadsLoops& admitted_loops(const CpuLoops& loops) {
+  TORCH_INTERNAL_ASSERT(
+      loops.isa != nullptr && loops.isa->short_heads != nullptr, "no short-heads loops at ",
+      cpu_level_name(loops.level));
+  return *loops.isa->short_heads;
 }
 
 // `run(begin, end)` over the (B, H) grid's heads [begin, end), in
@@ -53,7 +35,10 @@ void parallel_heads(int64_t heads, double flops_per_head, const Run& run) {
 
 // The call of params' sizes, scale and mask; its heads those of params
 // and `out` where they are float, else none (HalfHeadCopies names them).
-ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) {
+ShortHeadsCall call_of(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const torch::Tensor& out) {
   TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the short-head loops drop no weights");
   const bool in_float = params.q.scalar_type() == torch::kFloat;
   const auto heads = [&](const torch::Tensor& t) {
@@ -64,14 +49,15 @@ ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) 
       heads(params.k),
       heads(params.v),
       heads(out),
-      MaskView<float>(params),
+      MaskView<float>(params, loops),
       static_cast<float>(params.scale),
       params.H(),
       params.group(),
       params.L(),
       params.S(),
       params.D(),
-      params.Dv()};
+      params.Dv(),
+      loops};
 }
 
 // A task's float copies of one head of a half-precision call's tensors
@@ -83,8 +69,8 @@ ShortHeadsCall call_of(const AttentionParams& params, const torch::Tensor& out) 
 template <typename Element>
 class HalfHeadCopies final : public ShortHeadsConversion {
  public:
-  explicit HalfHeadCopies(int64_t group)
-      : group_(group), rows_(half_rows(c10::CppTypeToScalarType<Element>::value)) {}
+  HalfHeadCopies(const CpuLoops& loops, int64_t group)
+      : group_(group), rows_(half_rows(loops, c10::CppTypeToScalarType<Element>::value)) {}
   HalfHeadCopies(const HalfHeadCopies&) = delete;
   HalfHeadCopies& operator=(const HalfHeadCopies&) = delete;
 
@@ -159,10 +145,6 @@ class HalfHeadCopies final : public ShortHeadsConversion {
   std::vector<Copy> reads_, writes_;
 };
 
-// The calls of the loops on half-precision inputs, for
-// short_heads_half_calls.
-HalfPrecisionCalls short_heads_calls;
-
 // `run(element)` with a value of the half-precision type of `dtype`.
 template <typename Run>
 void with_half_type(torch::ScalarType dtype, const Run& run) {
@@ -178,16 +160,16 @@ void with_half_type(torch::ScalarType dtype, const Run& run) {
 // task_gradients) sets.
 template <typename Name>
 void run_in_half(
+    const CpuLoops& cpu,
     const AttentionParams& params,
     const ShortHeadsCall& base,
     double flops_per_head,
     ShortHeadsFn loops,
     const Name& name) {
-  short_heads_calls.count(params.q.scalar_type());
   with_half_type(params.q.scalar_type(), [&](auto element) {
     using Element = decltype(element);
     parallel_heads(params.B() * base.H, flops_per_head, [&](int64_t begin, int64_t end) {
-      HalfHeadCopies<Element> copies(base.group);
+      HalfHeadCopies<Element> copies(cpu, base.group);
       auto call = base;
       call.q = copies.read(params.q);
       call.k = copies.read(params.k, /*per_kv_head=*/true);
@@ -202,35 +184,36 @@ void run_in_half(
 
 } // namespace
 
-bool short_heads_run(torch::ScalarType dtype, int64_t L, int64_t S) {
+bool short_heads_run(const CpuLoops& loops, torch::ScalarType dtype, int64_t L, int64_t S) {
   const bool computed = dtype == torch::kFloat || is_half_precision(dtype);
-  return computed && L <= kMaxShortQueries && S <= kMaxShortKeys && active_loops() != nullptr;
+  return computed && L <= kMaxShortQueries && S <= kMaxShortKeys && loops.isa != nullptr &&
+      loops.isa->short_heads != nullptr;
 }
 
-int64_t short_heads_half_calls(torch::ScalarType dtype) {
-  return short_heads_calls.in(dtype);
-}
-
-void short_heads_forward(const AttentionParams& params, const ForwardResult& result) {
+void short_heads_forward(
+    const CpuLoops& cpu,
+    const AttentionParams& params,
+    const ForwardResult& result) {
   if (result.lse.numel() == 0) { // no query: nothing to write, however many heads
     return;
   }
-  auto call = call_of(params, result.out);
+  auto call = call_of(cpu, params, result.out);
   call.lse_out = result.lse.data_ptr<float>();
   const double flops_per_head = 2.0 * call.L * call.S * (call.D + call.Dv);
-  const auto loops = admitted_loops().forward;
+  const auto loops = admitted_loops(cpu).forward;
   if (params.q.scalar_type() == torch::kFloat) {
     parallel_heads(params.B() * call.H, flops_per_head, [&](int64_t begin, int64_t end) {
       loops(call, begin, end);
     });
     return;
   }
-  run_in_half(params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto&) {
+  run_in_half(cpu, params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto&) {
     task.out = copies.write(result.out);
   });
 }
 
 void short_heads_backward(
+    const CpuLoops& cpu,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
@@ -238,10 +221,10 @@ void short_heads_backward(
   if (grads.dq.numel() == 0 && grads.dk.numel() == 0 && grads.dv.numel() == 0) {
     return;
   }
-  auto call = call_of(params, forward.out);
+  auto call = call_of(cpu, params, forward.out);
   call.lse = forward.lse.data_ptr<float>();
   const double flops_per_head = 2.0 * call.L * call.S * (3 * call.D + 2 * call.Dv);
-  const auto loops = admitted_loops().backward;
+  const auto loops = admitted_loops(cpu).backward;
   if (params.q.scalar_type() == torch::kFloat) {
     const ShortHeadsGradients gradients{
         Heads<float>(grad_out), Heads<float>(grads.dq), Heads<float>(grads.dk),
@@ -252,13 +235,14 @@ void short_heads_backward(
     });
     return;
   }
-  run_in_half(params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto& gradients) {
-    task.out = copies.read(forward.out);
-    gradients = {
-        copies.read(grad_out), copies.write(grads.dq), copies.write(grads.dk),
-        copies.write(grads.dv)};
-    task.gradients = &gradients;
-  });
+  run_in_half(
+      cpu, params, call, flops_per_head, loops, [&](auto& copies, auto& task, auto& gradients) {
+        task.out = copies.read(forward.out);
+        gradients = {
+            copies.read(grad_out), copies.write(grads.dq), copies.write(grads.dk),
+            copies.write(grads.dv)};
+        task.gradients = &gradients;
+      });
 }
 
 } // namespace attn::detail

@@ -21,6 +21,7 @@
 // of unit stride.
 
 #include "kernels/attention_params.h"
+#include "kernels/cpu/isa.h"
 
 #include <torch/types.h>
 
@@ -31,28 +32,29 @@ namespace attn::detail {
 constexpr int64_t kMaxShortKeys = 64;
 constexpr int64_t kMaxShortQueries = 128;
 
-// Whether heads of L queries and S keys in `dtype` take the short loops:
-// float, bfloat16 or float16, within the bounds above, on a CPU where
-// attn's AVX-512 or AVX2 loops compute the float products (tile_product.h:
-// the one a ScopedProductLoops chooses; none while the BLAS does).
+// Whether heads of L queries and S keys in `dtype` take the short loops
+// on `loops`: float, bfloat16 or float16, within the bounds above, where
+// `loops` have attn's AVX-512 or AVX2 vector loops.
 //
 // Half precision runs on the float loops: each task widens the head it
 // computes into float copies of its own (exactly), and rounds the head's
 // results into the request's tensors once (tile_product.h, half_rows);
 // the row log-sum-exp stays float. No tensor is copied whole.
-bool short_heads_run(torch::ScalarType dtype, int64_t L, int64_t S);
+bool short_heads_run(const CpuLoops& loops, torch::ScalarType dtype, int64_t L, int64_t S);
 
-// How many calls (forward and backward) the short loops ran in `dtype`
-// (bfloat16 or float16) in this process: for tests that check which loops
-// took a request.
-int64_t short_heads_half_calls(torch::ScalarType dtype);
+// Each runs on `loops`, the call's plan's (kernel_plan.h), which
+// short_heads_run admits.
 
 // Writes `result`'s out (B, H, L, Dv) and lse (B, H, L, contiguous).
-void short_heads_forward(const AttentionParams& params, const ForwardResult& result);
+void short_heads_forward(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const ForwardResult& result);
 
 // Writes `grads`: dq (B, H, L, D), dk (B, H, S, D) and dv (B, H, S, Dv),
 // rows of unit stride, for grad_out, given the forward's out and lse.
 void short_heads_backward(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,

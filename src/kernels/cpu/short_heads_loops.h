@@ -34,6 +34,7 @@ struct ShortHeadsCall {
   MaskView<float> mask;
   float scale;
   int64_t H, group, L, S, D, Dv;
+  CpuLoops loops;                                 // the call's plan's (kernel_plan.h)
   float* lse_out = nullptr;                       // forward
   const float* lse = nullptr;                     // backward
   const ShortHeadsGradients* gradients = nullptr; // backward

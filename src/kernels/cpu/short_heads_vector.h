@@ -144,10 +144,14 @@ ATTN_INLINE void multiply(const Product& p) {
 // A head's operands copied into a task's buffers, padded with zeros to
 // whole vectors: Kᵀ (D × Sp) and Vᵀ (Dv × Sp) for the products that score
 // keys, and row copies (T × Fp) for those that sum over them.
-void transpose_padded(const MatrixRef<float>& from, std::vector<float>& to, int64_t ld) {
+void transpose_padded(
+    const CpuLoops& loops,
+    const MatrixRef<float>& from,
+    std::vector<float>& to,
+    int64_t ld) {
   to.assign(static_cast<size_t>(from.cols * ld), 0.0f);
   if (from.rows > 0 && from.cols > 0) {
-    transpose_float(from.rows, from.cols, from.data, from.row_stride, 1, to.data(), ld);
+    transpose_float(loops, from.rows, from.cols, from.data, from.row_stride, 1, to.data(), ld);
   }
 }
 
@@ -288,7 +292,7 @@ ATTN_OWN_CODE void forward_head(
   constexpr int R = rows_for(kBudget, C);
   constexpr int64_t Sp = C * kLanes, G = group_rows(R);
   const int64_t kv_head = h / call.group, Dvp = vectors_for(call.Dv) * kLanes;
-  transpose_padded(call.k.head(b, kv_head), s.k_t, Sp);
+  transpose_padded(call.loops, call.k.head(b, kv_head), s.k_t, Sp);
   copy_padded(call.v.head(b, kv_head), s.v, Dvp);
   s.probs.resize(static_cast<size_t>(G * Sp));
   s.row.resize(static_cast<size_t>(Sp));
@@ -380,8 +384,8 @@ ATTN_OWN_CODE void backward_head(
   const int64_t kv_head = h / call.group;
   const int64_t Dp = vectors_for(call.D) * kLanes, Dvp = vectors_for(call.Dv) * kLanes;
   const ShortHeadsGradients& g = *call.gradients;
-  transpose_padded(call.k.head(b, kv_head), s.k_t, Sp);
-  transpose_padded(call.v.head(b, kv_head), s.v_t, Sp);
+  transpose_padded(call.loops, call.k.head(b, kv_head), s.k_t, Sp);
+  transpose_padded(call.loops, call.v.head(b, kv_head), s.v_t, Sp);
   copy_padded(call.k.head(b, kv_head), s.k, Dp);
   copy_padded(call.q.head(b, h), s.q, Dp);
   copy_padded(g.grad_out.head(b, h), s.grad_out, Dvp);

@@ -10,7 +10,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -125,9 +124,10 @@ bool product_stays_on_one_thread(int64_t rows, int64_t cols, int64_t depth) {
       kMinSharedProduct;
 }
 
-// The set, where its micro-tiles divide the banded products' row blocks
-// and column panels.
-const MicroTiles* dividing_bands(const MicroTiles* tiles) {
+// The micro-tiles of `loops`, which divide the banded products' row blocks
+// and column panels; null: the BLAS's products.
+const MicroTiles* micro_tiles_of(const CpuLoops& loops) {
+  const MicroTiles* tiles = loops.isa == nullptr ? nullptr : loops.isa->micro_tiles;
   TORCH_INTERNAL_ASSERT(
       tiles == nullptr ||
       (kProductRowBlock % tiles->banded_rows == 0 && tiles->banded_rows <= tiles->rows &&
@@ -135,68 +135,14 @@ const MicroTiles* dividing_bands(const MicroTiles* tiles) {
   return tiles;
 }
 
-const MicroTiles* micro_tiles_of(ProductLoops loops) {
-  const auto tiles_of = [](InstructionSet set) {
-    const auto* isa = isa_loops(set);
-    return dividing_bands(isa == nullptr ? nullptr : isa->micro_tiles);
-  };
-  static const MicroTiles* const avx512 = tiles_of(InstructionSet::avx512);
-  static const MicroTiles* const avx2 = tiles_of(InstructionSet::avx2);
-  switch (loops) {
-    case ProductLoops::avx512: return avx512;
-    case ProductLoops::avx2: return avx2;
-    case ProductLoops::blas: return nullptr;
-  }
-  return nullptr;
-}
-
-ProductLoops widest_product_loops() {
-  static const ProductLoops widest = available_product_loops().back();
-  return widest;
-}
-
-// The loops that compute the float products now: the widest, or a
-// ScopedProductLoops' choice.
-std::atomic<ProductLoops>& chosen_product_loops() {
-  static std::atomic<ProductLoops> chosen{widest_product_loops()};
-  return chosen;
-}
-
-// Null while the BLAS computes the float products.
-const MicroTiles* active_micro_tiles() {
-  return micro_tiles_of(chosen_product_loops().load(std::memory_order_relaxed));
-}
-
 } // namespace
 
-std::vector<ProductLoops> available_product_loops() {
-  std::vector<ProductLoops> loops{ProductLoops::blas};
-  for (const auto candidate : {ProductLoops::avx2, ProductLoops::avx512}) {
-    if (micro_tiles_of(candidate) != nullptr) {
-      loops.push_back(candidate);
-    }
-  }
-  return loops;
-}
-
-const char* product_loops_name(ProductLoops loops) {
-  switch (loops) {
-    case ProductLoops::blas: return "BLAS";
-    case ProductLoops::avx2: return "AVX2";
-    case ProductLoops::avx512: return "AVX-512";
-  }
-  return "?";
-}
-
-ProductLoops active_product_loops() {
-  return chosen_product_loops().load(std::memory_order_relaxed);
-}
-
-bool tile_products_run(torch::ScalarType dtype) {
-  return dtype == torch::kFloat && active_micro_tiles() != nullptr;
+bool tile_products_run(const CpuLoops& loops, torch::ScalarType dtype) {
+  return dtype == torch::kFloat && micro_tiles_of(loops) != nullptr;
 }
 
 bool tile_gemm_float(
+    const CpuLoops& loops,
     int64_t rows,
     int64_t cols,
     int64_t depth,
@@ -209,7 +155,7 @@ bool tile_gemm_float(
     float* c,
     int64_t ldc,
     bool accumulate) {
-  const MicroTiles* tiles = active_micro_tiles();
+  const MicroTiles* tiles = micro_tiles_of(loops);
   if (tiles == nullptr) {
     return false;
   }
@@ -219,20 +165,8 @@ bool tile_gemm_float(
   return true;
 }
 
-namespace {
-
-// The active micro-tiles where they widen float16 (the AVX2 set needs
-// F16C), else null.
-const MicroTiles* active_half_micro_tiles() {
-  const MicroTiles* tiles = active_micro_tiles();
-  const bool widens = active_product_loops() != ProductLoops::avx2 || cpu_features().f16c;
-  return widens ? tiles : nullptr;
-}
-
-} // namespace
-
-bool half_products_run() {
-  return active_half_micro_tiles() != nullptr;
+bool half_products_run(const CpuLoops& loops) {
+  return micro_tiles_of(loops) != nullptr && loops.half_rows_in_registers;
 }
 
 namespace {
@@ -249,21 +183,21 @@ void round_half_row_portable(const float* from, int64_t n, uint16_t* to) {
   }
 }
 
-// float16's conversions on the active loops' instructions, or portable.
-HalfRows float16_rows() {
-  const MicroTiles* tiles = active_half_micro_tiles();
+// float16's conversions on the loops' instructions, or portable.
+HalfRows float16_rows(const CpuLoops& loops) {
+  const MicroTiles* tiles = loops.half_rows_in_registers ? micro_tiles_of(loops) : nullptr;
   return tiles != nullptr ? HalfRows{tiles->widen_half_row, tiles->round_half_row}
                           : HalfRows{widen_half_row_portable, round_half_row_portable};
 }
 
 } // namespace
 
-void widen_half_row(const uint16_t* from, int64_t n, float* to) {
-  float16_rows().widen(from, n, to);
+void widen_half_row(const CpuLoops& loops, const uint16_t* from, int64_t n, float* to) {
+  float16_rows(loops).widen(from, n, to);
 }
 
-void round_half_row(const float* from, int64_t n, uint16_t* to) {
-  float16_rows().round(from, n, to);
+void round_half_row(const CpuLoops& loops, const float* from, int64_t n, uint16_t* to) {
+  float16_rows(loops).round(from, n, to);
 }
 
 namespace {
@@ -304,133 +238,60 @@ void widen_bf16_row_portable(const uint16_t* from, int64_t n, float* to) {
   }
 }
 
-} // namespace
-
-Bf16Rounding bf16_rounding() {
-  const Bf16MicroTiles* loops = bf16_micro_tiles();
-  return loops != nullptr ? Bf16Rounding{loops->round_row, loops->round_row_pairs}
-                          : Bf16Rounding{round_bf16_row_portable, round_bf16_row_pairs_portable};
-}
-
-HalfRows half_rows(torch::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(dtype == torch::kBFloat16 || dtype == torch::kHalf, "not a half precision");
-  if (dtype == torch::kHalf) {
-    return float16_rows();
-  }
-  const MicroTiles* tiles = active_micro_tiles();
-  return {tiles != nullptr ? tiles->widen_bf16_row : widen_bf16_row_portable, bf16_rounding().row};
-}
-
-bool bf16_products_run() {
-  return bf16_micro_tiles() != nullptr;
-}
-
-bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
-  const Bf16MicroTiles* tiles = bf16_micro_tiles();
-  if (tiles == nullptr) {
-    return false;
-  }
+// The bfloat16 micro-tiles' product, in micro-tiles of the loops' set.
+void gemm_by_bf16_micro_tiles(
+    const Bf16MicroTiles& tiles,
+    int64_t rows,
+    int64_t cols,
+    const Bf16GemmOperands& g) {
   if (empty_product_done(rows, cols, g)) {
-    return true;
+    return;
   }
-  for (int64_t c0 = 0; c0 < cols; c0 += tiles->cols) {
-    const int64_t width = std::min(tiles->cols, cols - c0);
-    const Bf16MicroTileFn* by_rows = width == tiles->cols ? tiles->full : tiles->edge;
-    for (int64_t r0 = 0; r0 < rows; r0 += tiles->rows) {
-      by_rows[std::min(tiles->rows, rows - r0) - 1](g, r0, c0, width);
+  for (int64_t c0 = 0; c0 < cols; c0 += tiles.cols) {
+    const int64_t width = std::min(tiles.cols, cols - c0);
+    const Bf16MicroTileFn* by_rows = width == tiles.cols ? tiles.full : tiles.edge;
+    for (int64_t r0 = 0; r0 < rows; r0 += tiles.rows) {
+      by_rows[std::min(tiles.rows, rows - r0) - 1](g, r0, c0, width);
     }
   }
-  return true;
-}
-
-std::vector<Bf16Products> available_bf16_products() {
-  std::vector<Bf16Products> products;
-  if (bf16_products_run()) {
-    products.push_back(Bf16Products::avx512_bf16);
-  }
-  if (amx_products_run()) {
-    products.push_back(Bf16Products::amx);
-  }
-  return products;
-}
-
-const char* bf16_products_name(Bf16Products products) {
-  switch (products) {
-    case Bf16Products::avx512_bf16: return "AVX512-BF16";
-    case Bf16Products::amx: return "AMX";
-  }
-  return "?";
-}
-
-namespace {
-
-// The bfloat16 products that compute gemm_bf16 now: the last available
-// (AMX where granted), or a ScopedBf16Products' choice.
-std::atomic<Bf16Products>& chosen_bf16_products() {
-  static std::atomic<Bf16Products> chosen{[] {
-    const auto available = available_bf16_products();
-    return available.empty() ? Bf16Products::avx512_bf16 : available.back();
-  }()};
-  return chosen;
-}
-
-// What ScopedProducts<P> reads for each kind of products: the choice in
-// force, those available, their names.
-std::atomic<ProductLoops>& chosen(ProductLoops /*kind*/) {
-  return chosen_product_loops();
-}
-std::atomic<Bf16Products>& chosen(Bf16Products /*kind*/) {
-  return chosen_bf16_products();
-}
-std::vector<ProductLoops> available(ProductLoops /*kind*/) {
-  return available_product_loops();
-}
-std::vector<Bf16Products> available(Bf16Products /*kind*/) {
-  return available_bf16_products();
-}
-const char* name(ProductLoops loops) {
-  return product_loops_name(loops);
-}
-const char* name(Bf16Products products) {
-  return bf16_products_name(products);
 }
 
 } // namespace
 
-bool bf16_gemm_runs() {
-  static const bool runs = !available_bf16_products().empty();
-  return runs;
+Bf16Rounding bf16_rounding(const CpuLoops& loops) {
+  return loops.bf16 != nullptr
+      ? Bf16Rounding{loops.bf16->round_row, loops.bf16->round_row_pairs}
+      : Bf16Rounding{round_bf16_row_portable, round_bf16_row_pairs_portable};
 }
 
-bool bf16_products_outrun_float() {
-  return amx_products_run() || (bf16_products_run() && cpu_features().vendor == CpuVendor::amd);
+HalfRows half_rows(const CpuLoops& loops, torch::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(dtype == torch::kBFloat16 || dtype == torch::kHalf, "not a half precision");
+  if (dtype == torch::kHalf) {
+    return float16_rows(loops);
+  }
+  const MicroTiles* tiles = micro_tiles_of(loops);
+  return {
+      tiles != nullptr ? tiles->widen_bf16_row : widen_bf16_row_portable, bf16_rounding(loops).row};
 }
 
-bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
-  switch (chosen_bf16_products().load(std::memory_order_relaxed)) {
-    case Bf16Products::amx: return amx_gemm_bf16(rows, cols, g);
-    case Bf16Products::avx512_bf16: return tile_gemm_bf16(rows, cols, g);
+bool bf16_gemm_runs(const CpuLoops& loops) {
+  return loops.amx || loops.bf16 != nullptr;
+}
+
+bool bf16_products_outrun_float(const CpuLoops& loops) {
+  return loops.bf16_outruns_float;
+}
+
+bool gemm_bf16(const CpuLoops& loops, int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
+  if (loops.amx) {
+    return amx_gemm_bf16(rows, cols, g);
+  }
+  if (loops.bf16 != nullptr) {
+    gemm_by_bf16_micro_tiles(*loops.bf16, rows, cols, g);
+    return true;
   }
   return false;
 }
-
-template <typename Products>
-ScopedProducts<Products>::ScopedProducts(Products choice)
-    : previous_(chosen(choice).exchange(choice, std::memory_order_relaxed)) {
-  const auto runs = available(choice);
-  if (std::find(runs.begin(), runs.end(), choice) == runs.end()) {
-    chosen(choice).store(previous_, std::memory_order_relaxed);
-    TORCH_CHECK(false, "this build or CPU cannot run ", name(choice), " products");
-  }
-}
-
-template <typename Products>
-ScopedProducts<Products>::~ScopedProducts() {
-  chosen(previous_).store(previous_, std::memory_order_relaxed);
-}
-
-template class ScopedProducts<ProductLoops>;
-template class ScopedProducts<Bf16Products>;
 
 namespace {
 
@@ -452,6 +313,7 @@ void interleave_rows(const uint16_t* first, const uint16_t* second, int64_t cols
 } // namespace
 
 void pack_bf16_pairs(
+    const CpuLoops& loops,
     int64_t depth,
     int64_t cols,
     const c10::BFloat16* from,
@@ -468,7 +330,7 @@ void pack_bf16_pairs(
       word_aligned(dst) && depth >= 2 && cols > 0) {
     const int64_t pairs = depth / 2;
     transpose_float(
-        cols, pairs, reinterpret_cast<const float*>(src), from_column_stride / 2, 1,
+        loops, cols, pairs, reinterpret_cast<const float*>(src), from_column_stride / 2, 1,
         reinterpret_cast<float*>(dst), ld_to / 2);
     i = 2 * pairs;
   }
@@ -489,13 +351,14 @@ void pack_bf16_pairs(
 
 template <typename T>
 bool tile_loops_take(
+    const CpuLoops& loops,
     const MatrixRef<T>& out,
     const MatrixRef<T>& a,
     const MatrixRef<T>& b,
     double beta) {
   if constexpr (std::is_same_v<T, float>) {
     return out.rows > 0 && out.cols > 0 && a.cols > 0 && fits_tile_gemm(out, b, beta) &&
-        product_stays_on_one_thread(out.rows, out.cols, a.cols) && active_micro_tiles() != nullptr;
+        product_stays_on_one_thread(out.rows, out.cols, a.cols) && micro_tiles_of(loops) != nullptr;
   } else {
     return false;
   }
@@ -507,18 +370,19 @@ namespace {
 // says whether it did.
 template <typename T>
 bool ran_tile_loops(
+    const CpuLoops& loops,
     const MatrixRef<T>& out,
     const MatrixRef<T>& a,
     const MatrixRef<T>& b,
     double beta,
     [[maybe_unused]] double alpha,
     [[maybe_unused]] const RowBlockBands& bands = {}) {
-  if (!tile_loops_take(out, a, b, beta)) {
+  if (!tile_loops_take(loops, out, a, b, beta)) {
     return false;
   }
   if constexpr (std::is_same_v<T, float>) {
     gemm_by_micro_tiles(
-        *active_micro_tiles(), out.rows, out.cols, operands_of(out, a, b, beta, alpha), bands);
+        *micro_tiles_of(loops), out.rows, out.cols, operands_of(out, a, b, beta, alpha), bands);
     return true;
   }
   return false; // unreachable: tile_loops_take says no to other dtypes
@@ -536,12 +400,13 @@ torch::Tensor tensor_over(const MatrixRef<T>& m) {
 
 template <typename T>
 void tile_addmm(
+    const CpuLoops& loops,
     const MatrixRef<T>& out,
     const MatrixRef<T>& a,
     const MatrixRef<T>& b,
     double beta,
     double alpha) {
-  if (out.rows == 0 || out.cols == 0 || ran_tile_loops(out, a, b, beta, alpha)) {
+  if (out.rows == 0 || out.cols == 0 || ran_tile_loops(loops, out, a, b, beta, alpha)) {
     return;
   }
   auto result = tensor_over(out); // addmm_out takes its output by reference
@@ -549,6 +414,7 @@ void tile_addmm(
 }
 
 void tile_addmm(
+    const CpuLoops& loops,
     const torch::Tensor& out,
     const torch::Tensor& a,
     const torch::Tensor& b,
@@ -557,7 +423,7 @@ void tile_addmm(
   const bool floats = out.scalar_type() == torch::kFloat && a.scalar_type() == torch::kFloat &&
       b.scalar_type() == torch::kFloat;
   if (floats) {
-    tile_addmm(matrix_of<float>(out), matrix_of<float>(a), matrix_of<float>(b), beta, alpha);
+    tile_addmm(loops, matrix_of<float>(out), matrix_of<float>(a), matrix_of<float>(b), beta, alpha);
     return;
   }
   torch::Tensor result = out; // addmm_out takes its output by reference
@@ -566,6 +432,7 @@ void tile_addmm(
 
 template <typename T>
 void tile_addmm_banded(
+    const CpuLoops& loops,
     const MatrixRef<T>& out,
     const MatrixRef<T>& a,
     const MatrixRef<T>& b,
@@ -585,7 +452,7 @@ void tile_addmm_banded(
   const bool one_band = std::all_of(
       row_block_bands.begin(), row_block_bands.end(),
       [&](const IndexRange& range) { return range == row_block_bands.front(); });
-  if (!one_band && ran_tile_loops(out, a, b, beta, alpha, {band, row_block_bands.data()})) {
+  if (!one_band && ran_tile_loops(loops, out, a, b, beta, alpha, {band, row_block_bands.data()})) {
     return;
   }
   // Row blocks with equal bands in one call each.
@@ -594,17 +461,18 @@ void tile_addmm_banded(
     const auto out_rows = out.row_block(r0, n), a_rows = a.row_block(r0, n);
     if (band == ProductBand::columns) {
       tile_addmm(
-          out_rows.column_block(begin, end - begin), a_rows, b.column_block(begin, end - begin),
-          beta, alpha);
+          loops, out_rows.column_block(begin, end - begin), a_rows,
+          b.column_block(begin, end - begin), beta, alpha);
     } else {
       tile_addmm(
-          out_rows, a_rows.column_block(begin, end - begin), b.row_block(begin, end - begin), beta,
-          alpha);
+          loops, out_rows, a_rows.column_block(begin, end - begin), b.row_block(begin, end - begin),
+          beta, alpha);
     }
   });
 }
 
 void transpose_float(
+    const CpuLoops& loops,
     int64_t rows,
     int64_t cols,
     const float* from,
@@ -612,12 +480,7 @@ void transpose_float(
     int64_t from_column_stride,
     float* to,
     int64_t ld_to) {
-  // In registers with the products' instruction set, or the widest while
-  // the BLAS multiplies.
-  const MicroTiles* tiles = active_micro_tiles();
-  if (tiles == nullptr) {
-    tiles = micro_tiles_of(widest_product_loops());
-  }
+  const MicroTiles* tiles = micro_tiles_of(loops);
   if (tiles != nullptr && from_column_stride == 1) {
     const int64_t block = tiles->transpose_block;
     const int64_t full_rows = rows / block * block, full_cols = cols / block * block;
@@ -639,7 +502,10 @@ void transpose_float(
   transpose_by_blocks(rows, cols, from, from_row_stride, from_column_stride, to, ld_to);
 }
 
-void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
+void transpose_heads(
+    const CpuLoops& loops,
+    const torch::Tensor& t,
+    const torch::Tensor& transposed) {
   const int64_t H = t.size(1), S = t.size(2), D = t.size(3);
   const float* source = t.data_ptr<float>();
   float* target = transposed.data_ptr<float>();
@@ -648,7 +514,7 @@ void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed) {
     for (int64_t head = begin; head < end; ++head) {
       const int64_t b = head / H, h = head % H;
       transpose_float(
-          S, D, source + b * t.stride(0) + h * t.stride(1), t.stride(2), t.stride(3),
+          loops, S, D, source + b * t.stride(0) + h * t.stride(1), t.stride(2), t.stride(3),
           target + b * transposed.stride(0) + h * transposed.stride(1), transposed.stride(2));
     }
   });
@@ -662,14 +528,15 @@ int64_t spread_row_stride(int64_t cols, int64_t element_size) {
 }
 
 // The products for the two dtypes the kernels dispatch to.
-#define ATTN_TILE_PRODUCTS(T)                                                                     \
-  template bool tile_loops_take(                                                                  \
-      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double);                     \
-  template void tile_addmm(                                                                       \
-      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double, double);             \
-  template void tile_addmm_banded(                                                                \
-      const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double, double, ProductBand, \
-      c10::ArrayRef<IndexRange>);
+#define ATTN_TILE_PRODUCTS(T)                                                                  \
+  template bool tile_loops_take(                                                               \
+      const CpuLoops&, const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double); \
+  template void tile_addmm(                                                                    \
+      const CpuLoops&, const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double,  \
+      double);                                                                                 \
+  template void tile_addmm_banded(                                                             \
+      const CpuLoops&, const MatrixRef<T>&, const MatrixRef<T>&, const MatrixRef<T>&, double,  \
+      double, ProductBand, c10::ArrayRef<IndexRange>);
 ATTN_TILE_PRODUCTS(float)
 ATTN_TILE_PRODUCTS(double)
 #undef ATTN_TILE_PRODUCTS

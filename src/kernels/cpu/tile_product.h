@@ -11,6 +11,8 @@
 // products called outside a parallel region, which the BLAS shares
 // between threads.
 
+#include "kernels/cpu/isa.h"
+
 #include <c10/util/ArrayRef.h>
 #include <torch/types.h>
 
@@ -22,49 +24,18 @@ namespace attn::detail {
 
 struct Bf16GemmOperands; // micro_tile.h
 
-// Which loops compute the float products: at::addmm_out (the BLAS), or
-// attn's loops for one x86 instruction set.
-enum class ProductLoops { blas, avx2, avx512 };
+// Every function below computes on the loops of `loops` (isa.h: the call's
+// plan chose them): attn's micro-tiles where loops.isa has them, else the
+// BLAS's (at::addmm_out).
 
-// The loops this build and CPU can run, the BLAS first; the last (the
-// widest instruction set) computes the products unless a
-// ScopedProductLoops says otherwise.
-std::vector<ProductLoops> available_product_loops();
-
-// "BLAS", "AVX2", "AVX-512".
-const char* product_loops_name(ProductLoops loops);
-
-// The loops that compute the float products now: the widest this CPU
-// runs, or a ScopedProductLoops' choice.
-ProductLoops active_product_loops();
-
-// Whether tile_addmm runs attn's own loops for this dtype on this CPU
+// Whether tile_addmm runs attn's own loops for this dtype on `loops`
 // (where its right operand's rows are contiguous).
-bool tile_products_run(torch::ScalarType dtype);
-
-// While one lives, the products of its kind (ProductLoops: the float
-// products; Bf16Products: gemm_bf16) run on `choice`, one of those
-// available (available_product_loops, available_bf16_products; a
-// c10::Error names any other), so that tests and benchmarks can compare
-// them in one process. Set it while no kernel runs on another thread.
-template <typename Products>
-class ScopedProducts {
- public:
-  explicit ScopedProducts(Products choice);
-  ~ScopedProducts();
-  ScopedProducts(const ScopedProducts&) = delete;
-  ScopedProducts& operator=(const ScopedProducts&) = delete;
-
- private:
-  Products previous_;
-};
-
-extern template class ScopedProducts<ProductLoops>; // tile_product.cpp
-using ScopedProductLoops = ScopedProducts<ProductLoops>;
+bool tile_products_run(const CpuLoops& loops, torch::ScalarType dtype);
 
 // out = beta·out + alpha·a·b with `beta` 0 or 1: a (m, k), b (k, n) and out
 // (m, n), any strides.
 void tile_addmm(
+    const CpuLoops& loops,
     const torch::Tensor& out,
     const torch::Tensor& a,
     const torch::Tensor& b,
@@ -117,6 +88,7 @@ MatrixRef<T> matrix_of(const torch::Tensor& t) {
 // calling thread) rather than hand it to at::addmm_out.
 template <typename T>
 bool tile_loops_take(
+    const CpuLoops& loops,
     const MatrixRef<T>& out,
     const MatrixRef<T>& a,
     const MatrixRef<T>& b,
@@ -125,6 +97,7 @@ bool tile_loops_take(
 // tile_addmm on matrices of dtype T (float or double).
 template <typename T>
 void tile_addmm(
+    const CpuLoops& loops,
     const MatrixRef<T>& out,
     const MatrixRef<T>& a,
     const MatrixRef<T>& b,
@@ -149,6 +122,7 @@ enum class ProductBand {
 // no, the row blocks go to at::addmm_out, one call per distinct band.
 template <typename T>
 void tile_addmm_banded(
+    const CpuLoops& loops,
     const MatrixRef<T>& out,
     const MatrixRef<T>& a,
     const MatrixRef<T>& b,
@@ -179,9 +153,10 @@ void for_each_band_run(c10::ArrayRef<IndexRange> bands, int64_t extent, const Pr
 // runs many small products itself (one per matrix of a batch): c (rows,
 // cols; row stride ldc) = alpha·A·B, plus c when `accumulate`, where
 // A(r, i) = a[r·a_row_stride + i·a_depth_stride] and B(i, j) = b[i·ldb + j].
-// Returns false, computing nothing, where tile_products_run(kFloat) is
-// false.
+// Returns false, computing nothing, where tile_products_run(loops, kFloat)
+// is false.
 bool tile_gemm_float(
+    const CpuLoops& loops,
     int64_t rows,
     int64_t cols,
     int64_t depth,
@@ -195,40 +170,39 @@ bool tile_gemm_float(
     int64_t ldc,
     bool accumulate);
 
-// Whether attn's loops compute the float products (active_product_loops
-// is not the BLAS) on a CPU that widens float16 in registers (AVX-512, or
-// AVX2 with F16C): the float16 kernels' products, float products of
-// operands widened per tile (widen_half_row).
-bool half_products_run();
+// Whether attn's loops compute the float products on `loops` and widen
+// float16 in registers (AVX-512, or AVX2 with F16C): the float16 kernels'
+// products, float products of operands widened per tile (widen_half_row).
+bool half_products_run(const CpuLoops& loops);
 
 // to[0..n) = from[0..n): float16 (its bits) widened to float, and floats
-// rounded to the nearest float16 (ties to even), as c10::Half converts; on
-// the active loops' instructions where half_products_run(), else one by one.
-void widen_half_row(const uint16_t* from, int64_t n, float* to);
-void round_half_row(const float* from, int64_t n, uint16_t* to);
+// rounded to the nearest float16 (ties to even), as c10::Half converts; in
+// registers where loops.half_rows_in_registers, else one by one.
+void widen_half_row(const CpuLoops& loops, const uint16_t* from, int64_t n, float* to);
+void round_half_row(const CpuLoops& loops, const float* from, int64_t n, uint16_t* to);
 
 // Floats rounded to the nearest bfloat16 (its bits; ties to even, NaN
 // kept): one row, and two rows in pairs (to[2j] = first[j], to[2j + 1] =
 // second[j], 0 where second is null: pack_bf16_pairs's layout). On
-// AVX512-BF16's instructions where the CPU runs them (subnormals become 0,
+// AVX512-BF16's instructions where `loops` have them (subnormals become 0,
 // as the kernels' float arithmetic has them), else one by one as
 // c10::BFloat16 rounds.
 struct Bf16Rounding {
   void (*row)(const float* from, int64_t n, uint16_t* to);
   void (*row_pairs)(const float* first, const float* second, int64_t n, uint16_t* to);
 };
-Bf16Rounding bf16_rounding();
+Bf16Rounding bf16_rounding(const CpuLoops& loops);
 
 // Rows of one half precision (its bits) and float, both ways: widened
 // exactly, and rounded to the nearest (as widen_half_row and
-// round_half_row for float16; a shift and bf16_rounding().row for
-// bfloat16), on the instructions of the loops active at the call: callers
-// keep the pair for a task's rows.
+// round_half_row for float16; a shift and bf16_rounding(loops).row for
+// bfloat16), on the instructions of `loops`: callers keep the pair for a
+// task's rows.
 struct HalfRows {
   void (*widen)(const uint16_t* from, int64_t n, float* to);
   void (*round)(const float* from, int64_t n, uint16_t* to);
 };
-HalfRows half_rows(torch::ScalarType dtype); // kBFloat16 or kHalf
+HalfRows half_rows(const CpuLoops& loops, torch::ScalarType dtype); // kBFloat16 or kHalf
 
 // The bits of half-precision elements (c10::BFloat16, c10::Half), as the
 // conversions above read and write them.
@@ -243,55 +217,31 @@ uint16_t* half_bits(Element* data) {
   return reinterpret_cast<uint16_t*>(data);
 }
 
-// Whether tile_gemm_bf16 runs on this CPU (AVX512-BF16's products, isa.h).
-bool bf16_products_run();
-
 // The bfloat16 product of attn's loops, accumulated in float: c (rows,
 // cols) = alpha·A·B (+ c), the operands as micro_tile.h's
 // Bf16GemmOperands describe them (A's rows of unit stride, B in pairs along
-// the depth as pack_bf16_pairs writes it). Returns false, computing
-// nothing, where bf16_products_run() is false. amx_products.h computes the
-// same on AMX tiles.
-bool tile_gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
+// the depth as pack_bf16_pairs writes it), on AMX's tiles where loops.amx,
+// else AVX512-BF16's micro-tiles (loops.bf16). Returns false, computing
+// nothing, where `loops` have neither (bf16_gemm_runs).
+bool gemm_bf16(const CpuLoops& loops, int64_t rows, int64_t cols, const Bf16GemmOperands& g);
 
-// Which products compute gemm_bf16: AVX512-BF16 micro-tiles
-// (tile_gemm_bf16) or AMX tiles (amx_products.h).
-enum class Bf16Products { avx512_bf16, amx };
+// Whether gemm_bf16 computes on `loops`.
+bool bf16_gemm_runs(const CpuLoops& loops);
 
-// The bfloat16 products this build and CPU run (AMX where this process was
-// granted the tiles: amx_products.h, amx_products_run), narrowest first; the last
-// computes gemm_bf16 unless a ScopedBf16Products says otherwise. Empty on
-// a CPU without either.
-std::vector<Bf16Products> available_bf16_products();
-
-// "AVX512-BF16", "AMX".
-const char* bf16_products_name(Bf16Products products);
-
-// Whether gemm_bf16 runs on this CPU.
-bool bf16_gemm_runs();
-
-// Whether this CPU's own bfloat16 products (the last of
-// available_bf16_products, whatever a ScopedBf16Products chooses) outrun
-// the float loops' (tile_gemm), so that attn's loops multiply bfloat16 in
-// bfloat16: AMX tiles where this process runs them (amx_products_run), or
-// AVX512-BF16 on AMD's cores, whose vdpbf16ps makes twice the products of
-// a float FMA per cycle (Zen 4: 1.9-2.0x the float loops, `attn_training_bench
-// --products`; later AMD cores unmeasured). On Intel's cores AVX512-BF16
-// alone measured 0.53-0.57x the float loops: false there.
-bool bf16_products_outrun_float();
-
-// tile_gemm_bf16's product on the active bfloat16 products. Returns false,
-// computing nothing, where bf16_gemm_runs() is false.
-bool gemm_bf16(int64_t rows, int64_t cols, const Bf16GemmOperands& g);
-
-extern template class ScopedProducts<Bf16Products>; // tile_product.cpp
-using ScopedBf16Products = ScopedProducts<Bf16Products>;
+// Whether the bfloat16 products of `loops` outrun their float ones
+// (tile_gemm), so that attn's loops multiply bfloat16 in bfloat16: AMX's
+// tiles, or AVX512-BF16 on AMD's cores, whose vdpbf16ps makes twice the
+// products of a float FMA per cycle (Zen 4: 1.9-2.0x the float loops,
+// `attn_training_bench --products`; later AMD cores unmeasured). On Intel's
+// cores AVX512-BF16 alone measured 0.53-0.57x the float loops: false there.
+bool bf16_products_outrun_float(const CpuLoops& loops);
 
 // B (depth, cols), element (i, j) at from[i·from_row_stride +
-// j·from_column_stride], in pairs along the depth for tile_gemm_bf16:
+// j·from_column_stride], in pairs along the depth for gemm_bf16:
 // to[(i / 2)·ld_to + 2j + i % 2] = B(i, j), the second half of an odd
 // depth's last pair zero. ld_to ≥ 2·cols.
 void pack_bf16_pairs(
+    const CpuLoops& loops,
     int64_t depth,
     int64_t cols,
     const c10::BFloat16* from,
@@ -303,9 +253,10 @@ void pack_bf16_pairs(
 // to = fromᵀ in float, for the right operands that attn's loops read by
 // rows (Kᵀ, Vᵀ): from (rows, cols) with strides (from_row_stride,
 // from_column_stride), to (cols, rows) with row stride ld_to. From rows of
-// unit stride, in register blocks of the products' instruction set (of the
-// widest while the BLAS multiplies).
+// unit stride, in register blocks of loops.isa's instruction set where it
+// has one, else one by one.
 void transpose_float(
+    const CpuLoops& loops,
     int64_t rows,
     int64_t cols,
     const float* from,
@@ -318,7 +269,10 @@ void transpose_float(
 // floats, whose rows have any strides: transpose_float per head, in
 // parallel over the heads. (ATen's element-by-element copy of the
 // transposed view took 7 % of the tiled forward at T = 128.)
-void transpose_heads(const torch::Tensor& t, const torch::Tensor& transposed);
+void transpose_heads(
+    const CpuLoops& loops,
+    const torch::Tensor& t,
+    const torch::Tensor& transposed);
 
 // A row stride for matrices of `cols` elements of `element_size` bytes
 // whose rows the products read down a column (Kᵀ and Vᵀ, score tiles):

@@ -24,14 +24,18 @@ static_assert(kQueryTile == MaskBlocks::kRows, "a query tile is a row of mask bl
 // for the product). BLAS reads the transposed view as it is.
 constexpr int64_t kMinRowsForCopy = 16;
 
-torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, WorkspaceSlot slot) {
-  if (queries < kMinRowsForCopy || !tile_products_run(t.scalar_type())) {
+torch::Tensor transposed_for_products(
+    const CpuLoops& loops,
+    const torch::Tensor& t,
+    int64_t queries,
+    WorkspaceSlot slot) {
+  if (queries < kMinRowsForCopy || !tile_products_run(loops, t.scalar_type())) {
     return t.transpose(2, 3);
   }
   const auto copy = spread_workspace_tensor(
       slot, {t.size(0), t.size(1), t.size(3), t.size(2)}, t.options());
   if (t.numel() > 0) {
-    transpose_heads(t, copy);
+    transpose_heads(loops, t, copy);
   }
   return copy;
 }
@@ -41,12 +45,12 @@ torch::Tensor transposed_for_products(const torch::Tensor& t, int64_t queries, W
 // to each row of scores (RowInputs).
 template <typename scalar_t>
 struct KernelInputs : RowInputs<scalar_t> {
-  explicit KernelInputs(const AttentionParams& params)
-      : RowInputs<scalar_t>(params),
+  KernelInputs(const AttentionParams& params, const CpuLoops& loops)
+      : RowInputs<scalar_t>(params, loops),
         q(params.q),
         k(params.k),
         v(params.v),
-        k_t(transposed_for_products(k, params.L(), WorkspaceSlot::keys_transposed)),
+        k_t(transposed_for_products(loops, k, params.L(), WorkspaceSlot::keys_transposed)),
         q_heads(q),
         k_heads(k),
         v_heads(v),
@@ -113,8 +117,9 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
           const auto k_t_block = k_t_head.column_block(j0, cols);
           const auto& keys_of = scratch.bands.keys_of_query_block;
           scratch.bands.fit_queries(
-              in.mask, tile, j0, cols, tile_loops_take(block, q_tile, k_t_block, 0));
-          tile_addmm_banded(block, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
+              in.mask, tile, j0, cols, tile_loops_take(in.loops, block, q_tile, k_t_block, 0));
+          tile_addmm_banded(
+              in.loops, block, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
           for (int64_t r = 0; r < rows; ++r) {
             const auto [begin, end] = keys_of[r / kProductRowBlock];
             forward_row<scalar_t>(
@@ -122,7 +127,8 @@ void flash_forward(const KernelInputs<scalar_t>& in, const ForwardResult& result
                 out_tile.row(r), Dv);
           }
           tile_addmm_banded(
-              out_tile, block, v_head.row_block(j0, cols), 1, 1, ProductBand::depth, keys_of);
+              in.loops, out_tile, block, v_head.row_block(j0, cols), 1, 1, ProductBand::depth,
+              keys_of);
         }
 
         scalar_t* lse_row = lse_data + (b * in.H + h) * in.L + i0;
@@ -241,11 +247,12 @@ void backward_block(
 
   // P = exp(scale·Q Kᵀ + mask - lse), the forward's probabilities.
   const auto k_t_block = in.k_t_heads.head(b, kv_head).column_block(j0, cols);
-  scratch.bands.fit_queries(in.mask, tile, j0, cols, tile_loops_take(p, q_tile, k_t_block, 0));
+  scratch.bands.fit_queries(
+      in.mask, tile, j0, cols, tile_loops_take(in.loops, p, q_tile, k_t_block, 0));
   scratch.bands.fit_keys(rows, cols);
   const auto& keys_of = scratch.bands.keys_of_query_block;
   const auto& queries_of = scratch.bands.queries_of_key_block;
-  tile_addmm_banded(p, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
+  tile_addmm_banded(in.loops, p, q_tile, k_t_block, 0, in.scale, ProductBand::columns, keys_of);
   const bool bent = in.modifiers.bends_scores();
   const auto slopes = bent ? scratch.score_slopes.matrix.row_block(0, rows).column_block(0, cols)
                            : MatrixRef<scalar_t>{};
@@ -256,14 +263,15 @@ void backward_block(
   const auto dv_block = t.dv.head(b, h).row_block(j0, cols);
   const auto add_value_gradient = [&] {
     tile_addmm_banded(
-        dv_block, p.transposed(), go_tile, betas.dk_dv, 1, ProductBand::depth, queries_of);
+        in.loops, dv_block, p.transposed(), go_tile, betas.dk_dv, 1, ProductBand::depth,
+        queries_of);
   };
   if (!in.dropout.active()) {
     add_value_gradient();
   }
   tile_addmm_banded(
-      ds, go_tile, t.v_t.head(b, kv_head).column_block(j0, cols), 0, 1, ProductBand::columns,
-      keys_of); // dP = dO Vᵀ
+      in.loops, ds, go_tile, t.v_t.head(b, kv_head).column_block(j0, cols), 0, 1,
+      ProductBand::columns, keys_of); // dP = dO Vᵀ
   softmax_backward_rows(in, tile, p, ds, j0, scratch.delta, keys_of);
   if (in.dropout.active()) {
     add_value_gradient();
@@ -273,9 +281,10 @@ void backward_block(
   }
   const auto k_block = in.k_heads.head(b, kv_head).row_block(j0, cols);
   tile_addmm_banded(
-      dq_tile, ds, k_block, betas.dq, in.scale, ProductBand::depth, keys_of); // dQ += s·dS K
+      in.loops, dq_tile, ds, k_block, betas.dq, in.scale, ProductBand::depth,
+      keys_of); // dQ += s·dS K
   tile_addmm_banded(
-      t.dk.head(b, h).row_block(j0, cols), ds.transposed(), q_tile, betas.dk_dv, in.scale,
+      in.loops, t.dk.head(b, h).row_block(j0, cols), ds.transposed(), q_tile, betas.dk_dv, in.scale,
       ProductBand::depth, queries_of); // dK += s·dSᵀ Q
 }
 
@@ -306,7 +315,7 @@ void flash_backward(
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
-  const auto v_t = transposed_for_products(in.v, in.L, WorkspaceSlot::values_transposed);
+  const auto v_t = transposed_for_products(in.loops, in.v, in.L, WorkspaceSlot::values_transposed);
   const int64_t splits = backward_key_splits(in.B * in.H, in.S, in.key_block);
   const ScoreGradientBuffers<scalar_t> score_grads(in, grads, splits);
   const BackwardTensors<scalar_t> t{Heads<scalar_t>(forward.out), Heads<scalar_t>(grad_out),
@@ -409,46 +418,51 @@ void forward_with_weights(const KernelInputs<scalar_t>& in, const ForwardResult&
         }
         const auto visible = w_tile.column_block(key_begin, cols);
         tile_addmm(
-            visible, in.q_heads.head(b, h).row_block(i0, rows),
+            in.loops, visible, in.q_heads.head(b, h).row_block(i0, rows),
             in.k_t_heads.head(b, h / in.group).column_block(key_begin, cols), 0, in.scale);
         for (int64_t r = 0; r < rows; ++r) {
           tile_lse[r] = weights_row<scalar_t>(in, b, h, i0 + r, key_begin, visible.row(r), cols);
         }
         tile_addmm(
-            out_tile, visible, in.v_heads.head(b, h / in.group).row_block(key_begin, cols), 0, 1);
+            in.loops, out_tile, visible,
+            in.v_heads.head(b, h / in.group).row_block(key_begin, cols), 0, 1);
       });
 }
 
 } // namespace
 
-void tiled_forward(const AttentionParams& params, const ForwardResult& result) {
+void tiled_forward(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const ForwardResult& result) {
   if (is_half_precision(params.q.scalar_type())) {
     TORCH_INTERNAL_ASSERT(
-        tiled_forward_half(params, result), "no half-precision products on this CPU");
+        tiled_forward_half(loops, params, result), "no half-precision products on these loops");
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_forward", [&] {
-    flash_forward<scalar_t>(KernelInputs<scalar_t>(params), result);
+    flash_forward<scalar_t>(KernelInputs<scalar_t>(params, loops), result);
   });
 }
 
 void tiled_backward(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
   if (is_half_precision(params.q.scalar_type())) {
     TORCH_INTERNAL_ASSERT(
-        tiled_backward_half(params, forward, grad_out, grads),
-        "no half-precision products on this CPU");
+        tiled_backward_half(loops, params, forward, grad_out, grads),
+        "no half-precision products on these loops");
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(params.q.scalar_type(), "tiled_backward", [&] {
-    flash_backward<scalar_t>(KernelInputs<scalar_t>(params), forward, grad_out, grads);
+    flash_backward<scalar_t>(KernelInputs<scalar_t>(params, loops), forward, grad_out, grads);
   });
 }
 
-ForwardResult tiled_forward_with_weights(const AttentionParams& params) {
+ForwardResult tiled_forward_with_weights(const CpuLoops& loops, const AttentionParams& params) {
   TORCH_INTERNAL_ASSERT(!params.dropout.active(), "the weights kernel drops no weights");
   auto contiguous = params;
   contiguous.q = params.q.contiguous();
@@ -463,12 +477,12 @@ ForwardResult tiled_forward_with_weights(const AttentionParams& params) {
       torch::empty({B, H, L, params.S()}, params.q.options())};
   if (half) {
     TORCH_INTERNAL_ASSERT(
-        tiled_forward_with_weights_half(contiguous, result),
-        "no half-precision products on this CPU");
+        tiled_forward_with_weights_half(loops, contiguous, result),
+        "no half-precision products on these loops");
     return result;
   }
   AT_DISPATCH_FLOATING_TYPES(dtype, "tiled_forward_with_weights", [&] {
-    forward_with_weights<scalar_t>(KernelInputs<scalar_t>(contiguous), result);
+    forward_with_weights<scalar_t>(KernelInputs<scalar_t>(contiguous, loops), result);
   });
   return result;
 }

@@ -9,6 +9,7 @@
 // threads. Called through fused_attention.h, with its conventions.
 
 #include "kernels/attention_params.h"
+#include "kernels/cpu/isa.h"
 
 #include <torch/types.h>
 
@@ -23,13 +24,19 @@ namespace attn::detail {
 constexpr int64_t kQueryTile = 128;
 constexpr int64_t kKeyBlock = 512;
 
+// Each runs on `loops`, the call's plan's (kernel_plan.h).
+
 // Writes `result`'s out (B, H, L, Dv) and lse (B, H, L, contiguous).
-void tiled_forward(const AttentionParams& params, const ForwardResult& result);
+void tiled_forward(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const ForwardResult& result);
 
 // Writes `grads` (B, H, ·, ·), rows of unit stride: one key/value gradient
 // per query head, for grad_out (B, H, L, Dv), given the forward's out and
 // lse (contiguous).
 void tiled_backward(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
@@ -39,11 +46,6 @@ void tiled_backward(
 // view of (B, L, H, Dv) memory, lse and the weights (B, H, L, S), in q's
 // dtype (lse in float for bfloat16 and float16, which the half-precision
 // loops compute). No backward: callers use it when no gradient is needed.
-ForwardResult tiled_forward_with_weights(const AttentionParams& params);
-
-// How many calls (forward and backward) the tiled loops ran in `dtype`
-// (bfloat16 or float16) in this process: for tests that check which loops
-// took a request.
-int64_t tiled_half_calls(torch::ScalarType dtype);
+ForwardResult tiled_forward_with_weights(const CpuLoops& loops, const AttentionParams& params);
 
 } // namespace attn::detail

@@ -92,22 +92,26 @@ void pack_each_head(const torch::Tensor& t, const PackedHeads& packed, const Pac
 // bfloat16: products of bfloat16 operands.
 
 // gemm_bf16, which the callers' check (bf16_gemm_runs) lets run.
-void multiply(int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
-  TORCH_INTERNAL_ASSERT(gemm_bf16(rows, cols, g), "no bfloat16 products on this CPU");
+void multiply(const CpuLoops& loops, int64_t rows, int64_t cols, const Bf16GemmOperands& g) {
+  TORCH_INTERNAL_ASSERT(gemm_bf16(loops, rows, cols, g), "no bfloat16 products on these loops");
 }
 
 // t (B, Hkv, rows, cols) in pairs along the depth of the product it is the
 // right operand of (pack_bf16_pairs): with `rows_are_depth`, B = t's head
 // (V for the output, K for dQ); else its transpose (Kᵀ for the scores, Vᵀ
 // for dP). PackedHeads::rows counts the pairs.
-PackedHeads packed_pairs(const torch::Tensor& t, bool rows_are_depth, WorkspaceSlot slot) {
+PackedHeads packed_pairs(
+    const CpuLoops& loops,
+    const torch::Tensor& t,
+    bool rows_are_depth,
+    WorkspaceSlot slot) {
   const int64_t depth = rows_are_depth ? t.size(2) : t.size(3);
   const int64_t cols = rows_are_depth ? t.size(3) : t.size(2);
   const int64_t depth_stride = rows_are_depth ? t.stride(2) : t.stride(3);
   const int64_t column_stride = rows_are_depth ? t.stride(3) : t.stride(2);
   auto packed = empty_packed_heads(t, ceil_div(depth, 2), 2 * cols, slot);
   pack_each_head<bf16>(t, packed, [&](const bf16* from, bf16* to) {
-    pack_bf16_pairs(depth, cols, from, depth_stride, column_stride, to, packed.ld);
+    pack_bf16_pairs(loops, depth, cols, from, depth_stride, column_stride, to, packed.ld);
   });
   return packed;
 }
@@ -215,8 +219,10 @@ enum class LoneKeys { add, skip };
 // c (rows × key_rows.cols) += `rounded` (m's rows, RoundedRows::round)
 // times those keys' pairs, then the lone keys of `m` (add_lone_keys): m
 // times the keys [j0, j0 + m.cols), each run of row blocks over its band
-// of keys (for_each_band). With LoneKeys::skip, the pairs alone.
+// of keys (for_each_band), on `loops`' products. With LoneKeys::skip, the
+// pairs alone.
 void add_times_keys(
+    const CpuLoops& loops,
     const MatrixRef<float>& m,
     int64_t j0,
     const RoundedRows& rounded,
@@ -232,7 +238,7 @@ void add_times_keys(
     const PairedKeys paired(k0, block.cols);
     if (paired.count > 0) {
       multiply(
-          rows, key_rows.cols,
+          loops, rows, key_rows.cols,
           {paired.count, 1.0F, rounded.bits.data() + r0 * rounded.ld + keys.begin, rounded.ld,
            head_pairs + (k0 + paired.lead) / 2 * pairs.ld, pairs.ld, c.row(r0), c.row_stride,
            /*accumulate=*/true});
@@ -247,8 +253,9 @@ void add_times_keys(
 // and direction, and its heads in their 16 bits.
 template <typename Element>
 struct RequestHeads {
-  RequestHeads(const AttentionParams& params, Direction direction)
-      : D(params.D()),
+  RequestHeads(const AttentionParams& params, Direction direction, const CpuLoops& loops)
+      : loops(loops),
+        D(params.D()),
         Dv(params.Dv()),
         group(params.group()),
         scale(params.scale),
@@ -257,6 +264,7 @@ struct RequestHeads {
         k(params.k),
         v(params.v) {}
 
+  CpuLoops loops; // the products' and conversions' (kernel_plan.h)
   int64_t D, Dv, group;
   double scale;
   Direction direction;
@@ -273,22 +281,27 @@ class Bf16Operands : RequestHeads<bf16> {
   // its products' left operands of unit stride.
   static constexpr bool kKeyGradientsTransposed = true;
 
-  static bool runs() { return bf16_gemm_runs(); }
+  static bool runs(const CpuLoops& loops) { return bf16_gemm_runs(loops); }
 
   // It multiplies P rounded: add_weights_remainder_times_values adds the
   // remainder where the forward asks for P V of P itself.
   static constexpr bool kRoundsWeights = true;
 
-  Bf16Operands(const AttentionParams& params, Direction direction)
-      : RequestHeads<bf16>(params, direction),
-        round_(bf16_rounding()),
-        keys_t_(packed_pairs(params.k, /*rows_are_depth=*/false, WorkspaceSlot::keys_transposed)) {
+  Bf16Operands(const AttentionParams& params, Direction direction, const CpuLoops& loops)
+      : RequestHeads<bf16>(params, direction, loops),
+        round_(bf16_rounding(loops)),
+        keys_t_(packed_pairs(
+            loops,
+            params.k,
+            /*rows_are_depth=*/false,
+            WorkspaceSlot::keys_transposed)) {
     if (direction == Direction::forward) {
-      values_ = packed_pairs(params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed);
+      values_ = packed_pairs(
+          loops, params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed);
     } else {
-      keys_ = packed_pairs(params.k, /*rows_are_depth=*/true, WorkspaceSlot::keys_in_pairs);
+      keys_ = packed_pairs(loops, params.k, /*rows_are_depth=*/true, WorkspaceSlot::keys_in_pairs);
       values_t_ = packed_pairs(
-          params.v, /*rows_are_depth=*/false, WorkspaceSlot::values_transposed);
+          loops, params.v, /*rows_are_depth=*/false, WorkspaceSlot::values_transposed);
     }
   }
 
@@ -426,7 +439,8 @@ class Bf16Operands : RequestHeads<bf16> {
     }
     const int64_t kv_head = tile.h / group;
     add_times_keys(
-        ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head), k.head(tile.b, kv_head), dq, bands);
+        loops, ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head), k.head(tile.b, kv_head), dq,
+        bands);
   }
 
   // dKᵀ (D × ds.cols: columns of `dk_t`) += Qᵀ dS, without the scale, each
@@ -449,18 +463,18 @@ class Bf16Operands : RequestHeads<bf16> {
   // out (left's rows × keys, the columns [j0, …) of `right`'s pairs from
   // `head_pairs`) = alpha · left times them, in the bands: each run of row
   // blocks over its band of keys (for_each_band).
-  static void multiply_in_bands(
+  void multiply_in_bands(
       const MatrixRef<bf16>& left,
       int64_t depth,
       float alpha,
       const PackedHeads& right,
       const uint16_t* head_pairs,
       const MatrixRef<float>& out,
-      const TileBands& bands) {
+      const TileBands& bands) const {
     for_each_band(
         bands.keys_of_query_block, out.rows, [&](int64_t r0, int64_t rows, IndexRange keys) {
           multiply(
-              rows, keys.end - keys.begin,
+              loops, rows, keys.end - keys.begin,
               {depth, alpha, half_bits(left.row(r0)), left.row_stride, head_pairs + 2 * keys.begin,
                right.ld, out.row(r0) + keys.begin, out.row_stride,
                /*accumulate=*/false});
@@ -488,7 +502,7 @@ class Bf16Operands : RequestHeads<bf16> {
     for_each_band(
         bands.queries_of_key_block, m.cols, [&](int64_t c0, int64_t cols, IndexRange queries) {
           multiply(
-              c.rows, cols,
+              loops, c.rows, cols,
               {queries.end - queries.begin, 1.0F, left + queries.begin, m.rows,
                s.pairs.data() + queries.begin / 2 * pairs_ld + 2 * c0, pairs_ld, c.data + c0,
                c.row_stride, /*accumulate=*/true});
@@ -507,8 +521,8 @@ class Bf16Operands : RequestHeads<bf16> {
       LoneKeys lone_keys) const {
     const int64_t kv_head = tile.h / group;
     add_times_keys(
-        p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out, bands,
-        lone_keys);
+        loops, p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out,
+        bands, lone_keys);
   }
 
   Bf16Rounding round_;
@@ -550,10 +564,16 @@ struct WidenedBlock {
       : ld(spread_row_stride(cols, static_cast<int64_t>(sizeof(float)))),
         values(static_cast<size_t>(rows * ld)) {}
 
-  // Rows [0, n) × [0, cols) = the float16 rows `from`, `from_ld` apart.
-  MatrixRef<float> widen(const uint16_t* from, int64_t from_ld, int64_t n, int64_t cols) {
+  // Rows [0, n) × [0, cols) = the float16 rows `from`, `from_ld` apart,
+  // widened on `loops`.
+  MatrixRef<float> widen(
+      const CpuLoops& loops,
+      const uint16_t* from,
+      int64_t from_ld,
+      int64_t n,
+      int64_t cols) {
     for (int64_t r = 0; r < n; ++r) {
-      widen_half_row(from + r * from_ld, cols, values.data() + r * ld);
+      widen_half_row(loops, from + r * from_ld, cols, values.data() + r * ld);
     }
     return {values.data(), n, cols, ld, 1};
   }
@@ -574,13 +594,13 @@ class Float16Operands : RequestHeads<half> {
   // It accumulates dK and dV as the float loops do (keys × features).
   static constexpr bool kKeyGradientsTransposed = false;
 
-  static bool runs() { return half_products_run(); }
+  static bool runs(const CpuLoops& loops) { return half_products_run(loops); }
 
   // It multiplies P as it is (add_weights_times_values): no remainder.
   static constexpr bool kRoundsWeights = false;
 
-  Float16Operands(const AttentionParams& params, Direction direction)
-      : RequestHeads<half>(params, direction),
+  Float16Operands(const AttentionParams& params, Direction direction, const CpuLoops& loops)
+      : RequestHeads<half>(params, direction, loops),
         keys_t_(transposed_heads(params.k, WorkspaceSlot::keys_transposed)) {
     TORCH_INTERNAL_ASSERT(
         (k.cols <= 1 || k.column_stride == 1) && (v.cols <= 1 || v.column_stride == 1),
@@ -612,7 +632,7 @@ class Float16Operands : RequestHeads<half> {
   // windowed tile's bands (tile_addmm_banded), as the float kernel does.
   bool computes_bands(const MatrixRef<float>& scores) const {
     return tile_loops_take(
-        scores, MatrixRef<float>{nullptr, scores.rows, D, D, 1},
+        loops, scores, MatrixRef<float>{nullptr, scores.rows, D, D, 1},
         MatrixRef<float>{nullptr, D, scores.cols, scores.cols, 1}, 0);
   }
 
@@ -637,9 +657,10 @@ class Float16Operands : RequestHeads<half> {
       const MatrixRef<float>& scores,
       const TileBands& bands) const {
     const auto keys_t = s.features_by_keys.widen(
-        keys_t_.head(tile.b, tile.h / group) + j0, keys_t_.ld, D, scores.cols);
+        loops, keys_t_.head(tile.b, tile.h / group) + j0, keys_t_.ld, D, scores.cols);
     tile_addmm_banded(
-        scores, queries(s), keys_t, 0, scale, ProductBand::columns, bands.keys_of_query_block);
+        loops, scores, queries(s), keys_t, 0, scale, ProductBand::columns,
+        bands.keys_of_query_block);
   }
 
   // The weights stay float: nothing to do per row.
@@ -670,9 +691,10 @@ class Float16Operands : RequestHeads<half> {
       const MatrixRef<float>& dp,
       const TileBands& bands) const {
     const auto values_t = s.features_by_keys.widen(
-        values_t_.head(tile.b, tile.h / group) + j0, values_t_.ld, Dv, dp.cols);
+        loops, values_t_.head(tile.b, tile.h / group) + j0, values_t_.ld, Dv, dp.cols);
     tile_addmm_banded(
-        dp, grad_outputs(s), values_t, 0, 1, ProductBand::columns, bands.keys_of_query_block);
+        loops, dp, grad_outputs(s), values_t, 0, 1, ProductBand::columns,
+        bands.keys_of_query_block);
   }
 
   // dV (p.cols × Dv) += Pᵀ dO, each key over the queries that computed it.
@@ -682,7 +704,8 @@ class Float16Operands : RequestHeads<half> {
       const MatrixRef<float>& dv,
       const TileBands& bands) const {
     tile_addmm_banded(
-        dv, p.transposed(), grad_outputs(s), 1, 1, ProductBand::depth, bands.queries_of_key_block);
+        loops, dv, p.transposed(), grad_outputs(s), 1, 1, ProductBand::depth,
+        bands.queries_of_key_block);
   }
 
   // dQ (ds.rows × D) += dS K, without the scale, in the bands.
@@ -704,15 +727,16 @@ class Float16Operands : RequestHeads<half> {
       const MatrixRef<float>& dk,
       const TileBands& bands) const {
     tile_addmm_banded(
-        dk, ds.transposed(), queries(s), 1, 1, ProductBand::depth, bands.queries_of_key_block);
+        loops, dk, ds.transposed(), queries(s), 1, 1, ProductBand::depth,
+        bands.queries_of_key_block);
   }
 
-  static void round_row(const float* from, int64_t n, half* to) {
-    round_half_row(from, n, half_bits(to));
+  void round_row(const float* from, int64_t n, half* to) const {
+    round_half_row(loops, from, n, half_bits(to));
   }
 
-  static void widen_row(const half* from, int64_t n, float* to) {
-    widen_half_row(half_bits(from), n, to);
+  void widen_row(const half* from, int64_t n, float* to) const {
+    widen_half_row(loops, half_bits(from), n, to);
   }
 
  private:
@@ -721,16 +745,16 @@ class Float16Operands : RequestHeads<half> {
 
   // c (m.rows × keys.cols) += m times the rows [j0, j0 + m.cols) of
   // `keys` (V or K of one head), widened, in the bands.
-  static void add_times_widened_rows(
+  void add_times_widened_rows(
       Scratch& s,
       const MatrixRef<float>& m,
       const MatrixRef<half>& keys,
       int64_t j0,
       const MatrixRef<float>& c,
-      const TileBands& bands) {
+      const TileBands& bands) const {
     const auto rows = s.keys_by_features.widen(
-        half_bits(keys.row(j0)), keys.row_stride, m.cols, keys.cols);
-    tile_addmm_banded(c, m, rows, 1, 1, ProductBand::depth, bands.keys_of_query_block);
+        loops, half_bits(keys.row(j0)), keys.row_stride, m.cols, keys.cols);
+    tile_addmm_banded(loops, c, m, rows, 1, 1, ProductBand::depth, bands.keys_of_query_block);
   }
 
   PackedHeads keys_t_;   // Kᵀ, for the scores
@@ -744,8 +768,11 @@ class Float16Operands : RequestHeads<half> {
 // operands of the products (Bf16Operands or Float16Operands).
 template <typename Operands>
 struct HalfInputs : RowInputs<float> {
-  HalfInputs(const AttentionParams& params, Direction direction)
-      : RowInputs<float>(params), D(params.D()), Dv(params.Dv()), products(params, direction) {}
+  HalfInputs(const AttentionParams& params, Direction direction, const CpuLoops& loops)
+      : RowInputs<float>(params, loops),
+        D(params.D()),
+        Dv(params.Dv()),
+        products(params, direction, loops) {}
   int64_t D, Dv;
   Operands products;
 };
@@ -858,7 +885,7 @@ void write_rounding(
     int64_t n,
     float* widened,
     typename Operands::Element* rounding) {
-  Operands::widen_row(rounded, n, widened);
+  products.widen_row(rounded, n, widened);
   for (int64_t c = 0; c < n; ++c) {
     widened[c] = std::isfinite(widened[c]) ? exact[c] - widened[c] : 0.0F;
   }
@@ -1071,10 +1098,10 @@ void start_backward_tile(
   float* out_row = go_row + in.Dv;
   float* rounding_row = out_row + in.Dv;
   for (int64_t r = 0; r < tile.rows; ++r) {
-    Operands::widen_row(bt.grad_out.row(r), in.Dv, go_row);
-    Operands::widen_row(out.row(r), in.Dv, out_row);
+    in.products.widen_row(bt.grad_out.row(r), in.Dv, go_row);
+    in.products.widen_row(out.row(r), in.Dv, out_row);
     if (rounding.data != nullptr) {
-      Operands::widen_row(rounding.row(r), in.Dv, rounding_row);
+      in.products.widen_row(rounding.row(r), in.Dv, rounding_row);
       for (int64_t d = 0; d < in.Dv; ++d) {
         out_row[d] += rounding_row[d];
       }
@@ -1301,56 +1328,65 @@ void half_backward(
   score_grads.finish(grads);
 }
 
-// The calls of the loops in each type, for tiled_half_calls.
-HalfPrecisionCalls tiled_calls;
-
-// `loops(inputs)` on Operands' inputs for `params` in `direction`, the
-// call counted; false, running nothing, where the CPU cannot run that
-// type's products.
+// `loops_of_type(inputs)` on Operands' inputs for `params` in `direction`;
+// false, running nothing, where `loops` cannot run that type's products.
 template <typename Operands, typename Loops>
-bool run_tiled_on(const AttentionParams& params, Direction direction, const Loops& loops) {
-  if (!Operands::runs()) {
+bool run_tiled_on(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    Direction direction,
+    const Loops& loops_of_type) {
+  if (!Operands::runs(loops)) {
     return false;
   }
-  tiled_calls.count(params.q.scalar_type());
-  loops(HalfInputs<Operands>(params, direction));
+  loops_of_type(HalfInputs<Operands>(params, direction, loops));
   return true;
 }
 
 // run_tiled_on with the operands of params' dtype; false for any other dtype.
 template <typename Loops>
-bool run_tiled_in_half(const AttentionParams& params, Direction direction, const Loops& loops) {
+bool run_tiled_in_half(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    Direction direction,
+    const Loops& loops_of_type) {
   switch (params.q.scalar_type()) {
-    case torch::kBFloat16: return run_tiled_on<Bf16Operands>(params, direction, loops);
-    case torch::kHalf: return run_tiled_on<Float16Operands>(params, direction, loops);
+    case torch::kBFloat16:
+      return run_tiled_on<Bf16Operands>(loops, params, direction, loops_of_type);
+    case torch::kHalf:
+      return run_tiled_on<Float16Operands>(loops, params, direction, loops_of_type);
     default: return false;
   }
 }
 
 } // namespace
 
-int64_t tiled_half_calls(torch::ScalarType dtype) {
-  return tiled_calls.in(dtype);
-}
-
-bool tiled_forward_half(const AttentionParams& params, const ForwardResult& result) {
+bool tiled_forward_half(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const ForwardResult& result) {
   return run_tiled_in_half(
-      params, Direction::forward, [&](const auto& in) { half_forward(in, result); });
+      loops, params, Direction::forward, [&](const auto& in) { half_forward(in, result); });
 }
 
 bool tiled_backward_half(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
     const InputGradients& grads) {
-  return run_tiled_in_half(params, Direction::backward, [&](const auto& in) {
+  return run_tiled_in_half(loops, params, Direction::backward, [&](const auto& in) {
     half_backward(in, forward, grad_out, grads);
   });
 }
 
-bool tiled_forward_with_weights_half(const AttentionParams& params, const ForwardResult& result) {
-  return run_tiled_in_half(
-      params, Direction::forward, [&](const auto& in) { half_forward_with_weights(in, result); });
+bool tiled_forward_with_weights_half(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const ForwardResult& result) {
+  return run_tiled_in_half(loops, params, Direction::forward, [&](const auto& in) {
+    half_forward_with_weights(in, result);
+  });
 }
 
 } // namespace attn::detail

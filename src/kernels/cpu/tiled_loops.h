@@ -117,15 +117,16 @@ inline torch::Tensor spread_workspace_tensor(
 // dropout, in scalar_t (float or double).
 template <typename scalar_t>
 struct RowInputs {
-  explicit RowInputs(const AttentionParams& params)
-      : B(params.B()),
+  RowInputs(const AttentionParams& params, const CpuLoops& loops)
+      : loops(loops),
+        B(params.B()),
         H(params.H()),
         L(params.L()),
         S(params.S()),
         group(params.group()),
         key_block(std::clamp<int64_t>(S, 1, kKeyBlock)),
-        mask(params),
-        modifiers(params),
+        mask(params, loops),
+        modifiers(params, loops),
         scale(static_cast<scalar_t>(params.scale)),
         dropout(params.dropout),
         dropout_stream(detail::dropout_stream(params.dropout)),
@@ -136,6 +137,7 @@ struct RowInputs {
     return detail::dropout_row(dropout_stream, b * H + h, i, S, j);
   }
 
+  CpuLoops loops; // the call's plan's (kernel_plan.h)
   int64_t B, H, L, S;
   int64_t group;     // query heads per key/value head
   int64_t key_block; // keys scored per product
@@ -167,15 +169,21 @@ struct OnlineSoftmax {
   // row r's running maximum and sum, turning the scores into
   // exp(score - max) and rescaling the output row accumulated under the
   // previous maximum.
-  void fold(int64_t r, scalar_t* row, int64_t cols, scalar_t* out_row, int64_t Dv) {
+  void fold(
+      const CpuLoops& loops,
+      int64_t r,
+      scalar_t* row,
+      int64_t cols,
+      scalar_t* out_row,
+      int64_t Dv) {
     scalar_t& max = running_max[r];
-    const scalar_t new_max = std::max(max, row_max(row, cols));
+    const scalar_t new_max = std::max(max, row_max(loops, row, cols));
     if (new_max == kNegativeInfinity<scalar_t>) {
       std::fill(row, row + cols, scalar_t(0)); // nothing visible yet
       return;
     }
     const scalar_t correction = std::exp(max - new_max);
-    running_sum[r] = running_sum[r] * correction + exp_shifted_sum(row, cols, new_max);
+    running_sum[r] = running_sum[r] * correction + exp_shifted_sum(loops, row, cols, new_max);
     max = new_max;
     if (correction != scalar_t(1)) {
       scale_row(out_row, Dv, correction);
@@ -213,9 +221,9 @@ void forward_row(
     in.modifiers.apply(row, cols, tile.b, tile.h, i, j0, nullptr);
   }
   in.mask.apply(row, cols, tile.b, tile.h, i, j0);
-  softmax.fold(r, row, cols, out_row, Dv);
+  softmax.fold(in.loops, r, row, cols, out_row, Dv);
   if (in.dropout.active()) { // after the row's sum, which counts every weight
-    drop_row(row, cols, in.dropout_row(tile.b, tile.h, i, j0));
+    drop_row(in.loops, row, cols, in.dropout_row(tile.b, tile.h, i, j0));
   }
 }
 
@@ -259,12 +267,12 @@ scalar_t weights_row(
   }
   in.mask.apply(row, cols, b, h, i, j0);
   const scalar_t sink = in.modifiers.sink(h);
-  const scalar_t largest = std::max(row_max(row, cols), sink);
+  const scalar_t largest = std::max(row_max(in.loops, row, cols), sink);
   if (largest == kNegativeInfinity<scalar_t>) {
     std::fill(row, row + cols, scalar_t(0));
     return largest;
   }
-  const scalar_t sum = exp_shifted_sum(row, cols, largest) +
+  const scalar_t sum = exp_shifted_sum(in.loops, row, cols, largest) +
       (sink == kNegativeInfinity<scalar_t> ? scalar_t(0) : std::exp(sink - largest));
   scale_row(row, cols, scalar_t(1) / sum);
   return largest + std::log(sum);
@@ -296,7 +304,7 @@ void backward_probability_rows(
     if (lse_rows[r] == kNegativeInfinity<scalar_t>) {
       std::fill(row, row + (end - begin), scalar_t(0)); // fully masked row
     } else {
-      exp_shifted_sum(row, end - begin, lse_rows[r]);
+      exp_shifted_sum(in.loops, row, end - begin, lse_rows[r]);
     }
   }
 }
@@ -323,7 +331,7 @@ void softmax_backward_rows(
     const scalar_t d = delta[r];
     if (in.dropout.active()) {
       dropout_softmax_backward_row(
-          p_row + begin, ds_row + begin, end - begin, d, in.keep_scale,
+          in.loops, p_row + begin, ds_row + begin, end - begin, d, in.keep_scale,
           in.dropout_row(tile.b, tile.h, tile.i0 + r, j0 + begin));
       continue;
     }
@@ -392,7 +400,7 @@ struct ScoreGradientBuffers {
       TORCH_INTERNAL_ASSERT(
           (std::is_same_v<scalar_t, float>), "a half-precision mask's gradient from float scores");
       tasks.half_mask = static_cast<uint16_t*>(mask.data_ptr());
-      tasks.round_row = half_rows(mask.scalar_type()).round;
+      tasks.round_row = half_rows(in.loops, mask.scalar_type()).round;
     } else {
       tasks.mask = data_or_null<scalar_t>(mask);
     }
@@ -517,21 +525,28 @@ inline int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) 
 // The half-precision loops (tiled_attention_half.cpp): tiled_forward's
 // results for q, k, v in bfloat16 or float16, a floating mask in their
 // dtype or float, the modifiers' tensors in float; out in q's dtype and lse
-// in float. False, computing nothing, where the CPU cannot run that type's
+// in float. False, computing nothing, where `loops` cannot run that type's
 // products (tile_product.h: bf16_gemm_runs, half_products_run).
-bool tiled_forward_half(const AttentionParams& params, const ForwardResult& result);
+bool tiled_forward_half(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const ForwardResult& result);
 
 // The half-precision weights kernel: tiled_forward_with_weights's results
 // for the same inputs as tiled_forward_half, contiguous; the weights (B,
 // H, L, S) in q's dtype, each a float softmax rounded once. False,
-// computing nothing, where the CPU cannot run that type's products.
-bool tiled_forward_with_weights_half(const AttentionParams& params, const ForwardResult& result);
+// computing nothing, where `loops` cannot run that type's products.
+bool tiled_forward_with_weights_half(
+    const CpuLoops& loops,
+    const AttentionParams& params,
+    const ForwardResult& result);
 
 // The half-precision backward: tiled_backward's gradients for the
 // forward's inputs and results, in their dtype (the score gradients in
-// float, a half-precision mask's in its dtype). False, computing nothing, where the CPU cannot run
-// that type's products.
+// float, a half-precision mask's in its dtype). False, computing nothing,
+// where `loops` cannot run that type's products.
 bool tiled_backward_half(
+    const CpuLoops& loops,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
