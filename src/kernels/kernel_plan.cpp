@@ -18,4 +18,16 @@ KernelPlan KernelPlan::restore_from(torch::autograd::AutogradContext& ctx) {
   return plan;
 }
 
+void save_call(
+    torch::autograd::AutogradContext& ctx,
+    const AttentionParams& params,
+    const KernelPlan& plan) {
+  params.save_settings_to(ctx);
+  plan.save_to(ctx);
+}
+
+SavedCall restore_call(torch::autograd::AutogradContext& ctx) {
+  return {AttentionParams::restore_settings_from(ctx), KernelPlan::restore_from(ctx)};
+}
+
 } // namespace attn::detail

@@ -6,6 +6,7 @@
 // carried down unchanged. The kernels read their loops and policies here,
 // never from process-wide state, and derive none of them again.
 
+#include "kernels/attention_params.h"
 #include "kernels/cpu/isa.h"
 
 #include <torch/types.h>
@@ -36,5 +37,19 @@ struct KernelPlan {
   void save_to(torch::autograd::AutogradContext& ctx) const;
   static KernelPlan restore_from(torch::autograd::AutogradContext& ctx);
 };
+
+// A differentiable call of a kernel as its autograd function keeps it
+// between forward and backward: the request (AttentionParams' settings,
+// its tensors q, k, v and the modifiers' those that autograd saves as
+// variables, which restore_call leaves to the caller) and its plan.
+struct SavedCall {
+  AttentionParams params;
+  KernelPlan plan;
+};
+void save_call(
+    torch::autograd::AutogradContext& ctx,
+    const AttentionParams& params,
+    const KernelPlan& plan);
+SavedCall restore_call(torch::autograd::AutogradContext& ctx);
 
 } // namespace attn::detail

@@ -244,7 +244,7 @@ std::tuple<torch::Tensor, torch::Tensor> run_attn_backend(
       return {result.out, need_weights ? result.weights : torch::Tensor()};
     }
     case AttentionBackend::batched_cpu:
-      return detail::batched_attention(kernel.cpu, params, need_weights);
+      return detail::batched_attention(kernel, params, need_weights);
     case AttentionBackend::math:
     case AttentionBackend::libtorch: break;
   }

@@ -793,8 +793,9 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
   SCOPED_TRACE(c.describe());
   ThreadCount threads(c.threads);
   const KernelRun run(c);
+  const auto plan = attn::testing::kernel_plan(FusedLoops::tiled);
   const auto [out, weights] = attn::detail::batched_attention(
-      attn::testing::widest_loops(), run.params, /*need_weights=*/true);
+      plan, run.params, /*need_weights=*/true);
   EXPECT_CLOSE(out, run.math_out, run.tolerance);
   EXPECT_CLOSE(weights, run.math_weights, run.tolerance);
   // Through the output alone, and through the output and the weights.
@@ -804,7 +805,7 @@ TEST_P(CpuKernels, BatchedKernelMatchesTheMathPathInOutputWeightsAndGradients) {
       {out, weights}, {run.math_out, run.math_weights},
       {upstream, torch::randn(weights.sizes(), weights.options())});
   const auto [alone, no_weights] = attn::detail::batched_attention(
-      attn::testing::widest_loops(), run.params, /*need_weights=*/false);
+      plan, run.params, /*need_weights=*/false);
   EXPECT_FALSE(no_weights.defined());
   EXPECT_TRUE(torch::equal(alone, out));
 }

@@ -169,7 +169,7 @@ torch::Tensor batched_product(
 // place: scaled, masked and normalised; a row that sees no key becomes
 // zeros. Returns its log-sum-exp (-inf where it sees no key).
 template <typename scalar_t>
-scalar_t softmax_row(
+scalar_t masked_softmax_row(
     const CpuLoops& loops,
     scalar_t* x,
     int64_t row,
@@ -181,17 +181,10 @@ scalar_t softmax_row(
   shape.locate(row, b, h, i);
   scale_row(x, S, scale);
   mask.apply(x, S, b, h, i, 0);
-  const scalar_t largest = row_max(loops, x, S);
-  if (largest == kNegativeInfinity<scalar_t>) {
-    std::fill(x, x + S, scalar_t(0));
-    return largest;
-  }
-  const scalar_t sum = exp_shifted_sum(loops, x, S, largest);
-  scale_row(x, S, scalar_t(1) / sum);
-  return largest + std::log(sum);
+  return softmax_row(loops, x, S, kNegativeInfinity<scalar_t>);
 }
 
-// scores (B·Hkv, group·L, S) → probabilities, in place (softmax_row).
+// scores (B·Hkv, group·L, S) → probabilities, in place (masked_softmax_row).
 // Writes each row's log-sum-exp into `lse` (one per row, in the same
 // order: (B, H, L)).
 template <typename scalar_t>
@@ -210,7 +203,7 @@ void softmax_rows(
       0, scores.numel() / std::max<int64_t>(S, 1), parallel_grain(S, kMinRowPassScores),
       [&](int64_t begin, int64_t end) {
         for (int64_t row = begin; row < end; ++row) {
-          lse_data[row] = softmax_row(loops, data + row * S, row, shape, mask, scale);
+          lse_data[row] = masked_softmax_row(loops, data + row * S, row, shape, mask, scale);
         }
       });
 }
@@ -360,7 +353,7 @@ uint16_t* half_row(const torch::Tensor& t, int64_t n, int64_t r) {
 
 // Rows `rows` of matrix n: their scores from `queries` (those rows,
 // widened) and `keys` (Kᵀ widened), then their softmax in float
-// (softmax_row) into `probs`; each row's log-sum-exp into lse (null: not
+// (masked_softmax_row) into `probs`; each row's log-sum-exp into lse (null: not
 // wanted).
 void half_probabilities(
     const HalfBatch& batch,
@@ -376,7 +369,7 @@ void half_probabilities(
       task_matrix(keys.transposed(), batch.D, S, S), /*beta=*/0, /*alpha=*/1);
   const int64_t first = n * batch.rows + rows.begin; // of the (B·Hkv, group·L) rows
   for (int64_t r = 0; r < count; ++r) {
-    const float row_lse = softmax_row(
+    const float row_lse = masked_softmax_row(
         batch.loops, probs + r * S, first + r, batch.in.shape, batch.mask, batch.scale);
     if (lse != nullptr) {
       lse[r] = row_lse;
@@ -595,8 +588,9 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
       const torch::Tensor& k,
       const torch::Tensor& v,
       const AttentionParams& params,
-      const CpuLoops& loops,
+      const KernelPlan& plan,
       bool need_weights) {
+    const auto& loops = plan.cpu;
     // Contiguous once: the products read them so, forward and backward.
     auto contiguous = params;
     contiguous.q = q.contiguous();
@@ -608,8 +602,7 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
                              : batched_forward(loops, contiguous);
     ctx->save_for_backward(
         {contiguous.q, contiguous.k, contiguous.v, half ? torch::Tensor() : result.weights});
-    params.save_settings_to(*ctx);
-    ctx->saved_data["cpu_level"] = static_cast<int64_t>(loops.level);
+    save_call(*ctx, params, plan);
     ctx->saved_data["need_weights"] = need_weights;
     if (!need_weights) {
       ctx->mark_non_differentiable({result.weights});
@@ -621,7 +614,7 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    auto params = AttentionParams::restore_settings_from(*ctx);
+    auto [params, plan] = restore_call(*ctx);
     params.q = saved[0];
     params.k = saved[1];
     params.v = saved[2];
@@ -635,10 +628,9 @@ class BatchedAttentionFunction : public torch::autograd::Function<BatchedAttenti
     // for an output marked non-differentiable).
     const auto grad_weights = ctx->saved_data.at("need_weights").toBool() ? grad_outputs[1]
                                                                           : torch::Tensor();
-    const auto loops = cpu_loops(static_cast<CpuLevel>(ctx->saved_data.at("cpu_level").toInt()));
-    const auto grads = batched_backward(loops, params, forward, grad_out, grad_weights);
+    const auto grads = batched_backward(plan.cpu, params, forward, grad_out, grad_weights);
     return {grads.dq,        grads.dk,       grads.dv, torch::Tensor(),
-            torch::Tensor(), torch::Tensor()}; // nothing for params, loops, need_weights
+            torch::Tensor(), torch::Tensor()}; // nothing for params, plan, need_weights
   }
 };
 
@@ -691,11 +683,11 @@ InputGradients batched_backward(
 }
 
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(
-    const CpuLoops& loops,
+    const KernelPlan& plan,
     const AttentionParams& params,
     bool need_weights) {
   const auto results = BatchedAttentionFunction::apply(
-      params.q, params.k, params.v, params, loops, need_weights);
+      params.q, params.k, params.v, params, plan, need_weights);
   return {results[0], need_weights ? results[1] : torch::Tensor()};
 }
 

@@ -18,6 +18,7 @@
 
 #include "kernels/attention_params.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/kernel_plan.h"
 
 #include <torch/types.h>
 
@@ -45,7 +46,7 @@ InputGradients batched_backward(
 // (B, H, L, S), both differentiable through batched_backward (else an
 // undefined tensor).
 std::tuple<torch::Tensor, torch::Tensor> batched_attention(
-    const CpuLoops& loops,
+    const KernelPlan& plan,
     const AttentionParams& params,
     bool need_weights);
 

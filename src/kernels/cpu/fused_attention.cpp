@@ -251,8 +251,7 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
         plan, with_heads_for_kernels(params), {as_heads(out), lse, {}, as_heads(out_rounding)});
     // Each holds a tensor, maybe undefined.
     ctx->save_for_backward({*q, *k, *v, *qkv, out, lse, *offset_bias, *sinks, out_rounding});
-    params.save_settings_to(*ctx);
-    plan.save_to(*ctx);
+    save_call(*ctx, params, plan);
     ctx->saved_data["offset_bias_grad"] = wanted.offset_bias;
     ctx->saved_data["mask_grad"] = wanted.mask;
     ctx->saved_data["sinks_grad"] = wanted.sinks;
@@ -263,7 +262,7 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    auto params = AttentionParams::restore_settings_from(*ctx);
+    auto [params, plan] = restore_call(*ctx);
     params.qkv = saved[3];
     const auto heads = params.qkv.defined() ? heads_of_projection(params.qkv)
                                             : QkvHeads{saved[0], saved[1], saved[2]};
@@ -272,7 +271,6 @@ class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFu
     params.v = heads.v;
     params.modifiers.offset_bias = saved[6];
     params.modifiers.sinks = saved[7];
-    const auto plan = KernelPlan::restore_from(*ctx);
     const ScoreGradientsWanted wanted{
         ctx->saved_data.at("offset_bias_grad").toBool(), ctx->saved_data.at("mask_grad").toBool(),
         ctx->saved_data.at("sinks_grad").toBool()};

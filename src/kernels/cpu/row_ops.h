@@ -7,7 +7,10 @@
 
 #include "kernels/cpu/isa.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace attn::detail {
 
@@ -32,6 +35,25 @@ void scale_row(T* x, int64_t n, T factor) {
   for (int64_t j = 0; j < n; ++j) {
     x[j] *= factor;
   }
+}
+
+// x[0..n) → its softmax, in place, its denominator joined by exp(sink)
+// (a logit that multiplies nothing: a head's attention sink; -inf for
+// none). A row of -inf scores without a sink becomes zeros. Returns the
+// row's log-sum-exp, sink included (-inf for such a row). The one row
+// softmax of every kernel that materialises weights.
+template <typename T>
+T softmax_row(const CpuLoops& loops, T* x, int64_t n, T sink) {
+  constexpr T kNone = -std::numeric_limits<T>::infinity();
+  const T largest = std::max(row_max(loops, x, n), sink);
+  if (largest == kNone) {
+    std::fill(x, x + n, T(0));
+    return largest;
+  }
+  const T sum = exp_shifted_sum(loops, x, n, largest) +
+      (sink == kNone ? T(0) : std::exp(sink - largest));
+  scale_row(x, n, T(1) / sum);
+  return largest + std::log(sum);
 }
 
 // The portable float exp behind the dispatch, for tests (the vector ones

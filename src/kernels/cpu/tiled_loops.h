@@ -266,16 +266,7 @@ scalar_t weights_row(
     in.modifiers.apply(row, cols, b, h, i, j0, nullptr);
   }
   in.mask.apply(row, cols, b, h, i, j0);
-  const scalar_t sink = in.modifiers.sink(h);
-  const scalar_t largest = std::max(row_max(in.loops, row, cols), sink);
-  if (largest == kNegativeInfinity<scalar_t>) {
-    std::fill(row, row + cols, scalar_t(0));
-    return largest;
-  }
-  const scalar_t sum = exp_shifted_sum(in.loops, row, cols, largest) +
-      (sink == kNegativeInfinity<scalar_t> ? scalar_t(0) : std::exp(sink - largest));
-  scale_row(row, cols, scalar_t(1) / sum);
-  return largest + std::log(sum);
+  return softmax_row(in.loops, row, cols, in.modifiers.sink(h));
 }
 
 // The backward's first pass over a tile's block of scores `p` (keys
