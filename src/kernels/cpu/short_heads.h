@@ -42,19 +42,19 @@ constexpr int64_t kMaxShortQueries = 128;
 // the row log-sum-exp stays float. No tensor is copied whole.
 bool short_heads_run(const CpuLoops& loops, torch::ScalarType dtype, int64_t L, int64_t S);
 
-// Each runs on `loops`, the call's plan's (kernel_plan.h), which
+// Each runs on `cpu`, the call's plan's loops (kernel_plan.h), which
 // short_heads_run admits.
 
 // Writes `result`'s out (B, H, L, Dv) and lse (B, H, L, contiguous).
 void short_heads_forward(
-    const CpuLoops& loops,
+    const CpuLoops& cpu,
     const AttentionParams& params,
     const ForwardResult& result);
 
 // Writes `grads`: dq (B, H, L, D), dk (B, H, S, D) and dv (B, H, S, Dv),
 // rows of unit stride, for grad_out, given the forward's out and lse.
 void short_heads_backward(
-    const CpuLoops& loops,
+    const CpuLoops& cpu,
     const AttentionParams& params,
     const ForwardResult& forward,
     const torch::Tensor& grad_out,
