@@ -6,7 +6,10 @@
 // sum per query row (online softmax) and no L×S tensor. The backward
 // recomputes each block's probabilities from the row log-sum-exp saved by
 // the forward, split over key ranges when there are fewer heads than
-// threads. Called through fused_attention.h, with its conventions.
+// threads. One template (tiled_template.h) computes every dtype, over an
+// operand policy per type (operands_float.h for float and double,
+// operands_bf16.h, operands_float16.h). Called through fused_attention.h,
+// with its conventions.
 
 #include "kernels/attention_params.h"
 #include "kernels/cpu/isa.h"

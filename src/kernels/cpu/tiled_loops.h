@@ -1,10 +1,10 @@
 #pragma once
 
-// What the tiled loops of every element type share (tiled_attention.cpp in
-// float and double, tiled_attention_half.cpp in bfloat16 and float16): the
-// parallel loop over query tiles, the per-row inputs (mask, score
-// modifiers, dropout), the forward's online softmax and the bands of a
-// causal tile, all in float or double whatever the elements of Q, K and V.
+// The row passes and tile structure of the tiled loops (tiled_template.h,
+// one template over every element type's operand policy): the parallel
+// loop over query tiles, the per-row inputs (mask, score modifiers,
+// dropout), the forward's online softmax and the bands of a causal tile,
+// all in float or double whatever the elements of Q, K and V.
 
 #include "kernels/attention_params.h"
 #include "kernels/cpu/dropout.h"
@@ -512,35 +512,5 @@ inline int64_t backward_key_splits(int64_t heads, int64_t S, int64_t key_block) 
       ceil_div(threads, std::max<int64_t>(heads, 1)), 1,
       std::max<int64_t>(ceil_div(S, key_block), 1));
 }
-
-// The half-precision loops (tiled_attention_half.cpp): tiled_forward's
-// results for q, k, v in bfloat16 or float16, a floating mask in their
-// dtype or float, the modifiers' tensors in float; out in q's dtype and lse
-// in float. False, computing nothing, where `loops` cannot run that type's
-// products (tile_product.h: bf16_gemm_runs, half_products_run).
-bool tiled_forward_half(
-    const CpuLoops& loops,
-    const AttentionParams& params,
-    const ForwardResult& result);
-
-// The half-precision weights kernel: tiled_forward_with_weights's results
-// for the same inputs as tiled_forward_half, contiguous; the weights (B,
-// H, L, S) in q's dtype, each a float softmax rounded once. False,
-// computing nothing, where `loops` cannot run that type's products.
-bool tiled_forward_with_weights_half(
-    const CpuLoops& loops,
-    const AttentionParams& params,
-    const ForwardResult& result);
-
-// The half-precision backward: tiled_backward's gradients for the
-// forward's inputs and results, in their dtype (the score gradients in
-// float, a half-precision mask's in its dtype). False, computing nothing,
-// where `loops` cannot run that type's products.
-bool tiled_backward_half(
-    const CpuLoops& loops,
-    const AttentionParams& params,
-    const ForwardResult& forward,
-    const torch::Tensor& grad_out,
-    const InputGradients& grads);
 
 } // namespace attn::detail

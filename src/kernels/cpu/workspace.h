@@ -17,7 +17,7 @@ namespace attn::detail {
 // The temporaries one call holds at once; a slot's tensor stays valid until
 // the same thread asks for the same slot again.
 enum class WorkspaceSlot : int {
-  keys_transposed,   // Kᵀ of a tiled call (16-bit: tiled_attention_half.cpp)
+  keys_transposed,   // Kᵀ of a tiled call (in its operand policy's layout: tiled_template.h)
   values_transposed, // Vᵀ of a tiled backward, V in pairs of a bfloat16 forward
   keys_in_pairs,     // K in pairs of a bfloat16 backward
   tile_scores,       // a task's score or probability tile
