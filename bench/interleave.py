@@ -9,7 +9,8 @@ Runs the base and the new binary in turn, N rounds (base, new, new, base,
 caller's environment (set no thread variables to measure what users get).
 Prints, per row, the median real time of each (in the row's own unit), new / base, and the base's
 own spread ((max - min) / median over its rounds): a ratio further from 1
-than the spread is a difference the run can tell from noise.
+than the spread is a difference the run can tell from noise. Rows that a
+binary skips (a benchmark that reports an error) are named as skipped.
 """
 import argparse
 import json
@@ -27,7 +28,7 @@ def run(binary, benchmark_filter, extra):
             check=True, stdout=subprocess.DEVNULL)
         report = json.load(open(out.name))
     return {b["name"]: b["real_time"] for b in report["benchmarks"]
-            if b.get("run_type", "iteration") == "iteration"}
+            if b.get("run_type", "iteration") == "iteration" and not b.get("error_occurred")}
 
 
 def main():
@@ -52,7 +53,8 @@ def main():
     print(f"{'row':<{width}} {'base':>9} {'new':>9} {'new/base':>8} {'spread':>7}")
     for name, base in times["base"].items():
         new = times["new"].get(name)
-        if not new:
+        if not new or len(new) != len(base):
+            print(f"{name:<{width}} (skipped by one of the binaries)")
             continue
         b, n = statistics.median(base), statistics.median(new)
         spread = (max(base) - min(base)) / b

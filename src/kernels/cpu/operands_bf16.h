@@ -29,23 +29,36 @@ inline void multiply_bf16(
   TORCH_INTERNAL_ASSERT(gemm_bf16(loops, rows, cols, g), "no bfloat16 products on these loops");
 }
 
-// t (B, Hkv, rows, cols) in pairs along the depth of the product it is the
-// right operand of (pack_bf16_pairs): with `rows_are_depth`, B = t's head
-// (V for the output, K for dQ); else its transpose (Kᵀ for the scores, Vᵀ
-// for dP). PackedHeads::rows counts the pairs.
-inline PackedHeads packed_pairs(
+// `source`'s keys or values per kv head, in pairs along the depth of the
+// product they are the right operand of (pack_bf16_pairs): with
+// `keys_are_depth`, B = the head's keys (V for the output, K for dQ); else
+// its transpose (Kᵀ for the scores, Vᵀ for dP). PackedHeads::rows counts
+// the pairs.
+template <typename Source>
+PackedHeads packed_pairs(
     const CpuLoops& loops,
-    const torch::Tensor& t,
-    bool rows_are_depth,
+    const Source& source,
+    KeyOrValue which,
+    bool keys_are_depth,
     WorkspaceSlot slot) {
-  const int64_t depth = rows_are_depth ? t.size(2) : t.size(3);
-  const int64_t cols = rows_are_depth ? t.size(3) : t.size(2);
-  const int64_t depth_stride = rows_are_depth ? t.stride(2) : t.stride(3);
-  const int64_t column_stride = rows_are_depth ? t.stride(3) : t.stride(2);
-  auto packed = empty_packed_heads(t, ceil_div(depth, 2), 2 * cols, slot);
-  pack_each_head<c10::BFloat16>(t, packed, [&](const c10::BFloat16* from, c10::BFloat16* to) {
-    pack_bf16_pairs(loops, depth, cols, from, depth_stride, column_stride, to, packed.ld);
-  });
+  const int64_t keys = source.length(), features = source.width(which);
+  const int64_t depth = keys_are_depth ? keys : features;
+  const int64_t cols = keys_are_depth ? features : keys;
+  auto packed = empty_packed_heads(source, ceil_div(depth, 2), 2 * cols, slot);
+  make_each_head<c10::BFloat16>(
+      source, which, packed.memory, 1,
+      [&](int64_t first, const MatrixRef<c10::BFloat16>& run, c10::BFloat16* to) {
+        if (keys_are_depth) {
+          TORCH_INTERNAL_ASSERT(first % 2 == 0, "a run of keys starts within a pair");
+          pack_bf16_pairs(
+              loops, run.rows, features, run.data, run.row_stride, run.column_stride,
+              to + first / 2 * packed.ld, packed.ld);
+        } else {
+          pack_bf16_pairs(
+              loops, features, run.rows, run.data, run.column_stride, run.row_stride,
+              to + 2 * first, packed.ld);
+        }
+      });
   return packed;
 }
 
@@ -107,7 +120,7 @@ struct RoundedRows {
 
 // c (m.rows × key_rows.cols, rows ldc apart) += the columns of `m` (keys
 // [j0, j0 + m.cols)) that PairedKeys leaves alone, times their rows of
-// `key_rows` (K or V of one head), in float.
+// `key_rows` (those keys of K or V, from key j0), in float.
 inline void add_lone_keys(
     const MatrixRef<float>& m,
     int64_t j0,
@@ -116,7 +129,7 @@ inline void add_lone_keys(
     int64_t ldc) {
   const PairedKeys paired(j0, m.cols);
   const auto add = [&](int64_t column) {
-    const c10::BFloat16* key = key_rows.row(j0 + column);
+    const c10::BFloat16* key = key_rows.row(column);
     for (int64_t r = 0; r < m.rows; ++r) {
       const float weight = m.row(r)[column];
       float* c_row = c + r * ldc;
@@ -138,9 +151,9 @@ enum class LoneKeys { add, skip };
 
 // c (rows × key_rows.cols) += `rounded` (m's rows, RoundedRows::round)
 // times those keys' pairs, then the lone keys of `m` (add_lone_keys): m
-// times the keys [j0, j0 + m.cols), each run of row blocks over its band
-// of keys (for_each_band), on `loops`' products. With LoneKeys::skip, the
-// pairs alone.
+// times the keys [j0, j0 + m.cols) (`key_rows`, from key j0), each run of
+// row blocks over its band of keys (for_each_band), on `loops`' products.
+// With LoneKeys::skip, the pairs alone.
 inline void add_times_keys(
     const CpuLoops& loops,
     const MatrixRef<float>& m,
@@ -164,7 +177,7 @@ inline void add_times_keys(
            /*accumulate=*/true});
     }
     if (lone_keys == LoneKeys::add) {
-      add_lone_keys(block, k0, key_rows, c.row(r0), c.row_stride);
+      add_lone_keys(block, k0, key_rows.row_block(keys.begin, block.cols), c.row(r0), c.row_stride);
     }
   });
 }
@@ -172,7 +185,12 @@ inline void add_times_keys(
 // The products of the bfloat16 loops, on bfloat16 operands: Q and dO as
 // they are (and transposed per tile), K, Kᵀ, V and Vᵀ packed in pairs per
 // call, P and dS rounded per tile.
-class Bf16Operands : RequestHeads<c10::BFloat16> {
+template <typename Source = KeyValueSource<c10::BFloat16>>
+class Bf16Operands : RequestHeads<c10::BFloat16, Source> {
+  using Base = RequestHeads<c10::BFloat16, Source>;
+  using Base::D, Base::Dv, Base::direction, Base::group, Base::kv, Base::loops, Base::q,
+      Base::scale;
+
  public:
   using Element = c10::BFloat16;
   // It accumulates dK and dV transposed (features × keys), the rows of
@@ -191,20 +209,22 @@ class Bf16Operands : RequestHeads<c10::BFloat16> {
   static constexpr bool kRoundsWeights = true;
 
   Bf16Operands(const AttentionParams& params, OperandDirection direction, const CpuLoops& loops)
-      : RequestHeads<c10::BFloat16>(params, direction, loops),
+      : Base(params, direction, loops),
         round_(bf16_rounding(loops)),
         keys_t_(packed_pairs(
             loops,
-            params.k,
-            /*rows_are_depth=*/false,
+            kv,
+            KeyOrValue::key,
+            /*keys_are_depth=*/false,
             WorkspaceSlot::keys_transposed)) {
     if (direction == OperandDirection::forward) {
       values_ = packed_pairs(
-          loops, params.v, /*rows_are_depth=*/true, WorkspaceSlot::values_transposed);
+          loops, kv, KeyOrValue::value, /*keys_are_depth=*/true, WorkspaceSlot::values_transposed);
     } else {
-      keys_ = packed_pairs(loops, params.k, /*rows_are_depth=*/true, WorkspaceSlot::keys_in_pairs);
+      keys_ = packed_pairs(
+          loops, kv, KeyOrValue::key, /*keys_are_depth=*/true, WorkspaceSlot::keys_in_pairs);
       values_t_ = packed_pairs(
-          loops, params.v, /*rows_are_depth=*/false, WorkspaceSlot::values_transposed);
+          loops, kv, KeyOrValue::value, /*keys_are_depth=*/false, WorkspaceSlot::values_transposed);
     }
   }
 
@@ -217,6 +237,7 @@ class Bf16Operands : RequestHeads<c10::BFloat16> {
     std::vector<uint16_t> pairs;     // (rows / 2, 2 key_block)
     std::vector<uint16_t> q_t, go_t; // (D, rows), (Dv, rows)
     std::vector<float> lost;         // forward: (key_block), RoundedRows::round_remainder
+    typename Source::Buffer read;
   };
 
   Scratch scratch(int64_t rows, int64_t key_block) const {
@@ -226,9 +247,11 @@ class Bf16Operands : RequestHeads<c10::BFloat16> {
     return Scratch{
         RoundedRows(rows, key_block),
         std::vector<uint16_t>(size(ceil_div(rows, 2) * 2 * key_block)),
-        std::vector<uint16_t>(size(D * rows)), std::vector<uint16_t>(size(Dv * rows)),
+        std::vector<uint16_t>(size(D * rows)),
+        std::vector<uint16_t>(size(Dv * rows)),
         std::vector<float>(
-            static_cast<size_t>(direction == OperandDirection::forward ? key_block : 0))};
+            static_cast<size_t>(direction == OperandDirection::forward ? key_block : 0)),
+        {}};
   }
 
   // The backward's Qᵀ and dOᵀ of `tile`; nothing in the forward.
@@ -354,8 +377,8 @@ class Bf16Operands : RequestHeads<c10::BFloat16> {
     }
     const int64_t kv_head = tile.h / group;
     add_times_keys(
-        loops, ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head), k.head(tile.b, kv_head), dq,
-        bands);
+        loops, ds, j0, s.rows, keys_, keys_.head(tile.b, kv_head),
+        kv.rows(KeyOrValue::key, tile.b, kv_head, j0, ds.cols, s.read), dq, bands);
   }
 
   // dKᵀ (D × ds.cols: columns of `dk_t`) += Qᵀ dS, without the scale, each
@@ -440,8 +463,8 @@ class Bf16Operands : RequestHeads<c10::BFloat16> {
       LoneKeys lone_keys) const {
     const int64_t kv_head = tile.h / group;
     add_times_keys(
-        loops, p, j0, s.rows, values_, values_.head(tile.b, kv_head), v.head(tile.b, kv_head), out,
-        bands, lone_keys);
+        loops, p, j0, s.rows, values_, values_.head(tile.b, kv_head),
+        kv.rows(KeyOrValue::value, tile.b, kv_head, j0, p.cols, s.read), out, bands, lone_keys);
   }
 
   Bf16Rounding round_;

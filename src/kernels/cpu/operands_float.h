@@ -11,32 +11,49 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace attn::detail {
 
-// tᵀ over its last two dimensions, for the products that read it as their
-// right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that operand
-// by rows, so its rows are made contiguous once per call, where attn's own
-// products run and each row of Kᵀ is read by at least kMinRowsForCopy
-// queries (a decoding step's one query would pay as much for the copy as
-// for the product). BLAS reads the transposed view as it is.
+// Kᵀ or Vᵀ (B, Hkv, features, keys), for the products that read it as
+// their right operand (scores = Q Kᵀ, dP = dO Vᵀ): tile_addmm reads that
+// operand by rows, so its rows are made contiguous once per call, where
+// attn's own products run and each row of Kᵀ is read by at least
+// kMinRowsForCopy queries (a decoding step's one query would pay as much
+// for the copy as for the product). Elsewhere undefined: the products
+// read the source's rows transposed where they are (BLAS takes any
+// strides).
 inline constexpr int64_t kMinRowsForCopy = 16;
 
-inline torch::Tensor transposed_for_products(
+template <typename Source>
+torch::Tensor transposed_for_products(
     const CpuLoops& loops,
-    const torch::Tensor& t,
+    const Source& source,
+    KeyOrValue which,
     int64_t queries,
     WorkspaceSlot slot) {
-  if (queries < kMinRowsForCopy || !tile_products_run(loops, t.scalar_type())) {
-    return t.transpose(2, 3);
+  if constexpr (std::is_same_v<typename Source::Element, float>) {
+    if (queries < kMinRowsForCopy || !tile_products_run(loops, torch::kFloat)) {
+      return {};
+    }
+    const int64_t features = source.width(which);
+    const auto copy = spread_workspace_tensor(
+        slot, {source.batch(), source.kv_heads(), features, source.length()},
+        torch::dtype(torch::kFloat));
+    make_each_head<float>(
+        source, which, copy,
+        parallel_grain(static_cast<double>(source.length() * features), kMinParallelTranspose),
+        [&](int64_t first, const MatrixRef<float>& run, float* to) {
+          transpose_float(
+              loops, run.rows, features, run.data, run.row_stride, run.column_stride, to + first,
+              copy.stride(2));
+        });
+    return copy;
+  } else {
+    return {}; // attn's products are float's alone (tile_products_run)
   }
-  const auto copy = spread_workspace_tensor(
-      slot, {t.size(0), t.size(1), t.size(3), t.size(2)}, t.options());
-  if (t.numel() > 0) {
-    transpose_heads(loops, t, copy);
-  }
-  return copy;
 }
 
 // A query tile's rows of Q or dO as the backward's products read them.
@@ -61,9 +78,9 @@ MatrixRef<scalar_t> compact_rows(const MatrixRef<scalar_t>& m, std::vector<scala
   return {buffer.data(), m.rows, m.cols, m.cols, 1};
 }
 
-template <typename scalar_t>
-class FloatOperands : RequestHeads<scalar_t> {
-  using Base = RequestHeads<scalar_t>;
+template <typename scalar_t, typename Source = KeyValueSource<scalar_t>>
+class FloatOperands : RequestHeads<scalar_t, Source> {
+  using Base = RequestHeads<scalar_t, Source>;
 
  public:
   using Element = scalar_t;
@@ -80,13 +97,16 @@ class FloatOperands : RequestHeads<scalar_t> {
 
   FloatOperands(const AttentionParams& params, OperandDirection direction, const CpuLoops& loops)
       : Base(params, direction, loops),
-        keys_t_memory_(
-            transposed_for_products(loops, params.k, params.L(), WorkspaceSlot::keys_transposed)),
-        keys_t_(keys_t_memory_) {
+        keys_t_(transposed_for_products(
+            loops,
+            this->kv,
+            KeyOrValue::key,
+            params.L(),
+            WorkspaceSlot::keys_transposed)),
+        values_t_(torch::Tensor()) {
     if (direction == OperandDirection::backward) {
-      values_t_memory_ = transposed_for_products(
-          loops, params.v, params.L(), WorkspaceSlot::values_transposed);
-      values_t_ = Heads<scalar_t>(values_t_memory_);
+      values_t_ = Transposed(transposed_for_products(
+          loops, this->kv, KeyOrValue::value, params.L(), WorkspaceSlot::values_transposed));
     }
   }
 
@@ -95,6 +115,7 @@ class FloatOperands : RequestHeads<scalar_t> {
   struct Scratch {
     MatrixRef<scalar_t> q_tile, grad_out_tile;
     std::vector<scalar_t> query_rows, grad_out_rows; // compact_rows' copies
+    typename Source::Buffer read;
   };
 
   Scratch scratch(int64_t /*rows*/, int64_t /*key_block*/) const { return {}; }
@@ -111,11 +132,12 @@ class FloatOperands : RequestHeads<scalar_t> {
 
   // Where attn's loops take the tile's scores, they compute its bands alone.
   bool computes_bands(
-      const Scratch& s,
+      Scratch& s,
       const QueryTile& tile,
       int64_t j0,
       const MatrixRef<scalar_t>& scores) const {
-    return tile_loops_take(this->loops, scores, s.q_tile, keys_t_block(tile, j0, scores.cols), 0);
+    return tile_loops_take(
+        this->loops, scores, s.q_tile, keys_t_block(s, tile, j0, scores.cols), 0);
   }
 
   // scores = scale·Q Kᵀ for keys [j0, j0 + scores.cols) of `tile`, in its
@@ -127,7 +149,7 @@ class FloatOperands : RequestHeads<scalar_t> {
       const MatrixRef<scalar_t>& scores,
       const TileBands& bands) const {
     tile_addmm_banded(
-        this->loops, scores, s.q_tile, keys_t_block(tile, j0, scores.cols), 0, this->scale,
+        this->loops, scores, s.q_tile, keys_t_block(s, tile, j0, scores.cols), 0, this->scale,
         ProductBand::columns, bands.keys_of_query_block);
   }
 
@@ -140,15 +162,15 @@ class FloatOperands : RequestHeads<scalar_t> {
 
   // out (p.rows × Dv) += P V, in the bands.
   void add_weights_times_values(
-      Scratch& /*s*/,
+      Scratch& s,
       const QueryTile& tile,
       int64_t j0,
       const MatrixRef<scalar_t>& p,
       const MatrixRef<scalar_t>& out,
       const TileBands& bands) const {
     tile_addmm_banded(
-        this->loops, out, p, kv_head(this->v, tile).row_block(j0, p.cols), 1, 1, ProductBand::depth,
-        bands.keys_of_query_block);
+        this->loops, out, p, block(s, KeyOrValue::value, tile, j0, p.cols), 1, 1,
+        ProductBand::depth, bands.keys_of_query_block);
   }
 
   // dp = dO Vᵀ for keys [j0, j0 + dp.cols), in the bands.
@@ -161,7 +183,7 @@ class FloatOperands : RequestHeads<scalar_t> {
       const TileBands& bands) const {
     tile_addmm_banded(
         this->loops, dp, s.grad_out_tile,
-        values_t_.head(tile.b, tile.h / this->group).column_block(j0, dp.cols), 0, 1,
+        transposed_block(s, values_t_, KeyOrValue::value, tile, j0, dp.cols), 0, 1,
         ProductBand::columns, bands.keys_of_query_block);
   }
 
@@ -180,7 +202,7 @@ class FloatOperands : RequestHeads<scalar_t> {
 
   // dQ (ds.rows × D) = beta·dQ + alpha·dS K, in the bands.
   void add_query_gradient(
-      Scratch& /*s*/,
+      Scratch& s,
       const QueryTile& tile,
       int64_t j0,
       const MatrixRef<scalar_t>& ds,
@@ -188,7 +210,7 @@ class FloatOperands : RequestHeads<scalar_t> {
       const TileBands& bands,
       const Accumulate& how) const {
     tile_addmm_banded(
-        this->loops, dq, ds, kv_head(this->k, tile).row_block(j0, ds.cols), how.beta, how.alpha,
+        this->loops, dq, ds, block(s, KeyOrValue::key, tile, j0, ds.cols), how.beta, how.alpha,
         ProductBand::depth, bands.keys_of_query_block);
   }
 
@@ -213,18 +235,46 @@ class FloatOperands : RequestHeads<scalar_t> {
   }
 
  private:
-  // The tile's key/value head of `heads` (K or V).
-  MatrixRef<scalar_t> kv_head(const Heads<scalar_t>& heads, const QueryTile& tile) const {
-    return heads.head(tile.b, tile.h / this->group);
+  // Keys [j0, j0 + cols) of the tile's kv head: its keys or values.
+  MatrixRef<scalar_t> block(
+      Scratch& s,
+      KeyOrValue which,
+      const QueryTile& tile,
+      int64_t j0,
+      int64_t cols) const {
+    return this->kv.rows(which, tile.b, tile.h / this->group, j0, cols, s.read);
   }
 
-  // Kᵀ's columns [j0, j0 + cols) for `tile`.
-  MatrixRef<scalar_t> keys_t_block(const QueryTile& tile, int64_t j0, int64_t cols) const {
-    return keys_t_.head(tile.b, tile.h / this->group).column_block(j0, cols);
+  // Kᵀ or Vᵀ where transposed_for_products made it.
+  struct Transposed {
+    explicit Transposed(torch::Tensor copy)
+        : memory(std::move(copy)),
+          heads(memory.defined() ? Heads<scalar_t>(memory) : Heads<scalar_t>()) {}
+    torch::Tensor memory;
+    Heads<scalar_t> heads;
+  };
+
+  // Those keys' columns of Kᵀ or Vᵀ: of its copy where one was made,
+  // else of the source's rows transposed.
+  MatrixRef<scalar_t> transposed_block(
+      Scratch& s,
+      const Transposed& transposed,
+      KeyOrValue which,
+      const QueryTile& tile,
+      int64_t j0,
+      int64_t cols) const {
+    if (transposed.memory.defined()) {
+      return transposed.heads.head(tile.b, tile.h / this->group).column_block(j0, cols);
+    }
+    return block(s, which, tile, j0, cols).transposed();
   }
 
-  torch::Tensor keys_t_memory_, values_t_memory_; // see transposed_for_products
-  Heads<scalar_t> keys_t_, values_t_;
+  MatrixRef<scalar_t> keys_t_block(Scratch& s, const QueryTile& tile, int64_t j0, int64_t cols)
+      const {
+    return transposed_block(s, keys_t_, KeyOrValue::key, tile, j0, cols);
+  }
+
+  Transposed keys_t_, values_t_;
 };
 
 } // namespace attn::detail

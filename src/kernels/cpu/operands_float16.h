@@ -19,22 +19,24 @@ namespace attn::detail {
 // Rows and columns per block of transposed_heads' copy.
 inline constexpr int64_t kHalfTransposeBlock = 16;
 
-// t (B, Hkv, rows, cols) transposed per head into (cols, rows) matrices of
-// 16-bit elements: Kᵀ for the scores, Vᵀ for dP.
-inline PackedHeads transposed_heads(const torch::Tensor& t, WorkspaceSlot slot) {
-  const int64_t rows = t.size(2), cols = t.size(3);
-  const int64_t row_stride = t.stride(2), column_stride = t.stride(3);
-  auto packed = empty_packed_heads(t, cols, rows, slot);
-  pack_each_head<c10::Half>(t, packed, [&](const c10::Half* from, c10::Half* to) {
-    for (int64_t i0 = 0; i0 < rows; i0 += kHalfTransposeBlock) {
-      const int64_t i_end = std::min(rows, i0 + kHalfTransposeBlock);
-      for (int64_t j = 0; j < cols; ++j) {
-        for (int64_t i = i0; i < i_end; ++i) {
-          to[j * packed.ld + i] = from[i * row_stride + j * column_stride];
+// `source`'s keys or values transposed per kv head into (features, keys)
+// matrices of 16-bit elements: Kᵀ for the scores, Vᵀ for dP.
+template <typename Source>
+PackedHeads transposed_heads(const Source& source, KeyOrValue which, WorkspaceSlot slot) {
+  const int64_t cols = source.width(which);
+  auto packed = empty_packed_heads(source, cols, source.length(), slot);
+  make_each_head<c10::Half>(
+      source, which, packed.memory, 1,
+      [&](int64_t first, const MatrixRef<c10::Half>& run, c10::Half* to) {
+        for (int64_t i0 = 0; i0 < run.rows; i0 += kHalfTransposeBlock) {
+          const int64_t i_end = std::min(run.rows, i0 + kHalfTransposeBlock);
+          for (int64_t j = 0; j < cols; ++j) {
+            for (int64_t i = i0; i < i_end; ++i) {
+              to[j * packed.ld + first + i] = run.row(i)[j * run.column_stride];
+            }
+          }
         }
-      }
-    }
-  });
+      });
   return packed;
 }
 
@@ -69,7 +71,12 @@ struct WidenedBlock {
 // stay float. A block is widened once for a tile's 128 queries, not again
 // by every 8-row micro-tile that reads it (docs/design/cpu-kernels.md,
 // "The float16 loops").
-class Float16Operands : RequestHeads<c10::Half> {
+template <typename Source = KeyValueSource<c10::Half>>
+class Float16Operands : RequestHeads<c10::Half, Source> {
+  using Base = RequestHeads<c10::Half, Source>;
+  using Base::D, Base::Dv, Base::direction, Base::group, Base::kv, Base::loops, Base::q,
+      Base::scale;
+
  public:
   using Element = c10::Half;
   // It accumulates dK and dV as the float loops do (keys × features).
@@ -86,13 +93,13 @@ class Float16Operands : RequestHeads<c10::Half> {
   static constexpr bool kRoundsWeights = false;
 
   Float16Operands(const AttentionParams& params, OperandDirection direction, const CpuLoops& loops)
-      : RequestHeads<c10::Half>(params, direction, loops),
-        keys_t_(transposed_heads(params.k, WorkspaceSlot::keys_transposed)) {
+      : Base(params, direction, loops),
+        keys_t_(transposed_heads(kv, KeyOrValue::key, WorkspaceSlot::keys_transposed)) {
     TORCH_INTERNAL_ASSERT(
-        (k.cols <= 1 || k.column_stride == 1) && (v.cols <= 1 || v.column_stride == 1),
+        kv.features_contiguous(KeyOrValue::key) && kv.features_contiguous(KeyOrValue::value),
         "the keys and values have rows of unit stride");
     if (direction == OperandDirection::backward) {
-      values_t_ = transposed_heads(params.v, WorkspaceSlot::values_transposed);
+      values_t_ = transposed_heads(kv, KeyOrValue::value, WorkspaceSlot::values_transposed);
     }
   }
 
@@ -103,6 +110,7 @@ class Float16Operands : RequestHeads<c10::Half> {
     std::vector<float> q, grad_out;
     WidenedBlock features_by_keys, keys_by_features;
     int64_t rows = 0; // of the tile
+    typename Source::Buffer read;
   };
 
   Scratch scratch(int64_t rows, int64_t key_block) const {
@@ -111,7 +119,10 @@ class Float16Operands : RequestHeads<c10::Half> {
     return Scratch{
         std::vector<float>(static_cast<size_t>(rows * D)),
         std::vector<float>(static_cast<size_t>(backward ? rows * Dv : 0)),
-        WidenedBlock(features, key_block), WidenedBlock(key_block, features)};
+        WidenedBlock(features, key_block),
+        WidenedBlock(key_block, features),
+        0,
+        {}};
   }
 
   // Where the float loops' products run, they compute only a causal or
@@ -169,7 +180,7 @@ class Float16Operands : RequestHeads<c10::Half> {
       const MatrixRef<float>& p,
       const MatrixRef<float>& out,
       const TileBands& bands) const {
-    add_times_widened_rows(s, p, v.head(tile.b, tile.h / group), j0, out, bands);
+    add_times_widened_rows(s, p, tile, KeyOrValue::value, j0, out, bands);
   }
 
   // dp = dO Vᵀ for keys [j0, j0 + dp.cols), in the bands.
@@ -210,7 +221,7 @@ class Float16Operands : RequestHeads<c10::Half> {
       const TileBands& bands,
       const Accumulate& how) const {
     expect_plain_accumulation(how);
-    add_times_widened_rows(s, ds, k.head(tile.b, tile.h / group), j0, dq, bands);
+    add_times_widened_rows(s, ds, tile, KeyOrValue::key, j0, dq, bands);
   }
 
   // dK (ds.cols × D) += dSᵀ Q, without the scale, each key over the
@@ -239,17 +250,19 @@ class Float16Operands : RequestHeads<c10::Half> {
   MatrixRef<float> queries(Scratch& s) const { return {s.q.data(), s.rows, D, D, 1}; }
   MatrixRef<float> grad_outputs(Scratch& s) const { return {s.grad_out.data(), s.rows, Dv, Dv, 1}; }
 
-  // c (m.rows × keys.cols) += m times the rows [j0, j0 + m.cols) of
-  // `keys` (V or K of one head), widened, in the bands.
+  // c (m.rows × features) += m times keys [j0, j0 + m.cols) of the
+  // tile's kv head (its keys or values), widened, in the bands.
   void add_times_widened_rows(
       Scratch& s,
       const MatrixRef<float>& m,
-      const MatrixRef<c10::Half>& keys,
+      const QueryTile& tile,
+      KeyOrValue which,
       int64_t j0,
       const MatrixRef<float>& c,
       const TileBands& bands) const {
+    const auto keys = kv.rows(which, tile.b, tile.h / group, j0, m.cols, s.read);
     const auto rows = s.keys_by_features.widen(
-        loops, half_bits(keys.row(j0)), keys.row_stride, m.cols, keys.cols);
+        loops, half_bits(keys.data), keys.row_stride, keys.rows, keys.cols);
     tile_addmm_banded(loops, c, m, rows, 1, 1, ProductBand::depth, bands.keys_of_query_block);
   }
 

@@ -28,7 +28,8 @@ constexpr double kMinShortHeadsTaskFlops = 1e6;
 constexpr double kMinRowPassScores = 32768;
 // The batched kernel's loop of small products, in multiply-adds.
 constexpr double kMinSmallProductWork = 262144;
-// transpose_heads' tasks, in elements.
+// transpose_heads' tasks, and the float loops' Kᵀ and Vᵀ copies'
+// (operands_float.h), in elements.
 constexpr double kMinParallelTranspose = 1 << 16;
 // Multiply-adds from which a product outside the kernels' parallel tasks
 // goes to the BLAS, which shares it between threads: as much work as the

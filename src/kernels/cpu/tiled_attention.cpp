@@ -38,8 +38,8 @@ void run_tiled(
   switch (params.q.scalar_type()) {
     case torch::kFloat: return on(Policy<FloatOperands<float>>{});
     case torch::kDouble: return on(Policy<FloatOperands<double>>{});
-    case torch::kBFloat16: return on(Policy<Bf16Operands>{});
-    case torch::kHalf: return on(Policy<Float16Operands>{});
+    case torch::kBFloat16: return on(Policy<Bf16Operands<>>{});
+    case torch::kHalf: return on(Policy<Float16Operands<>>{});
     default: TORCH_INTERNAL_ASSERT(false, "the tiled loops compute no ", params.q.scalar_type());
   }
 }

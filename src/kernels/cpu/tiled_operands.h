@@ -2,17 +2,19 @@
 
 // What the operand policies of the tiled loops (tiled_template.h) share:
 // which direction they are made for, how a gradient's product adds, the
-// heads they read, and 16-bit heads packed once per call as a product's
-// right operand.
+// request they read (its queries' heads, its keys and values through a
+// source: key_value_source.h), what they make of each kv head once per
+// call, and 16-bit heads packed as a product's right operand.
 
 #include "kernels/attention_params.h"
 #include "kernels/cpu/heads.h"
 #include "kernels/cpu/isa.h"
+#include "kernels/cpu/key_value_source.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/tile_product.h"
 #include "kernels/cpu/tiled_loops.h"
 #include "kernels/cpu/workspace.h"
 
-#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -49,36 +51,49 @@ struct PackedHeads {
   }
 };
 
-// Uninitialised PackedHeads for t (B, Hkv, ·, ·): `rows` rows of at least
-// `cols` elements per head, spread_row_stride apart.
-inline PackedHeads empty_packed_heads(
-    const torch::Tensor& t,
+// Uninitialised PackedHeads for `source`'s kv heads: `rows` rows of at
+// least `cols` 16-bit elements per head, spread_row_stride apart.
+template <typename Source>
+PackedHeads empty_packed_heads(
+    const Source& source,
     int64_t rows,
     int64_t cols,
     WorkspaceSlot slot) {
+  using Element = typename Source::Element;
+  static_assert(sizeof(Element) == sizeof(uint16_t), "packs 16-bit elements");
   PackedHeads packed;
-  packed.heads = t.size(1);
+  packed.heads = source.kv_heads();
   packed.rows = rows;
   packed.ld = spread_row_stride(cols, static_cast<int64_t>(sizeof(uint16_t)));
-  packed.memory = workspace_tensor(slot, {t.size(0), t.size(1), rows, packed.ld}, t.options());
+  packed.memory = workspace_tensor(
+      slot, {source.batch(), packed.heads, rows, packed.ld},
+      torch::dtype(c10::CppTypeToScalarType<Element>::value));
   return packed;
 }
 
-// `pack(from, to)` for every head of t, in parallel: from its first
-// element, to the head's packed rows.
-template <typename T, typename Pack>
-void pack_each_head(const torch::Tensor& t, const PackedHeads& packed, const Pack& pack) {
-  if (t.numel() == 0) {
+// `make(first, run, to)` for every run of keys (KeyValueSource::
+// for_each_run) of each kv head of `source`'s keys or values, in
+// parallel over the heads, `grain` heads at least per task: `to` is the
+// first element of the head's memory in `made` (B, Hkv, ·, ·).
+template <typename To, typename Source, typename Make>
+void make_each_head(
+    const Source& source,
+    KeyOrValue which,
+    const torch::Tensor& made,
+    int64_t grain,
+    const Make& make) {
+  using Element = typename Source::Element;
+  if (made.numel() == 0 || source.length() == 0 || source.width(which) == 0) {
     return;
   }
-  const int64_t H = t.size(1);
-  const T* data = t.data_ptr<T>();
-  T* to = static_cast<T*>(packed.memory.data_ptr());
-  at::parallel_for(0, t.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+  const int64_t H = source.kv_heads();
+  To* to = static_cast<To*>(made.data_ptr());
+  parallel_for(0, source.batch() * H, grain, [&](int64_t begin, int64_t end) {
     for (int64_t head = begin; head < end; ++head) {
-      pack(
-          data + head / H * t.stride(0) + head % H * t.stride(1),
-          to + head * packed.rows * packed.ld);
+      To* head_to = to + head / H * made.stride(0) + head % H * made.stride(1);
+      source.for_each_run(
+          which, head / H, head % H,
+          [&](int64_t first, const MatrixRef<Element>& run) { make(first, run, head_to); });
     }
   });
 }
@@ -97,8 +112,9 @@ void for_each_band(const std::vector<IndexRange>& bands, int64_t extent, const P
 }
 
 // What the operands of any type read of a request: its sizes, scale,
-// direction and loops, and its heads in their own dtype.
-template <typename Element>
+// direction and loops, its queries' heads and its keys and values'
+// source, in their own dtype.
+template <typename Element, typename Source>
 struct RequestHeads {
   RequestHeads(const AttentionParams& params, OperandDirection direction, const CpuLoops& loops)
       : loops(loops),
@@ -108,14 +124,14 @@ struct RequestHeads {
         scale(params.scale),
         direction(direction),
         q(params.q),
-        k(params.k),
-        v(params.v) {}
+        kv(params) {}
 
   CpuLoops loops; // the products' and conversions' (kernel_plan.h)
   int64_t D, Dv, group;
   double scale;
   OperandDirection direction;
-  Heads<Element> q, k, v;
+  Heads<Element> q;
+  Source kv;
 };
 
 } // namespace attn::detail

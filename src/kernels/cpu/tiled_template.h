@@ -15,6 +15,8 @@
 // the 16-bit ones accumulate in float memory of the task's own and round
 // each result once into its tensor.
 //
+// A policy reads keys and values through its source (key_value_source.h).
+//
 // What a policy provides (each type's own file says how):
 //   Element, Accum: the inputs' elements; the scores', softmax's and
 //     accumulators' (float, or double for double);
