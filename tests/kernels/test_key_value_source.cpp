@@ -171,15 +171,19 @@ void poison_workspace() {
   }
 }
 
+// The dtype the kernels compute scores and accumulate in: float for half
+// precision, else the inputs' own.
+torch::ScalarType score_dtype(const AttentionParams& params) {
+  const auto dtype = params.q.scalar_type();
+  return attn::detail::is_half_precision(dtype) ? torch::kFloat : dtype;
+}
+
 template <typename Operands>
 ForwardResult forward_on(const AttentionParams& params, const attn::detail::CpuLoops& loops) {
   poison_workspace();
-  const auto score_dtype = attn::detail::is_half_precision(params.q.scalar_type())
-      ? torch::kFloat
-      : params.q.scalar_type();
   const ForwardResult result{
       torch::empty({params.B(), params.H(), params.L(), params.Dv()}, params.q.options()),
-      torch::empty({params.B(), params.H(), params.L()}, torch::dtype(score_dtype))};
+      torch::empty({params.B(), params.H(), params.L()}, torch::dtype(score_dtype(params)))};
   attn::detail::tiled_forward_loops(
       TiledInputs<Operands>(params, OperandDirection::forward, loops), result);
   return result;
@@ -192,9 +196,7 @@ InputGradients backward_on(
     const attn::detail::CpuLoops& loops,
     const ForwardResult& forward,
     const torch::Tensor& grad_out) {
-  const auto key_dtype = attn::detail::is_half_precision(params.q.scalar_type())
-      ? torch::kFloat
-      : params.q.scalar_type();
+  const auto key_dtype = score_dtype(params);
   poison_workspace();
   InputGradients grads;
   grads.dq = torch::empty(params.q.sizes(), params.q.options());
